@@ -1,0 +1,274 @@
+"""Inkling decoder building blocks, written like the math of spec/inkling-text.md sections 2-5 and 9.
+
+Packed batches: activations are `[T, H]` with the sequences of a `ForwardBatch` back to back. Everything that
+mixes tokens over time (the short convs and attention) runs per sequence against that sequence's `LayerCache`;
+everything else runs on all T rows at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.config import AttentionGeometry, TextConfig
+from common.nvfp4 import dequant_nvfp4
+from decode_service.model.batch import SequenceSlice
+from decode_service.model.state import ATTN_CONV, K_CONV, MLP_CONV, V_CONV, LayerCache
+
+
+class RMSNorm(nn.Module):
+    """`w * round(x * rsqrt(mean(x^2) + eps))`: normalise in fp32, round to the activation dtype, then scale."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal conv over time with an identity residual, in fp32 (spec 4.2):
+    `y[t] = x[t] + sum_j w[:, j] * x[t - (K-1) + j]`, with the last K-1 inputs carried in the cache."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel_size, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[n, C]` new inputs, state `[K-1, C]` previous inputs -> (y `[n, C]`, new state `[K-1, C]`)."""
+        n, k = x.shape[0], self.weight.shape[-1]
+        window = torch.cat([state.to(x.dtype), x]).float()  # [K-1+n, C]
+        w = self.weight[:, 0, :].float()  # [C, K]
+        conv = sum(window[j : j + n] * w[:, j] for j in range(k))  # [n, C]
+        y = (x.float() + conv).to(x.dtype)
+        return y, window[-(k - 1) :].to(x.dtype)
+
+
+class RelativeLogits(nn.Module):
+    """Per-query relative-position bias `L_j(p, d) = r_j(p) . P[:, d]` for backward distances d < R (spec 3.4)."""
+
+    def __init__(self, d_rel: int, extent: int):
+        super().__init__()
+        self.proj = nn.Parameter(torch.zeros(d_rel, extent))
+
+    def forward(self, r: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+        """r `[n, nH, d_rel]`, distance `[n, m]` (query pos - key pos) -> bias `[nH, n, m]` (0 outside [0, R))."""
+        extent = self.proj.shape[1]
+        table = (r @ self.proj).transpose(0, 1)  # [nH, n, R]
+        index = distance.clamp(0, extent - 1).expand(table.shape[0], -1, -1)  # [nH, n, m]
+        bias = table.gather(-1, index)
+        return bias.masked_fill((distance < 0) | (distance >= extent), 0.0)
+
+
+class Attention(nn.Module):
+    """q/k/v/r projections, k/v short convs, per-head q/k RMSNorm, 1/hd scores + relative bias, tau on globals."""
+
+    def __init__(self, config: TextConfig, geo: AttentionGeometry):
+        super().__init__()
+        h, d = config.hidden_size, geo.head_dim
+        self.geo = geo
+        self.log_scaling = (config.log_scaling_n_floor, config.log_scaling_alpha) if geo.log_scaling else None
+        self.wq_du = nn.Linear(h, geo.q_width, bias=False)
+        self.wk_dv = nn.Linear(h, geo.kv_width, bias=False)
+        self.wv_dv = nn.Linear(h, geo.kv_width, bias=False)
+        self.wr_du = nn.Linear(h, geo.num_heads * config.d_rel, bias=False)
+        self.wo_ud = nn.Linear(geo.q_width, h, bias=False)
+        self.k_sconv = ShortConv(geo.kv_width, config.conv_kernel_size)
+        self.v_sconv = ShortConv(geo.kv_width, config.conv_kernel_size)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.rel_logits_proj = RelativeLogits(config.d_rel, geo.rel_extent)
+
+    def tau(self, positions: torch.Tensor) -> torch.Tensor:
+        """Log-scaling factor per absolute query position, fp32 (spec 3.5)."""
+        n_floor, alpha = self.log_scaling
+        return 1.0 + alpha * torch.log(((positions + 1).float() / n_floor).clamp(min=1.0))
+
+    def forward(self, u: torch.Tensor, seqs: list[SequenceSlice], layer: int) -> torch.Tensor:
+        geo = self.geo
+        q_all, k0_all, v0_all, r_all = self.wq_du(u), self.wk_dv(u), self.wv_dv(u), self.wr_du(u)
+        outputs, offset = [], 0
+        for seq in seqs:
+            rows = slice(offset, offset + seq.num_tokens)
+            offset += seq.num_tokens
+            outputs.append(self.attend(q_all[rows], k0_all[rows], v0_all[rows], r_all[rows],
+                                       seq.start_position, seq.layers[layer]))
+        return self.wo_ud(torch.cat(outputs))  # [T, H]
+
+    def attend(self, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, r: torch.Tensor, start: int,
+               cache: LayerCache) -> torch.Tensor:
+        geo, n = self.geo, q.shape[0]
+        k, k_state = self.k_sconv(k0, cache.conv_state(K_CONV))
+        v, v_state = self.v_sconv(v0, cache.conv_state(V_CONV))
+        cache.set_conv_state(K_CONV, k_state)
+        cache.set_conv_state(V_CONV, v_state)
+
+        q = self.q_norm(q.view(n, geo.num_heads, geo.head_dim))  # [n, nH, hd]
+        k = self.k_norm(k.view(n, geo.num_kv_heads, geo.head_dim))  # [n, nKV, hd]
+        v = v.view(n, geo.num_kv_heads, geo.head_dim)
+        keys, values, first = cache.append_kv(k, v, start)  # [m, nKV, hd], position of keys[0]
+
+        q_pos = torch.arange(start, start + n, device=q.device)
+        k_pos = torch.arange(first, first + keys.shape[0], device=q.device)
+        distance = q_pos[:, None] - k_pos[None, :]  # [n, m]
+        bias = self.rel_logits_proj(r.view(n, geo.num_heads, -1), distance)  # [nH, n, m]
+        if self.log_scaling is not None:
+            tau = self.tau(q_pos)  # [n]
+            q = (q.float() * tau[:, None, None]).to(q.dtype)
+            bias = (bias.float() * tau[None, :, None]).to(bias.dtype)
+
+        group = geo.num_heads // geo.num_kv_heads
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [nH, m, hd]
+        values = values.repeat_interleave(group, dim=1).transpose(0, 1)  # [nH, m, hd]
+        scores = (q.transpose(0, 1) @ keys.transpose(1, 2)) * (1.0 / geo.head_dim) + bias  # [nH, n, m]
+        hidden = distance < 0
+        if geo.window is not None:
+            hidden |= distance >= geo.window  # a query sees itself and W-1 previous tokens
+        scores = scores.masked_fill(hidden, -math.inf)
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = probs @ values  # [nH, n, hd]
+        return out.transpose(0, 1).reshape(n, geo.q_width)
+
+
+class DenseMLP(nn.Module):
+    """`global_scale * W2 (silu(Wg x) * (Wu x))`; `w13_dn` holds [gate; up] rows (de-interleaved at load)."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.width = width
+        self.w13_dn = nn.Linear(hidden, 2 * width, bias=False)
+        self.w2_md = nn.Linear(width, hidden, bias=False)
+        self.global_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13_dn(x).split(self.width, dim=-1)
+        return self.w2_md(F.silu(gate) * up) * self.global_scale
+
+
+class Router(nn.Module):
+    """Sigmoid + bias top-k over routed experts, weights renormalised with the shared experts as a sink,
+    times route_scale * global_scale; all fp32 (spec 5.2)."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.num_routed = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.route_scale = config.route_scale
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts + config.n_shared_experts, config.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        self.global_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x `[T, H]` -> (expert ids `[T, k]`, routed weights `[T, k]`, shared gammas `[T, S]`), weights fp32."""
+        logits = x.float() @ self.weight.float().T  # [T, E+S]
+        routed, shared = logits[:, : self.num_routed], logits[:, self.num_routed :]
+        choice = torch.sigmoid(routed) + self.bias.float()
+        ids = torch.topk(choice, self.top_k, dim=-1).indices  # [T, k]
+        active = F.logsigmoid(torch.cat([routed.gather(-1, ids), shared], dim=-1))  # [T, k+S]
+        weights = torch.exp(active - torch.logsumexp(active, dim=-1, keepdim=True))
+        weights = weights * self.route_scale * self.global_scale.float()
+        return ids, weights[:, : self.top_k], weights[:, self.top_k :]
+
+
+class Experts(nn.Module):
+    """Routed SwiGLU experts, bf16 stacks `w13_weight [E, 2I, H]` ([gate; up] rows) and `w2_weight [E, H, I]`,
+    or NVFP4 stacks (packed uint8 + e4m3 block scales + fp32 scale2), dequantised per used expert here."""
+
+    def __init__(self, config: TextConfig, nvfp4: bool):
+        super().__init__()
+        e, i, h = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        self.nvfp4 = nvfp4
+        self.width = i
+        if nvfp4:
+            for name, rows, cols in (("w13_weight", 2 * i, h), ("w2_weight", h, i)):
+                self.register_buffer(name, torch.zeros(e, rows, cols // 2, dtype=torch.uint8))
+                self.register_buffer(f"{name}_scale", torch.zeros(e, rows, cols // 16, dtype=torch.float8_e4m3fn))
+                self.register_buffer(f"{name}_scale2", torch.zeros(e, dtype=torch.float32))
+        else:
+            self.w13_weight = nn.Parameter(torch.zeros(e, 2 * i, h))
+            self.w2_weight = nn.Parameter(torch.zeros(e, h, i))
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.nvfp4:
+            return self.w13_weight[e], self.w2_weight[e]
+        w13 = dequant_nvfp4(self.w13_weight[e], self.w13_weight_scale[e], self.w13_weight_scale2[e])
+        w2 = dequant_nvfp4(self.w2_weight[e], self.w2_weight_scale[e], self.w2_weight_scale2[e])
+        return w13.to(dtype), w2.to(dtype)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)  # [T, H]
+        weights = weights.to(x.dtype)
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)
+            w13, w2 = self.expert_weights(e, x.dtype)
+            gate, up = (x[token] @ w13.T).split(self.width, dim=-1)
+            y = (F.silu(gate) * up) @ w2.T  # [n_e, H]
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out
+
+
+class SharedExperts(nn.Module):
+    """S always-on SwiGLU experts weighted by their router gammas, summed in fp32 (spec 5.3)."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        s, i, h = config.n_shared_experts, config.moe_intermediate_size, config.hidden_size
+        self.width = i
+        self.shared_w13_weight = nn.Parameter(torch.zeros(s, 2 * i, h))
+        self.shared_w2_weight = nn.Parameter(torch.zeros(s, h, i))
+
+    def forward(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+        gate, up = (x[None] @ self.shared_w13_weight.transpose(1, 2)).split(self.width, dim=-1)  # [S, T, I] x2
+        act = F.silu(gate) * up * gammas.to(x.dtype).T[:, :, None]
+        return (act @ self.shared_w2_weight.transpose(1, 2)).float().sum(0).to(x.dtype)  # [T, H]
+
+
+class MoE(nn.Module):
+    def __init__(self, config: TextConfig, nvfp4: bool):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config, nvfp4)
+        self.shared_experts = SharedExperts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights, gammas = self.gate(x)
+        return self.experts(x, ids, weights) + self.shared_experts(x, gammas)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, layer: int, nvfp4: bool):
+        super().__init__()
+        self.layer = layer
+        h = config.hidden_size
+        self.attn_norm = RMSNorm(h, config.rms_norm_eps)
+        self.attn = Attention(config, config.layer_geometry(layer))
+        self.attn_sconv = ShortConv(h, config.conv_kernel_size)
+        self.mlp_norm = RMSNorm(h, config.rms_norm_eps)
+        if config.dense_layers[layer]:
+            self.mlp = DenseMLP(h, config.dense_intermediate_size)
+        else:
+            self.mlp = MoE(config, nvfp4)
+        self.mlp_sconv = ShortConv(h, config.conv_kernel_size)
+
+    def forward(self, h: torch.Tensor, seqs: list[SequenceSlice]) -> torch.Tensor:
+        h = h + self.sconv_per_sequence(self.attn_sconv, ATTN_CONV, self.attn(self.attn_norm(h), seqs, self.layer), seqs)
+        h = h + self.sconv_per_sequence(self.mlp_sconv, MLP_CONV, self.mlp(self.mlp_norm(h)), seqs)
+        return h
+
+    def sconv_per_sequence(self, conv: ShortConv, index: int, x: torch.Tensor,
+                           seqs: list[SequenceSlice]) -> torch.Tensor:
+        outputs, offset = [], 0
+        for seq in seqs:
+            cache = seq.layers[self.layer]
+            y, state = conv(x[offset : offset + seq.num_tokens], cache.conv_state(index))
+            cache.set_conv_state(index, state)
+            outputs.append(y)
+            offset += seq.num_tokens
+        return torch.cat(outputs)
