@@ -307,7 +307,7 @@ def _parse_vision(block: dict | None, hidden: int) -> VisionConfig | None:
     if not block:
         return None
     r = _Reader(block, "vision_config")
-    if r.get("decoder_dmodel", default=hidden) is None:
+    if "decoder_dmodel" in block and block["decoder_dmodel"] is None:  # the tower is switched off
         return None
     encoder_type = r.get("vision_encoder_type", default="hmlp")
     if encoder_type != "hmlp":
@@ -329,7 +329,7 @@ def _parse_audio(block: dict | None, hidden: int) -> AudioConfig | None:
     if not block:
         return None
     r = _Reader(block, "audio_config")
-    if r.get("decoder_dmodel", default=hidden) is None:
+    if "decoder_dmodel" in block and block["decoder_dmodel"] is None:  # the tower is switched off
         return None
     mode = r.get("audio_mode", default="dmel")
     if mode != "dmel":

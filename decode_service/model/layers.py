@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.config import AttentionGeometry, TextConfig
+from common.config import TextConfig
 from common.nvfp4 import dequant_nvfp4
 from decode_service.model.batch import SequenceSlice
 from decode_service.model.state import ATTN_CONV, K_CONV, MLP_CONV, V_CONV, LayerCache
@@ -37,11 +37,12 @@ class ShortConv(nn.Module):
     """Depthwise causal conv over time with an identity residual, in fp32 (spec 4.2):
     `y[t] = x[t] + sum_j w[:, j] * x[t - (K-1) + j]`, with the last K-1 inputs carried in the cache."""
 
-    def __init__(self, channels: int, kernel_size: int):
+    def __init__(self, channels: int, kernel_size: int, layer: int, index: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(channels, 1, kernel_size, dtype=torch.float32))
+        self.layer, self.index = layer, index  # where this conv's state lives in a sequence's caches
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[n, C]` new inputs, state `[K-1, C]` previous inputs -> (y `[n, C]`, new state `[K-1, C]`)."""
         n, k = x.shape[0], self.weight.shape[-1]
         window = torch.cat([state.to(x.dtype), x]).float()  # [K-1+n, C]
@@ -49,6 +50,17 @@ class ShortConv(nn.Module):
         conv = sum(window[j : j + n] * w[:, j] for j in range(k))  # [n, C]
         y = (x.float() + conv).to(x.dtype)
         return y, window[-(k - 1) :].to(x.dtype)
+
+    def forward(self, x: torch.Tensor, seqs: list[SequenceSlice]) -> torch.Tensor:
+        """Packed `[T, C]`: each sequence continues from (and updates) its own conv state."""
+        outputs, offset = [], 0
+        for seq in seqs:
+            cache = seq.layers[self.layer]
+            y, state = self.step(x[offset : offset + seq.num_tokens], cache.conv_state(self.index))
+            cache.set_conv_state(self.index, state)
+            outputs.append(y)
+            offset += seq.num_tokens
+        return torch.cat(outputs)
 
 
 class RelativeLogits(nn.Module):
@@ -70,18 +82,19 @@ class RelativeLogits(nn.Module):
 class Attention(nn.Module):
     """q/k/v/r projections, k/v short convs, per-head q/k RMSNorm, 1/hd scores + relative bias, tau on globals."""
 
-    def __init__(self, config: TextConfig, geo: AttentionGeometry):
+    def __init__(self, config: TextConfig, layer: int):
         super().__init__()
+        geo = config.layer_geometry(layer)
         h, d = config.hidden_size, geo.head_dim
-        self.geo = geo
+        self.geo, self.layer = geo, layer
         self.log_scaling = (config.log_scaling_n_floor, config.log_scaling_alpha) if geo.log_scaling else None
         self.wq_du = nn.Linear(h, geo.q_width, bias=False)
         self.wk_dv = nn.Linear(h, geo.kv_width, bias=False)
         self.wv_dv = nn.Linear(h, geo.kv_width, bias=False)
         self.wr_du = nn.Linear(h, geo.num_heads * config.d_rel, bias=False)
         self.wo_ud = nn.Linear(geo.q_width, h, bias=False)
-        self.k_sconv = ShortConv(geo.kv_width, config.conv_kernel_size)
-        self.v_sconv = ShortConv(geo.kv_width, config.conv_kernel_size)
+        self.k_sconv = ShortConv(geo.kv_width, config.conv_kernel_size, layer, K_CONV)
+        self.v_sconv = ShortConv(geo.kv_width, config.conv_kernel_size, layer, V_CONV)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.rel_logits_proj = RelativeLogits(config.d_rel, geo.rel_extent)
@@ -91,22 +104,21 @@ class Attention(nn.Module):
         n_floor, alpha = self.log_scaling
         return 1.0 + alpha * torch.log(((positions + 1).float() / n_floor).clamp(min=1.0))
 
-    def forward(self, u: torch.Tensor, seqs: list[SequenceSlice], layer: int) -> torch.Tensor:
-        geo = self.geo
+    def forward(self, u: torch.Tensor, seqs: list[SequenceSlice]) -> torch.Tensor:
         q_all, k0_all, v0_all, r_all = self.wq_du(u), self.wk_dv(u), self.wv_dv(u), self.wr_du(u)
         outputs, offset = [], 0
         for seq in seqs:
             rows = slice(offset, offset + seq.num_tokens)
             offset += seq.num_tokens
             outputs.append(self.attend(q_all[rows], k0_all[rows], v0_all[rows], r_all[rows],
-                                       seq.start_position, seq.layers[layer]))
+                                       seq.start_position, seq.layers[self.layer]))
         return self.wo_ud(torch.cat(outputs))  # [T, H]
 
     def attend(self, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, r: torch.Tensor, start: int,
                cache: LayerCache) -> torch.Tensor:
         geo, n = self.geo, q.shape[0]
-        k, k_state = self.k_sconv(k0, cache.conv_state(K_CONV))
-        v, v_state = self.v_sconv(v0, cache.conv_state(V_CONV))
+        k, k_state = self.k_sconv.step(k0, cache.conv_state(K_CONV))
+        v, v_state = self.v_sconv.step(v0, cache.conv_state(V_CONV))
         cache.set_conv_state(K_CONV, k_state)
         cache.set_conv_state(V_CONV, v_state)
 
@@ -245,30 +257,18 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: TextConfig, layer: int, nvfp4: bool):
         super().__init__()
-        self.layer = layer
-        h = config.hidden_size
+        h, k = config.hidden_size, config.conv_kernel_size
         self.attn_norm = RMSNorm(h, config.rms_norm_eps)
-        self.attn = Attention(config, config.layer_geometry(layer))
-        self.attn_sconv = ShortConv(h, config.conv_kernel_size)
+        self.attn = Attention(config, layer)
+        self.attn_sconv = ShortConv(h, k, layer, ATTN_CONV)
         self.mlp_norm = RMSNorm(h, config.rms_norm_eps)
         if config.dense_layers[layer]:
             self.mlp = DenseMLP(h, config.dense_intermediate_size)
         else:
             self.mlp = MoE(config, nvfp4)
-        self.mlp_sconv = ShortConv(h, config.conv_kernel_size)
+        self.mlp_sconv = ShortConv(h, k, layer, MLP_CONV)
 
     def forward(self, h: torch.Tensor, seqs: list[SequenceSlice]) -> torch.Tensor:
-        h = h + self.sconv_per_sequence(self.attn_sconv, ATTN_CONV, self.attn(self.attn_norm(h), seqs, self.layer), seqs)
-        h = h + self.sconv_per_sequence(self.mlp_sconv, MLP_CONV, self.mlp(self.mlp_norm(h)), seqs)
+        h = h + self.attn_sconv(self.attn(self.attn_norm(h), seqs), seqs)
+        h = h + self.mlp_sconv(self.mlp(self.mlp_norm(h)), seqs)
         return h
-
-    def sconv_per_sequence(self, conv: ShortConv, index: int, x: torch.Tensor,
-                           seqs: list[SequenceSlice]) -> torch.Tensor:
-        outputs, offset = [], 0
-        for seq in seqs:
-            cache = seq.layers[self.layer]
-            y, state = conv(x[offset : offset + seq.num_tokens], cache.conv_state(index))
-            cache.set_conv_state(index, state)
-            outputs.append(y)
-            offset += seq.num_tokens
-        return torch.cat(outputs)
