@@ -9,6 +9,7 @@ import torch
 
 from common.checkpoint import CheckpointFiles, load_decoder_weights
 from common.config import ModelConfig, load_model_config
+from common.errors import InvalidInputError
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
 
@@ -32,7 +33,7 @@ class LocalGenerator:
         vocab = self.config.text.unpadded_vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:10]}")
+            raise InvalidInputError(f"prompt_token_ids: out of range [0, {vocab}): {bad[:10]}")
         device = self.model.embed.weight.device
         state = self.model.new_state()
         tokens, out, finish = list(prompt_ids), [], "length"
