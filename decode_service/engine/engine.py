@@ -1,0 +1,197 @@
+"""The decode engine: requests in, token deltas out. Synchronous; the service drives `step` from its loop.
+
+    engine = Engine(model, model_config, EngineSettings(...))
+    engine.add_request(Request("a", prompt_ids, SamplingParams(temperature=0, max_tokens=32)))
+    while engine.has_unfinished:
+        for out in engine.step(): ...
+
+Every request ends FINISHED with a reason (stop, length, abort, error:<msg>); a failing forward finishes the
+requests of that step with an error and leaves the engine usable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from common.config import ModelConfig
+from common.errors import InvalidInputError, ResourceExhaustedError
+from decode_service.engine.kv_cache import CacheSpec, KVCache
+from decode_service.engine.prefix_cache import PrefixCache
+from decode_service.engine.request import FinishReason, Request, TokenLogprobs
+from decode_service.engine.runner import DecoderModel, ModelRunner
+from decode_service.engine.sampler import Sampler, check_stop
+from decode_service.engine.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    kv_cache_bytes: int = 1 << 30
+    page_size: int = 16
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the model's max_position_embeddings (and the KV capacity)
+    enable_prefix_cache: bool = True
+    snapshot_interval_blocks: int = 16  # conv snapshots for the prefix cache every N blocks (plus media/prompt ends)
+    cache_dtype: torch.dtype | None = None  # default: the model's dtype
+    device: str = "cpu"
+    seed: int = 0  # seeds the generators of requests without their own seed
+    model_fingerprint: bytes | None = None  # default: a hash of the model config and cache dtype
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    finished: bool
+    finish_reason: str | None  # stop, length, abort, error:<msg>
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_mm_tokens: int
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model: DecoderModel, config: ModelConfig, settings: EngineSettings):
+        self.config = config
+        self.settings = settings
+        text = config.text
+        dtype = settings.cache_dtype or getattr(model, "dtype", torch.float32)
+        spec = CacheSpec.from_budget(
+            text,
+            settings.kv_cache_bytes,
+            page_size=settings.page_size,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            dtype=dtype,
+            device=settings.device,
+        )
+        self.cache = KVCache(text, spec)
+        self.prefix_cache: PrefixCache | None = None
+        if settings.enable_prefix_cache:
+            fingerprint = (
+                settings.model_fingerprint
+                or hashlib.sha256(
+                    json.dumps(config.fingerprint_fields(), sort_keys=True).encode() + str(dtype).encode()
+                ).digest()
+            )
+            self.prefix_cache = PrefixCache(self.cache, fingerprint, settings.snapshot_interval_blocks)
+        self.scheduler = Scheduler(
+            self.cache,
+            SchedulerConfig(settings.max_num_batched_tokens, settings.max_num_seqs),
+            self.prefix_cache,
+        )
+        self.runner = ModelRunner(model, Sampler(settings.seed), settings.device)
+        self.max_model_len = min(
+            settings.max_model_len or text.max_position_embeddings, self.cache.max_tokens_per_sequence()
+        )
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidInputError(f"request id {request.request_id!r} is already in flight")
+        request.validate(self.config.text.unpadded_vocab_size, self.config.text.hidden_size)
+        covered = {i for item in request.mm_items for i in range(item.start, item.end)}
+        placeholders = {self.config.image_token_id, self.config.audio_token_id}
+        stray = [i for i, t in enumerate(request.prompt_token_ids) if t in placeholders and i not in covered]
+        if stray:
+            raise InvalidInputError(
+                f"request {request.request_id}: media placeholder tokens at positions {stray[:5]} have no encoder rows"
+            )
+        limit = self.settings.max_model_len or self.config.text.max_position_embeddings
+        if request.num_prompt_tokens >= limit:
+            raise InvalidInputError(
+                f"request {request.request_id}: {request.num_prompt_tokens} prompt tokens leave no room below "
+                f"max_model_len={limit}"
+            )
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ResourceExhaustedError(
+                f"request {request.request_id}: {request.num_prompt_tokens} prompt tokens leave no room in the "
+                f"KV cache ({self.max_model_len} tokens)"
+            )
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request at the next step boundary (its final output reports `abort`)."""
+        if request_id in self.requests:
+            self.scheduler.abort(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns outputs of requests that got tokens or finished."""
+        output = self.scheduler.schedule()
+        assert output.sequences or output.finished or not self.has_unfinished, "scheduler made no progress"
+        deltas: dict[str, tuple[Request, list[int], list[TokenLogprobs]]] = {
+            r.request_id: (r, [], []) for r in output.finished
+        }
+        try:
+            results = self.runner.execute(output)
+        except Exception as exc:  # the step's requests fail; the engine and the other requests carry on
+            logger.exception("forward step failed; finishing its %d requests", len(output.sequences))
+            for seq in output.sequences:
+                self.scheduler.finish(seq.request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+                deltas[seq.request.request_id] = (seq.request, [], [])
+            return self._emit(deltas)
+        self.scheduler.commit(output)
+        for seq in output.sequences:
+            request = seq.request
+            result = results.get(request.request_id)
+            if result is None:
+                continue
+            request.output_token_ids.append(result.token_id)
+            if result.logprobs is not None:
+                request.output_logprobs.append(result.logprobs)
+            deltas[request.request_id] = (
+                request,
+                [result.token_id],
+                [result.logprobs] if result.logprobs is not None else [],
+            )
+            reason = check_stop(request, self.config.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+        return self._emit(deltas)
+
+    def _emit(self, deltas: dict[str, tuple[Request, list[int], list[TokenLogprobs]]]) -> list[RequestOutput]:
+        outputs = []
+        for request, new_ids, new_logprobs in deltas.values():
+            if request.is_finished:
+                self.requests.pop(request.request_id, None)
+            outputs.append(
+                RequestOutput(
+                    request.request_id,
+                    new_ids,
+                    list(request.output_token_ids),
+                    request.is_finished,
+                    request.finish_reason_text,
+                    request.num_prompt_tokens,
+                    request.num_cached_tokens,
+                    sum(item.length for item in request.mm_items),
+                    new_logprobs,
+                )
+            )
+        return outputs
+
+    def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """Run the given requests to completion; the final output of each, in the order given."""
+        order = []
+        for request in requests:
+            self.add_request(request)
+            order.append(request.request_id)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished:
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in order]

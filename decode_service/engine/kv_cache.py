@@ -1,0 +1,332 @@
+"""Paged KV pools (one per layer kind) plus the conv-state slot pool, and the per-request `CacheHandle`.
+
+Layout. Sliding and global layers have different KV head counts, so each kind has its own pool of pages; a
+page id indexes the same page in every layer of that kind (one block table per kind per sequence). Each pool
+stores `k`, `v` as `[layers_of_kind, pages * page_size, nKV, hd]`. Sliding layers only keep the last `W-1`
+tokens: once a step is committed, pages that lie entirely before `num_tokens - (W-1)` are released. Conv
+states live in preallocated tensors `[slots, K-1, C]` per layer per conv; a sequence owns one slot index for
+its whole life (stable addresses).
+
+Pages are ref-counted so the prefix cache can share full pages between sequences; a shared page is never
+written (sequences only write positions at or after their own computed prefix, which starts on a page
+boundary).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from common.config import TextConfig
+from common.errors import ConfigError
+
+NUM_CONVS = 4  # k, v, attention-output and MLP-output convs of every layer (spec inkling-text 4.1)
+
+
+class PagePool:
+    """Free list + reference counts of one pool's page ids."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._refs = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self._free), f"allocating {n} pages with {len(self._free)} free"
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def incref(self, page: int) -> None:
+        assert self._refs[page] > 0, f"page {page} is free"
+        self._refs[page] += 1
+
+    def decref(self, page: int) -> None:
+        assert self._refs[page] > 0, f"page {page} released twice"
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free.append(page)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Sizes of the pools (a runtime measurement, separate from the model config)."""
+
+    page_size: int
+    num_sliding_pages: int
+    num_global_pages: int
+    num_conv_slots: int
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
+
+    @classmethod
+    def from_budget(
+        cls,
+        config: TextConfig,
+        budget_bytes: int,
+        *,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str = "cpu",
+    ) -> CacheSpec:
+        """Split a byte budget: conv slots for every sequence first, then sliding pages (capped at twice
+        what `max_num_seqs` windows plus a full prefill chunk use: the other half holds prefix-cache windows),
+        the rest to global pages."""
+        if page_size < 1:
+            raise ConfigError(f"kv page_size={page_size}: expected >= 1")
+        elt = torch.empty((), dtype=dtype).element_size()
+        conv_bytes = max_num_seqs * sum(
+            (2 * config.layer_geometry(i).kv_width + 2 * config.hidden_size) * (config.conv_kernel_size - 1) * elt
+            for i in range(config.num_layers)
+        )
+        sliding_page = global_page = 0
+        for i in range(config.num_layers):
+            cost = 2 * config.layer_geometry(i).kv_width * page_size * elt
+            if config.sliding_layers[i]:
+                sliding_page += cost
+            else:
+                global_page += cost
+        kv_budget = budget_bytes - conv_bytes
+        # One sequence must always be able to run: its window plus a full chunk of sliding pages.
+        per_seq_window = math.ceil((config.sliding_window - 1 + max_num_batched_tokens) / page_size) + 1
+        if kv_budget < per_seq_window * sliding_page + global_page:
+            raise ConfigError(
+                f"kv_cache_bytes={budget_bytes} cannot hold {max_num_seqs} conv slots ({conv_bytes} bytes), "
+                f"one sequence's sliding window and one global page"
+            )
+        num_sliding = num_global = 0
+        if sliding_page and global_page:
+            equal = kv_budget // (sliding_page + global_page)
+            num_sliding = max(per_seq_window, min(equal, 2 * max_num_seqs * per_seq_window))
+            num_global = (kv_budget - num_sliding * sliding_page) // global_page
+        elif sliding_page:
+            num_sliding = kv_budget // sliding_page
+        else:
+            num_global = kv_budget // global_page
+        return cls(page_size, num_sliding, num_global, max_num_seqs, dtype, device)
+
+
+@dataclass(frozen=True)
+class ConvSnapshot:
+    """Copies of every layer's four conv states at one token boundary."""
+
+    states: tuple[tuple[torch.Tensor, ...], ...]  # [layer][conv] -> [K-1, C]
+
+
+class KVCache:
+    """The pools. Handles borrow pages and a conv slot from here."""
+
+    def __init__(self, config: TextConfig, spec: CacheSpec):
+        self.config = config
+        self.spec = spec
+        self.page_size = spec.page_size
+        self.window = config.sliding_window
+        # layer -> (is_sliding, index among the layers of its kind)
+        self.layer_kind: list[tuple[bool, int]] = []
+        counts = {True: 0, False: 0}
+        for i in range(config.num_layers):
+            sliding = config.sliding_layers[i]
+            self.layer_kind.append((sliding, counts[sliding]))
+            counts[sliding] += 1
+        self.has_sliding, self.has_global = counts[True] > 0, counts[False] > 0
+        self.pools = {
+            True: PagePool(spec.num_sliding_pages if self.has_sliding else 0),
+            False: PagePool(spec.num_global_pages if self.has_global else 0),
+        }
+        self.k: dict[bool, torch.Tensor] = {}
+        self.v: dict[bool, torch.Tensor] = {}
+        for sliding in (True, False):
+            geo = config.geometry(sliding)
+            slots = self.pools[sliding].num_pages * spec.page_size
+            shape = (counts[sliding], slots, geo.num_kv_heads, geo.head_dim)
+            self.k[sliding] = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+            self.v[sliding] = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        k1 = config.conv_kernel_size - 1
+        self.conv: list[tuple[torch.Tensor, ...]] = []
+        for i in range(config.num_layers):
+            kv = config.layer_geometry(i).kv_width
+            widths = (kv, kv, config.hidden_size, config.hidden_size)
+            self.conv.append(
+                tuple(torch.zeros(spec.num_conv_slots, k1, c, dtype=spec.dtype, device=spec.device) for c in widths)
+            )
+        self._free_slots: deque[int] = deque(range(spec.num_conv_slots))
+
+    # -- capacity --------------------------------------------------------------------------------------------
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def num_free_pages(self, sliding: bool) -> int:
+        return self.pools[sliding].num_free
+
+    def fits(self, need: tuple[int, int]) -> bool:
+        """need = (sliding pages, global pages)."""
+        return need[0] <= self.pools[True].num_free and need[1] <= self.pools[False].num_free
+
+    def max_tokens_per_sequence(self) -> int:
+        """The longest sequence the global pool can ever hold (sliding layers only need their window)."""
+        if not self.has_global:
+            return 1 << 62
+        return self.pools[False].num_pages * self.page_size
+
+    # -- handles ---------------------------------------------------------------------------------------------
+
+    def new_handle(self) -> CacheHandle:
+        assert self._free_slots, "no free conv slot"
+        slot = self._free_slots.popleft()
+        for states in self.conv:
+            for s in states:
+                s[slot].zero_()
+        return CacheHandle(self, slot)
+
+    def _release_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
+
+
+class CacheHandle:
+    """One sequence's KV pages (a block table per layer kind) and conv slot; `layers` are its LayerCaches.
+
+    `num_tokens` counts committed positions. The engine grows the tables before a step (`grow`), the model
+    writes through `layers[i]`, and the engine commits afterwards (`commit`), which drops sliding pages
+    outside the window.
+    """
+
+    def __init__(self, cache: KVCache, slot: int):
+        self.cache = cache
+        self.slot: int | None = slot
+        self.num_tokens = 0
+        # Block table per layer kind (True = sliding); None marks a sliding page released out of the window.
+        self.tables: dict[bool, list[int | None]] = {True: [], False: []}
+        self.layers = [_PagedLayer(self, i) for i in range(cache.config.num_layers)]
+        self._index: dict[bool, tuple[tuple[int, int], torch.Tensor, torch.Tensor, int]] = {}
+
+    @property
+    def released(self) -> bool:
+        return self.slot is None
+
+    def _pages_for(self, total_tokens: int) -> int:
+        return math.ceil(total_tokens / self.cache.page_size)
+
+    def pages_needed(self, total_tokens: int) -> tuple[int, int]:
+        """(sliding, global) pages to allocate so positions `< total_tokens` have a page."""
+        n = self._pages_for(total_tokens)
+        return tuple(max(0, n - len(self.tables[s])) if self._kind_present(s) else 0 for s in (True, False))
+
+    def _kind_present(self, sliding: bool) -> bool:
+        return self.cache.has_sliding if sliding else self.cache.has_global
+
+    def grow(self, total_tokens: int) -> None:
+        for sliding, need in zip((True, False), self.pages_needed(total_tokens), strict=True):
+            self.tables[sliding].extend(self.cache.pools[sliding].allocate(need))
+
+    def commit(self, num_tokens: int) -> None:
+        """Positions `< num_tokens` are now computed; release sliding pages no future query can see."""
+        assert num_tokens >= self.num_tokens
+        self.num_tokens = num_tokens
+        first_visible = num_tokens - (self.cache.window - 1)
+        table, pool = self.tables[True], self.cache.pools[True]
+        for i in range(min(len(table), max(0, first_visible) // self.cache.page_size)):
+            if table[i] is not None:
+                pool.decref(table[i])
+                table[i] = None
+
+    def adopt_prefix(
+        self,
+        num_tokens: int,
+        global_pages: list[int],
+        sliding_pages: list[int | None],
+        snapshot: ConvSnapshot,
+    ) -> None:
+        """Start from a prefix-cache hit: share its pages (one more reference each), copy its conv states."""
+        assert self.num_tokens == 0 and not self.tables[True] and not self.tables[False]
+        for sliding, pages in ((True, sliding_pages), (False, global_pages)):
+            for p in pages:
+                if p is not None:
+                    self.cache.pools[sliding].incref(p)
+            self.tables[sliding] = list(pages)
+        self.restore_conv(snapshot)
+        self.num_tokens = num_tokens
+
+    def snapshot_conv(self) -> ConvSnapshot:
+        return ConvSnapshot(tuple(tuple(s[self.slot].clone() for s in states) for states in self.cache.conv))
+
+    def restore_conv(self, snapshot: ConvSnapshot) -> None:
+        for states, saved in zip(self.cache.conv, snapshot.states, strict=True):
+            for s, value in zip(states, saved, strict=True):
+                s[self.slot].copy_(value)
+
+    def release(self) -> None:
+        """Return every page reference and the conv slot. Idempotent."""
+        if self.slot is None:
+            return
+        for sliding in (True, False):
+            for p in self.tables[sliding]:
+                if p is not None:
+                    self.cache.pools[sliding].decref(p)
+            self.tables[sliding] = []
+        self.cache._release_slot(self.slot)
+        self.slot = None
+        self._index.clear()
+
+    # -- data plane ------------------------------------------------------------------------------------------
+
+    def _indices(self, sliding: bool, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Flat pool slots to write `[start, start+n)` and to read every visible position; memoised per step
+        because every layer of a kind uses the same ones."""
+        cached = self._index.get(sliding)
+        if cached is not None and cached[0] == (start, n):
+            return cached[1], cached[2], cached[3]
+        page_size, table = self.cache.page_size, self.tables[sliding]
+        first = max(0, start - (self.cache.window - 1)) if sliding else 0
+        positions = torch.arange(first, start + n)
+        pages = [table[p] for p in range(first // page_size, self._pages_for(start + n))]
+        assert None not in pages, "a visible sliding page was released"
+        assert len(pages) == self._pages_for(start + n) - first // page_size, "KV written past the allocated pages"
+        page_ids = torch.tensor(pages, dtype=torch.int64)
+        slots = page_ids[positions // page_size - first // page_size] * page_size + positions % page_size
+        slots = slots.to(self.cache.spec.device)
+        write, read = slots[start - first :], slots
+        self._index[sliding] = ((start, n), write, read, first)
+        return write, read, first
+
+    def append_kv(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        assert start == self.num_tokens, f"KV append at {start} but {self.num_tokens} tokens are committed"
+        sliding, index = self.cache.layer_kind[layer]
+        write, read, first = self._indices(sliding, start, k.shape[0])
+        k_pool, v_pool = self.cache.k[sliding][index], self.cache.v[sliding][index]  # [slots, nKV, hd]
+        k_pool.index_copy_(0, write, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, write, v.to(v_pool.dtype))
+        return k_pool.index_select(0, read), v_pool.index_select(0, read), first
+
+
+class _PagedLayer:
+    """`LayerCache` view of one layer of a `CacheHandle`."""
+
+    def __init__(self, handle: CacheHandle, layer: int):
+        self.handle = handle
+        self.layer = layer
+
+    def append_kv(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.handle.append_kv(self.layer, k, v, start)
+
+    def conv_state(self, index: int) -> torch.Tensor:
+        return self.handle.cache.conv[self.layer][index][self.handle.slot]
+
+    def set_conv_state(self, index: int, state: torch.Tensor) -> None:
+        self.handle.cache.conv[self.layer][index][self.handle.slot].copy_(state)

@@ -1,0 +1,121 @@
+"""Token sampling and stop checks.
+
+Order (vLLM semantics): penalties (repetition over prompt + output, presence/frequency over output) -> greedy
+argmax or temperature -> min-p -> top-k -> top-p -> a draw with the request's own generator (exponential-race
+sampling: `argmax(p / q)`, `q ~ Exp(1)`), so a seeded request gives the same tokens whatever it is batched
+with. Logprobs are those of the raw model distribution. Logits arrive already sliced to the unpadded
+vocabulary. Stop strings are the output parser's job, not this module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decode_service.engine.request import FinishReason, Request, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self._seeder = torch.Generator().manual_seed(seed)  # seeds requests that bring no seed of their own
+
+    def generator(self, request: Request, device: torch.device) -> torch.Generator:
+        if request.generator is None:
+            seed = request.sampling.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (), generator=self._seeder))
+            request.generator = torch.Generator(device=device).manual_seed(seed)
+        return request.generator
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampleResult]:
+        """logits `[N, V]` (one row per request) -> one token per request."""
+        assert logits.shape[0] == len(requests)
+        logits = logits.float()
+        params = [r.sampling for r in requests]
+        x = apply_penalties(logits, requests)
+        greedy = torch.tensor([p.greedy for p in params], device=x.device)
+        tokens = x.argmax(-1)
+        if not bool(greedy.all()):
+            probs = filtered_probs(x, params)
+            noise = torch.stack(
+                [
+                    torch.empty(x.shape[1], device=x.device).exponential_(generator=self.generator(r, x.device))
+                    if not p.greedy
+                    else torch.ones(x.shape[1], device=x.device)
+                    for r, p in zip(requests, params, strict=True)
+                ]
+            )
+            tokens = torch.where(greedy, tokens, (probs / noise).argmax(-1))
+        results, token_list = [], tokens.tolist()
+        want = [p.logprobs for p in params]
+        raw = torch.log_softmax(logits, -1) if any(n is not None for n in want) else None
+        for row, (token, n) in enumerate(zip(token_list, want, strict=True)):
+            info = None
+            if n is not None:
+                pairs: tuple[tuple[int, float], ...] = ()
+                if n:
+                    top = torch.topk(raw[row], n)
+                    pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                info = TokenLogprobs(float(raw[row, token]), pairs)
+            results.append(SampleResult(token, info))
+        return results
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens; presence and frequency penalties over output tokens."""
+    params = [r.sampling for r in requests]
+    if all(p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params):
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for row, (request, p) in enumerate(zip(requests, params, strict=True)):
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            seen[torch.tensor(request.all_token_ids, device=logits.device)] = True
+            penalized = torch.where(out[row] > 0, out[row] / p.repetition_penalty, out[row] * p.repetition_penalty)
+            out[row] = torch.where(seen, penalized, out[row])
+        if request.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(request.output_token_ids, device=logits.device), minlength=vocab)
+            counts = counts[:vocab].float()
+            out[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return out
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
+    """Temperature, then min-p, top-k and top-p masks; rows need no renormalising (the draw is scale-free)."""
+    device, vocab = logits.device, logits.shape[1]
+    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)  # [N, V]
+    probs = torch.where(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0, probs)
+    if all(p.top_k in (0, vocab) and p.top_p == 1.0 for p in params):
+        return probs  # no rank-based filter: skip the sort
+    sorted_probs, order = probs.sort(-1, descending=True)
+    ranks = torch.arange(vocab, device=device)
+    sorted_probs = torch.where(ranks[None, :] >= top_k[:, None], 0.0, sorted_probs)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # probability of strictly better tokens
+    total = sorted_probs.sum(-1, keepdim=True)
+    sorted_probs = torch.where(mass_before >= top_p[:, None] * total, 0.0, sorted_probs)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def check_stop(request: Request, eos_token_ids: Sequence[int], max_model_len: int) -> FinishReason | None:
+    """After a token was appended: EOS (unless ignore_eos) or a stop token id -> STOP; max_tokens or the
+    context limit -> LENGTH."""
+    p, token = request.sampling, request.output_token_ids[-1]
+    if (not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids:
+        return FinishReason.STOP
+    if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None

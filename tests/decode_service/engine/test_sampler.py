@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.errors import InvalidInputError
+from decode_service.engine.request import FinishReason, Request, SamplingParams
+from decode_service.engine.sampler import Sampler, apply_penalties, check_stop, filtered_probs
+
+V = 12
+
+
+def req(rid: str = "r", prompt=(1, 2), **params) -> Request:
+    return Request(rid, list(prompt), SamplingParams(**params))
+
+
+def logits_row(seed: int = 0) -> torch.Tensor:
+    return torch.randn(1, V, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def draw_counts(sampler: Sampler, logits: torch.Tensor, n: int, **params) -> torch.Tensor:
+    r = req(seed=123, **params)
+    counts = torch.zeros(V)
+    for _ in range(n):
+        counts[sampler.sample(logits, [r])[0].token_id] += 1
+    return counts
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
+    out = Sampler().sample(logits, [req(str(i), temperature=0.0) for i in range(4)])
+    assert [o.token_id for o in out] == logits.argmax(-1).tolist()
+
+
+def test_temperature_sampling_follows_softmax():
+    logits = logits_row()
+    counts = draw_counts(Sampler(), logits, 4000, temperature=0.7)
+    expected = torch.softmax(logits[0] / 0.7, -1) * 4000
+    # Chi-square over the 12 categories (dof 11): 99.9% quantile is ~31.3.
+    chi2 = float(((counts - expected) ** 2 / expected.clamp(min=1e-9)).sum())
+    assert chi2 < 31.3, (counts, expected)
+
+
+def test_seeded_request_is_reproducible_and_independent_of_its_batch():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
+    alone, batched = req("a", seed=7), req("a", seed=7)
+    others = [req("b", seed=1), req("c", temperature=0.0)]
+    tokens_alone = [Sampler(seed=0).sample(logits[:1], [alone])[0].token_id for _ in range(20)]
+    sampler = Sampler(seed=99)
+    tokens_batched = [sampler.sample(logits, [batched, *others])[0].token_id for _ in range(20)]
+    assert tokens_alone == tokens_batched
+    assert len(set(tokens_alone)) > 1  # really sampling
+    unseeded = [Sampler(seed=5).sample(logits[:1], [req("x")])[0].token_id for _ in range(5)]
+    assert len(set(unseeded)) == 1  # engine seed + arrival give the same first draw
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0]])
+    sampler = Sampler()
+    assert set(draw_counts(sampler, logits, 300, top_k=2).nonzero().flatten().tolist()) == {0, 1}
+    probs = torch.softmax(logits[0], -1)
+    # top_p just above p0: keeps the first two tokens only.
+    support = draw_counts(sampler, logits, 300, top_p=float(probs[0]) + 1e-3).nonzero().flatten().tolist()
+    assert set(support) == {0, 1}
+    # min_p: tokens below 0.1 * max are dropped (e^-3 < 0.1 < e^-2 -> tokens 0, 1, 2).
+    assert set(draw_counts(sampler, logits, 400, min_p=0.1).nonzero().flatten().tolist()) == {0, 1, 2}
+
+
+def test_filtered_probs_keeps_at_least_the_best_token():
+    logits = torch.tensor([[0.0, 10.0, 0.0]])
+    probs = filtered_probs(logits, [SamplingParams(top_p=1e-6, top_k=1, min_p=1.0)])
+    assert probs[0].nonzero().flatten().tolist() == [1]
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
+    r = req(prompt=(0, 1), repetition_penalty=2.0)
+    out = apply_penalties(logits, [r])
+    assert out.tolist() == [[1.0, -4.0, 1.0, 1.0]]
+    r = req(prompt=(0,), presence_penalty=0.5, frequency_penalty=0.25)
+    r.output_token_ids = [2, 2, 3]
+    out = apply_penalties(logits, [r])
+    assert out.tolist() == [[2.0, -2.0, 1.0 - 0.5 - 0.5, 1.0 - 0.5 - 0.25]]
+    # Repetition penalty flips the greedy choice away from a repeated token.
+    r = req(prompt=(0,), temperature=0.0, repetition_penalty=3.0)
+    assert Sampler().sample(logits, [r])[0].token_id == 2
+
+
+def test_logprobs_are_raw_model_logprobs():
+    logits = logits_row(3)
+    res = Sampler().sample(logits, [req(temperature=0.5, logprobs=3, seed=1)])[0]
+    raw = torch.log_softmax(logits[0], -1)
+    assert res.logprobs.logprob == pytest.approx(float(raw[res.token_id]))
+    assert [t for t, _ in res.logprobs.top] == raw.topk(3).indices.tolist()
+    assert Sampler().sample(logits, [req()])[0].logprobs is None
+
+
+def test_check_stop():
+    eos = (3,)
+    r = req(max_tokens=3, stop_token_ids=(7,))
+    r.output_token_ids = [5]
+    assert check_stop(r, eos, 100) is None
+    r.output_token_ids = [5, 3]
+    assert check_stop(r, eos, 100) is FinishReason.STOP
+    r.output_token_ids = [5, 7]
+    assert check_stop(r, eos, 100) is FinishReason.STOP
+    r.output_token_ids = [5, 6, 8]
+    assert check_stop(r, eos, 100) is FinishReason.LENGTH
+    r.output_token_ids = [5]
+    assert check_stop(r, eos, 3) is FinishReason.LENGTH  # 2 prompt + 1 output reach the context limit
+    ignoring = req(max_tokens=5, ignore_eos=True)
+    ignoring.output_token_ids = [3]
+    assert check_stop(ignoring, eos, 100) is None
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", -1.0), ("top_p", 0.0), ("top_k", -1), ("max_tokens", 0), ("min_p", 2.0), ("logprobs", V + 1)],
+)
+def test_invalid_params_are_rejected(field, value):
+    with pytest.raises(InvalidInputError, match=field):
+        SamplingParams(**{field: value}).validate(V)
