@@ -83,6 +83,8 @@ def _serve_common(p: argparse.ArgumentParser, port: int) -> None:
 
 
 def _add_servers(sub: argparse._SubParsersAction) -> None:
+    from common.settings import add_encoder_args
+
     enc = sub.add_parser("encoder", help="serve the Encoder gRPC service")
     _serve_common(enc, 50061)
     enc.add_argument("--checkpoint", required=True)
@@ -90,6 +92,7 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     enc.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     enc.add_argument("--max-batch-tokens", type=int, default=8192, help="patches/frames per tower batch")
     enc.add_argument("--max-wait-ms", type=float, default=5.0, help="batcher wait for more work")
+    add_encoder_args(enc)
     enc.set_defaults(func=_lazy("encoder_service.server", "serve"))
 
     dec = sub.add_parser("decode", help="serve the Generator gRPC service on one decode replica")

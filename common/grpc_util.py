@@ -1,0 +1,127 @@
+"""gRPC plumbing shared by the encoder, decode and router servers.
+
+- `create_server`: a `grpc.aio` server with explicit max message sizes and keepalive settings that
+  tolerate long silent streams;
+- `ServerHealth`: the standard `grpc.health.v1` servicer (its `Watch` streams every status change)
+  registered with the server, plus helpers to flip all services between SERVING and NOT_SERVING;
+- `enable_reflection`, `bind`;
+- `graceful_stop`: NOT_SERVING first (watchers and load balancers drain), then `server.stop(grace)`;
+- `status_for`: THE mapping from project exceptions to gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.errors import ConfigError, InvalidInputError, ResourceExhaustedError, UnavailableError
+from common.settings import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REQUEST_BYTES
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                   max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> list[tuple[str, int]]:
+    """Server side: sends at most `max_message_bytes` (streamed chunks), accepts requests up to
+    `max_request_bytes` (media travels inline)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max(max_request_bytes, max_message_bytes)),
+        # Long generations can be silent for a while: accept client pings without data and never answer them
+        # with GOAWAY(too_many_pings).
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ]
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> list[tuple[str, int]]:
+    """Client-side counterpart (use for every channel to our servers): receives responses up to
+    `max_message_bytes`, sends requests up to `max_request_bytes`."""
+    return [
+        ("grpc.max_send_message_length", max(max_request_bytes, max_message_bytes)),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def create_server(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> grpc.aio.Server:
+    return grpc.aio.server(options=server_options(max_message_bytes, max_request_bytes),
+                           interceptors=list(interceptors))
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind an insecure port; returns the real port (port 0 picks a free one)."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise ConfigError(f"cannot bind gRPC server to {host}:{port}")
+    return bound
+
+
+def enable_reflection(server: grpc.aio.Server, service_full_names: Sequence[str]) -> None:
+    names = (*service_full_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+
+
+class ServerHealth:
+    """Health of a server: the overall status ("") and one entry per named service move together."""
+
+    def __init__(self, server: grpc.aio.Server, service_full_names: Sequence[str]) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self.services = ("", *service_full_names)
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+    async def set_all(self, status: int) -> None:
+        for name in self.services:
+            await self.servicer.set(name, status)
+
+    async def serving(self) -> None:
+        await self.set_all(SERVING)
+
+    async def not_serving(self) -> None:
+        await self.set_all(NOT_SERVING)
+
+    async def shutting_down(self) -> None:
+        """NOT_SERVING for good: later `set` calls are ignored."""
+        await self.servicer.enter_graceful_shutdown()
+
+
+async def graceful_stop(server: grpc.aio.Server, health_state: ServerHealth | None, grace_s: float,
+                        drain_notice_s: float = 0.0) -> None:
+    """Report NOT_SERVING (Watch streams see it), optionally give balancers `drain_notice_s` to react,
+    then stop accepting calls and let running ones finish within `grace_s` before cancelling them."""
+    if health_state is not None:
+        await health_state.shutting_down()
+    if drain_notice_s > 0:
+        await asyncio.sleep(drain_notice_s)
+    await server.stop(grace_s)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Map an exception raised below a servicer to the status code the client sees."""
+    if isinstance(exc, InvalidInputError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, ResourceExhaustedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, UnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
+    log.exception("internal error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"

@@ -1,0 +1,191 @@
+"""Typed service settings, built from CLI flags; the only module that reads environment variables.
+
+Environment variables (a deliberately short list; each fails loudly on a bad value):
+  INKLING_REDIS_URL         default Redis URL for the shared caches when --redis-url is not given
+  INKLING_REDIS_KEY_PREFIX  key prefix of the embedding cache (default "ink:emb:")
+  INKLING_LOG_LEVEL         default log level when --log-level is not given
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+from common.errors import ConfigError
+
+# Explicit gRPC limits (never the 4 MiB default): responses are streamed in <= 1 MiB chunks, so 8 MiB on a
+# response fails loudly on a bug; requests carry inline media, so they get a larger bound.
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
+DEFAULT_MAX_REQUEST_BYTES = 160 << 20
+_MIB = 1 << 20
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value
+
+
+def env_redis_url() -> str | None:
+    return env_str("INKLING_REDIS_URL")
+
+
+def env_log_level() -> str:
+    level = (env_str("INKLING_LOG_LEVEL", "INFO") or "INFO").upper()
+    if level not in _LOG_LEVELS:
+        raise ConfigError(f"INKLING_LOG_LEVEL={level!r} is not one of {_LOG_LEVELS}")
+    return level
+
+
+def _positive(where: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{where} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    url: str
+    key_prefix: str = "ink:emb:"
+    timeout_s: float = 0.25  # connect and per-operation timeout; a slow Redis is a miss, not a stall
+    ttl_s: int | None = None  # None: rely on maxmemory + allkeys-lru
+    async_writes: bool = True
+    max_value_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        scheme = urlparse(self.url).scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(f"redis url {self.url!r}: expected a redis://, rediss:// or unix:// URL")
+        _positive("redis timeout_s", self.timeout_s)
+        if self.ttl_s is not None:
+            _positive("redis ttl_s", self.ttl_s)
+
+
+@dataclass(frozen=True)
+class GrpcSettings:
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # largest message this server sends
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # largest message it accepts (media inline)
+    grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        _positive("max_message_bytes", self.max_message_bytes)
+        _positive("max_request_bytes", self.max_request_bytes)
+        _positive("--grace-seconds", self.grace_s, allow_zero=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class EncoderLimits:
+    """Bounds on one Encode call and its items (bad or oversized input -> INVALID_ARGUMENT)."""
+
+    max_items_per_request: int = 64
+    max_item_bytes: int = 64 << 20  # encoded media bytes per item
+    max_image_pixels: int = 178_956_970  # decoded source pixels
+    max_image_patches: int = 32768
+    max_audio_seconds: float = 600.0
+    max_video_frames: int = 64
+    max_inflight_items: int = 1024  # above this, new calls get RESOURCE_EXHAUSTED
+
+    def __post_init__(self) -> None:
+        for name in ("max_items_per_request", "max_item_bytes", "max_image_pixels", "max_image_patches",
+                     "max_audio_seconds", "max_video_frames", "max_inflight_items"):
+            _positive(f"encoder limit {name}", getattr(self, name))
+
+
+@dataclass(frozen=True)
+class BatcherSettings:
+    max_batch_tokens: int = 8192  # patches (vision) or frames (audio) per tower call
+    max_wait_ms: float = 5.0  # how long the first queued item waits for company
+
+    def __post_init__(self) -> None:
+        _positive("--max-batch-tokens", self.max_batch_tokens)
+        _positive("--max-wait-ms", self.max_wait_ms, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class EncoderSettings:
+    checkpoint: str
+    grpc: GrpcSettings = field(default_factory=GrpcSettings)
+    metrics_port: int = 0  # 0: no exporter
+    redis: RedisSettings | None = None
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    l1_cache_bytes: int = 1 << 30
+    preprocess_workers: int = 4
+    limits: EncoderLimits = field(default_factory=EncoderLimits)
+    batcher: BatcherSettings = field(default_factory=BatcherSettings)
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        _positive("--l1-cache-mb", self.l1_cache_bytes, allow_zero=True)
+        _positive("--preprocess-workers", self.preprocess_workers)
+        if self.log_level.upper() not in _LOG_LEVELS:
+            raise ConfigError(f"--log-level={self.log_level!r} is not one of {_LOG_LEVELS}")
+
+
+def add_encoder_args(parser: argparse.ArgumentParser) -> None:
+    """Encoder flags beyond the common serve flags (the CLI may add them; `encoder_settings` has defaults)."""
+    limits = EncoderLimits()
+    parser.add_argument("--l1-cache-mb", type=float, default=1024.0, help="in-process embedding cache budget")
+    parser.add_argument("--preprocess-workers", type=int, default=4, help="CPU threads for media decoding")
+    parser.add_argument("--max-items-per-request", type=int, default=limits.max_items_per_request)
+    parser.add_argument("--max-item-mb", type=float, default=limits.max_item_bytes / _MIB)
+    parser.add_argument("--max-image-patches", type=int, default=limits.max_image_patches)
+    parser.add_argument("--max-audio-seconds", type=float, default=limits.max_audio_seconds)
+    parser.add_argument("--max-video-frames", type=int, default=limits.max_video_frames)
+    parser.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE_BYTES / _MIB,
+                        help="largest gRPC message sent (responses are chunked below it)")
+    parser.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_REQUEST_BYTES / _MIB,
+                        help="largest gRPC request accepted (media bytes travel inline)")
+
+
+def redis_settings(url_flag: str | None) -> RedisSettings | None:
+    """--redis-url, else INKLING_REDIS_URL, else no Redis tier."""
+    url = url_flag or env_redis_url()
+    if not url:
+        return None
+    prefix = env_str("INKLING_REDIS_KEY_PREFIX", "ink:emb:") or "ink:emb:"
+    return RedisSettings(url=url, key_prefix=prefix)
+
+
+def _flag(args: argparse.Namespace, name: str, default: float) -> float:
+    """An optional flag's value (absent when the CLI did not call `add_encoder_args`)."""
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
+    """Settings from the `inkling-epd encoder` flags; the flags of `add_encoder_args` are optional."""
+    d = EncoderLimits()
+    limits = EncoderLimits(
+        max_items_per_request=int(_flag(args, "max_items_per_request", d.max_items_per_request)),
+        max_item_bytes=int(_flag(args, "max_item_mb", d.max_item_bytes / _MIB) * _MIB),
+        max_image_patches=int(_flag(args, "max_image_patches", d.max_image_patches)),
+        max_audio_seconds=float(_flag(args, "max_audio_seconds", d.max_audio_seconds)),
+        max_video_frames=int(_flag(args, "max_video_frames", d.max_video_frames)),
+    )
+    grpc = GrpcSettings(
+        host=args.host, port=args.port, grace_s=args.grace_seconds,
+        max_message_bytes=int(_flag(args, "max_message_mb", DEFAULT_MAX_MESSAGE_BYTES / _MIB) * _MIB),
+        max_request_bytes=int(_flag(args, "max_request_mb", DEFAULT_MAX_REQUEST_BYTES / _MIB) * _MIB))
+    return EncoderSettings(
+        checkpoint=args.checkpoint, grpc=grpc, metrics_port=args.metrics_port,
+        redis=redis_settings(args.redis_url), device=args.device, dtype=args.dtype,
+        l1_cache_bytes=int(_flag(args, "l1_cache_mb", 1024.0) * _MIB),
+        preprocess_workers=int(_flag(args, "preprocess_workers", 4)),
+        limits=limits,
+        batcher=BatcherSettings(max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms),
+        log_level=(getattr(args, "log_level", None) or env_log_level()).upper(),
+    )

@@ -1,0 +1,447 @@
+"""The encoder engine (no gRPC): media items in, bf16 tower outputs out, with caching and batching.
+
+Per item: validate the parameters against the limits, compute the `mm_key` (media bytes + preprocessing
+fingerprint + encoder fingerprint), look it up in the embedding cache, otherwise preprocess on a CPU thread
+pool, run the tower through the cross-request `DynamicBatcher`, store the result in the cache and return it.
+Items of one call run concurrently and come back in item order. Concurrent work on the same `mm_key` (in one
+call or across calls) is computed once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.cache_store import EmbeddingCache, Entry, LruCache, RedisCache, TieredCache
+from common.checkpoint import AUDIO, VISUAL, CheckpointFiles, load_tower_weights
+from common.config import ModelConfig, load_model_config
+from common.errors import InklingError, InvalidInputError, ResourceExhaustedError
+from common.hashing import encoder_fingerprint, mm_key, tensor_digest
+from common.metrics import EncoderMetrics
+from common.settings import BatcherSettings, EncoderLimits, EncoderSettings
+from common.wire import DTYPE_BF16, EncodedItem, Span
+from encoder_service.batcher import DynamicBatcher
+from encoder_service.preprocess.audio import AudioPolicy, preprocess_audio
+from encoder_service.preprocess.image import ImagePolicy, image_token_count, preprocess_image, probe_image
+from encoder_service.preprocess.video import VideoItems, VideoPolicy, preprocess_video
+from encoder_service.towers import AudioTower, VisionTower, build_towers
+
+log = logging.getLogger(__name__)
+
+PREPROCESS_VERSION = "encoder-preprocess/v1"  # bump when preprocessing code changes its output
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Requests in native form (the server converts protobuf to these)
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    rescale: str = "default"  # "default" (server policy), "none", "long_edge"
+    rescale_frac: float | None = None  # long_edge: overrides the server factor
+    rescale_max_long_edge: int | None = None  # long_edge: overrides the server growth cap
+
+
+@dataclass(frozen=True)
+class VideoOptions:
+    fps: float | None = None  # None: the server's policy
+    max_frames: int | None = None
+    include_audio: bool | None = None
+    frame: ImageOptions = field(default_factory=ImageOptions)
+
+
+@dataclass(frozen=True)
+class MediaInput:
+    modality: str  # "image", "audio", "video"
+    data: bytes
+    image: ImageOptions | None = None
+    video: VideoOptions | None = None
+
+
+@dataclass(frozen=True)
+class ItemError:
+    """An item that could not be encoded; `error` carries the message (naming the item) and the kind."""
+
+    item_index: int
+    error: InklingError
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    fingerprint: bytes
+    model_id: str
+    dim: int
+    modalities: tuple[str, ...]
+    limits: EncoderLimits
+    max_batch_tokens: int
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tower plumbing (torch lives here, not in the server)
+
+
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
+    """Tower output -> bf16 bit patterns as a uint16 numpy array (what `common.wire` ships)."""
+    return t.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def tower_fingerprint(config: ModelConfig, vision: VisionTower | None, audio: AudioTower | None,
+                      dtype: torch.dtype) -> bytes:
+    """Encoder fingerprint: tower configs, compute dtype and a digest of every tower tensor as loaded."""
+    digests: dict[str, bytes] = {}
+    for prefix, tower in ((VISUAL, vision), (AUDIO, audio)):
+        if tower is None:
+            continue
+        for name, tensor in tower.state_dict().items():
+            raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            digests[prefix + name] = tensor_digest(str(tensor.dtype), tuple(tensor.shape), raw.tobytes())
+    fields: dict[str, Any] = {
+        "vision": dataclasses.asdict(config.vision) if config.vision else None,
+        "audio": dataclasses.asdict(config.audio) if config.audio else None,
+        "compute_dtype": str(dtype),
+        "output_dtype": DTYPE_BF16,
+    }
+    return encoder_fingerprint(fields, digests)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Engine
+
+
+class EncoderEngine:
+    def __init__(self, *, vision: VisionTower | None, audio: AudioTower | None, dim: int, fingerprint: bytes,
+                 image_policy: ImagePolicy | None = None, audio_policy: AudioPolicy | None = None,
+                 video_policy: VideoPolicy | None = None, cache: EmbeddingCache | None = None,
+                 limits: EncoderLimits | None = None, batcher: BatcherSettings | None = None,
+                 preprocess_workers: int = 4, metrics: EncoderMetrics | None = None,
+                 model_id: str = "") -> None:
+        self.limits = limits or EncoderLimits()
+        batcher = batcher or BatcherSettings()
+        self.vision, self.audio, self.dim, self.fingerprint = vision, audio, dim, fingerprint
+        self.model_id = model_id
+        base_image = image_policy or ImagePolicy()
+        self.image_policy = dataclasses.replace(base_image, max_patches=self.limits.max_image_patches,
+                                                max_pixels=self.limits.max_image_pixels,
+                                                max_bytes=self.limits.max_item_bytes)
+        base_audio = audio_policy or AudioPolicy()
+        self.audio_policy = dataclasses.replace(
+            base_audio, max_seconds=self.limits.max_audio_seconds, max_bytes=self.limits.max_item_bytes,
+            max_frames=min(base_audio.max_frames, math.ceil(
+                self.limits.max_audio_seconds * base_audio.sample_rate / base_audio.hop_length)))
+        base_video = video_policy or VideoPolicy()
+        self.video_policy = dataclasses.replace(
+            base_video, max_frames=min(base_video.max_frames, self.limits.max_video_frames),
+            max_seconds=self.limits.max_audio_seconds, max_bytes=self.limits.max_item_bytes)
+        self.cache = cache
+        self.metrics = metrics
+        self.max_batch_tokens = batcher.max_batch_tokens
+        self._preprocess_pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess")
+        self._tower_pool = ThreadPoolExecutor(1, thread_name_prefix="tower")
+        wait_s = batcher.max_wait_ms / 1000.0
+        self._vision_batcher = DynamicBatcher(self._run_vision, batcher.max_batch_tokens, wait_s,
+                                              self._tower_pool, self._observer("vision"))
+        self._audio_batcher = DynamicBatcher(self._run_audio, batcher.max_batch_tokens, wait_s,
+                                             self._tower_pool, self._observer("audio"))
+        self._singleflight: dict[bytes, asyncio.Task[Entry]] = {}
+        self._inflight = 0
+
+    # -- public ----------------------------------------------------------------------------------------------
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        out = []
+        if self.vision is not None:
+            out.append("image")
+        if self.audio is not None:
+            out.append("audio")
+        if self.vision is not None:
+            out.append("video")
+        return tuple(out)
+
+    @property
+    def inflight_items(self) -> int:
+        return self._inflight
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.fingerprint, self.model_id, self.dim, self.modalities, self.limits,
+                          self.max_batch_tokens)
+
+    async def encode(self, items: Sequence[MediaInput], request_id: str = "",
+                     ) -> AsyncIterator[EncodedItem | ItemError]:
+        """Encode all items concurrently; yield each result (or its `ItemError`) in item order.
+
+        Raises `InvalidInputError` for a malformed call (no items, too many) and `ResourceExhaustedError` when
+        the engine is over its in-flight budget. Closing the iterator early cancels the remaining work.
+        """
+        if not items:
+            raise InvalidInputError("Encode: no media items")
+        if len(items) > self.limits.max_items_per_request:
+            raise InvalidInputError(f"Encode: {len(items)} items exceeds the limit of "
+                                    f"{self.limits.max_items_per_request} per request")
+        if self._inflight + len(items) > self.limits.max_inflight_items:
+            raise ResourceExhaustedError(f"encoder busy: {self._inflight} items in flight (limit "
+                                         f"{self.limits.max_inflight_items})")
+        self._inflight += len(items)
+        if self.metrics:
+            self.metrics.inflight.set(self._inflight)
+        tasks = [asyncio.create_task(self._encode_item(i, item), name=f"encode-{request_id}-{i}")
+                 for i, item in enumerate(items)]
+        try:
+            for index, task in enumerate(tasks):
+                try:
+                    result: EncodedItem | ItemError = await task
+                except InklingError as exc:
+                    result = ItemError(index, exc)
+                self._count(items[index].modality, "ok" if isinstance(result, EncodedItem) else "error")
+                yield result
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._inflight -= len(items)
+            if self.metrics:
+                self.metrics.inflight.set(self._inflight)
+
+    async def close(self) -> None:
+        await self._vision_batcher.close()
+        await self._audio_batcher.close()
+        for task in list(self._singleflight.values()):
+            task.cancel()
+        self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
+        self._tower_pool.shutdown(wait=False, cancel_futures=True)
+        if self.cache is not None:
+            await asyncio.to_thread(self.cache.close)
+
+    # -- per item --------------------------------------------------------------------------------------------
+
+    def _image_policy(self, options: ImageOptions | None, item: str) -> ImagePolicy:
+        base = self.image_policy
+        if options is None or options.rescale == "default":
+            if options is not None and (options.rescale_frac is not None or options.rescale_max_long_edge):
+                raise InvalidInputError(f"{item}: rescale_frac/rescale_max_long_edge need the long_edge "
+                                        "policy")
+            return base
+        if options.rescale == "none":
+            return dataclasses.replace(base, rescale_frac=None)
+        if options.rescale != "long_edge":
+            raise InvalidInputError(f"{item}: unknown rescale policy {options.rescale!r}")
+        frac = options.rescale_frac if options.rescale_frac is not None else (base.rescale_frac or 1.0)
+        cap = options.rescale_max_long_edge or base.max_upscaled_long_edge
+        try:
+            return dataclasses.replace(base, rescale_frac=frac, max_upscaled_long_edge=cap)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"{item}: {exc}") from None
+
+    def _video_policy(self, options: VideoOptions, item: str) -> VideoPolicy:
+        base = self.video_policy
+        if options.max_frames is not None and options.max_frames < 1:
+            raise InvalidInputError(f"{item}: max_frames must be >= 1, got {options.max_frames}")
+        include_audio = options.include_audio
+        if include_audio is None:
+            include_audio = base.include_audio and self.audio is not None
+        if include_audio and self.audio is None:
+            raise InvalidInputError(f"{item}: include_audio needs the audio tower, which this encoder lacks")
+        try:
+            return dataclasses.replace(
+                base, fps=base.fps if options.fps is None else options.fps, include_audio=include_audio,
+                max_frames=min(options.max_frames or base.max_frames, self.limits.max_video_frames))
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"{item}: {exc}") from None
+
+    def _plan(self, media: MediaInput, item: str) -> tuple[dict, Callable[[], np.ndarray | VideoItems]]:
+        """(preprocessing fingerprint, the CPU preprocessing call) for one item."""
+        if media.modality not in self.modalities:
+            supported = ", ".join(self.modalities) or "none"
+            raise InvalidInputError(f"{item}: modality {media.modality!r} is not served here ({supported})")
+        if media.modality != "image" and media.image is not None:
+            raise InvalidInputError(f"{item}: image parameters given for a {media.modality} item")
+        if media.modality != "video" and media.video is not None:
+            raise InvalidInputError(f"{item}: video parameters given for a {media.modality} item")
+        if not media.data:
+            raise InvalidInputError(f"{item}: empty media data")
+        if len(media.data) > self.limits.max_item_bytes:
+            raise InvalidInputError(f"{item}: {len(media.data)} bytes exceeds the limit of "
+                                    f"{self.limits.max_item_bytes}")
+        data = media.data
+        if media.modality == "image":
+            policy = self._image_policy(media.image, item)
+            return ({"version": PREPROCESS_VERSION, "image": policy.fingerprint()},
+                    lambda: preprocess_image(data, policy, item).pixels)
+        if media.modality == "audio":
+            audio_policy = self.audio_policy
+            return ({"version": PREPROCESS_VERSION, "audio": audio_policy.fingerprint()},
+                    lambda: preprocess_audio(data, audio_policy, item))
+        options = media.video or VideoOptions()
+        frame_policy = self._image_policy(options.frame, item)
+        video_policy = self._video_policy(options, item)
+        audio_policy = self.audio_policy
+        fingerprint = {"version": PREPROCESS_VERSION, "video": video_policy.fingerprint(),
+                       "frame": frame_policy.fingerprint(),
+                       "audio": audio_policy.fingerprint() if video_policy.include_audio else None}
+        return fingerprint, lambda: preprocess_video(data, video_policy, frame_policy, audio_policy, item)
+
+    def preprocess_fingerprint(self, media: MediaInput, item: str = "item") -> dict:
+        """The preprocessing part of `media`'s mm_key: the decode side's encoder client computes keys with
+        this very function, so its Redis lookups hit what encoders store."""
+        return self._plan(media, item)[0]
+
+    async def _encode_item(self, index: int, media: MediaInput) -> EncodedItem:
+        item = f"item {index} ({media.modality})"
+        fingerprint, preprocess = self._plan(media, item)
+        key = mm_key(media.modality, media.data, fingerprint, self.fingerprint)
+        entry = await self._lookup(key, media, item)
+        hit = entry is not None
+        if entry is None:
+            task = self._singleflight.get(key)
+            shared = task is not None
+            if task is None:
+                task = asyncio.create_task(self._compute(key, media.modality, preprocess, item))
+                self._singleflight[key] = task
+                task.add_done_callback(lambda t, k=key: self._computed(k, t))
+            try:
+                entry = await asyncio.shield(task)
+            except InvalidInputError as exc:
+                if not shared:
+                    raise
+                raise InvalidInputError(f"{item}: same media as an item that failed: {exc}") from None
+        return EncodedItem(item_index=index, mm_key=key, modality=media.modality, rows=entry.rows,
+                           dim=entry.dim, payload=entry.payload, spans=entry.spans, cache_hit=hit)
+
+    def _computed(self, key: bytes, task: asyncio.Task) -> None:
+        self._singleflight.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: the callers may all have gone away
+
+    async def _lookup(self, key: bytes, media: MediaInput, item: str) -> Entry | None:
+        if self.cache is None:
+            return None
+        entry = await asyncio.to_thread(self.cache.get, key)
+        if entry is None:
+            return None
+        if entry.modality != media.modality or entry.dim != self.dim or entry.dtype != DTYPE_BF16:
+            log.warning("%s: cached entry does not fit (modality %s, dim %d); recomputing", item,
+                        entry.modality, entry.dim)
+            return None
+        if media.modality == "image":
+            # A cheap header probe catches a row count that cannot belong to this image (spec serving 2.5).
+            policy = self._image_policy(media.image, item)
+            width, height = probe_image(media.data, policy.exif_transpose, item)
+            if entry.rows != image_token_count(width, height, policy):
+                log.warning("%s: cached entry has %d rows, the image needs %d; recomputing", item, entry.rows,
+                            image_token_count(width, height, policy))
+                return None
+        return entry
+
+    async def _compute(self, key: bytes, modality: str, preprocess: Callable[[], Any], item: str) -> Entry:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        try:
+            prepared = await loop.run_in_executor(self._preprocess_pool, preprocess)
+        except InklingError:
+            raise
+        except Exception as exc:  # decoders meeting hostile bytes: the item is bad, the server is fine
+            log.warning("%s: preprocessing failed", item, exc_info=exc)
+            raise InvalidInputError(f"{item}: media could not be decoded ({type(exc).__name__}: {exc})") from exc
+        if self.metrics:
+            self.metrics.preprocess.labels(modality).observe(time.monotonic() - started)
+        if modality == "image":
+            bits = await self._vision_batcher.submit(prepared)
+            spans: tuple[Span, ...] = (Span("image", len(bits)),)
+        elif modality == "audio":
+            bits = await self._audio_batcher.submit(prepared)
+            spans = (Span("audio", len(bits)),)
+        else:
+            clip: VideoItems = prepared
+            parts = list(await asyncio.gather(*(self._vision_batcher.submit(f.pixels) for f in clip.frames)))
+            spans = tuple(Span("image", len(p)) for p in parts)
+            if clip.audio is not None and len(clip.audio):
+                parts.append(await self._audio_batcher.submit(clip.audio))
+                spans += (Span("audio", len(parts[-1])),)
+            bits = np.concatenate(parts)
+        payload = np.ascontiguousarray(bits, dtype="<u2").tobytes()
+        entry = Entry(modality=modality, rows=len(bits), dim=self.dim, payload=payload, spans=spans)
+        if self.cache is not None:
+            await asyncio.to_thread(self.cache.put, key, entry)
+        return entry
+
+    # -- towers (run on the single tower thread) -----------------------------------------------------------
+
+    def _device(self, tower: torch.nn.Module) -> torch.device:
+        return next(tower.parameters()).device
+
+    def _run_vision(self, pixels: np.ndarray) -> np.ndarray:
+        assert self.vision is not None
+        with torch.inference_mode():
+            return bf16_bits(self.vision(torch.from_numpy(pixels).to(self._device(self.vision))))
+
+    def _run_audio(self, codes: np.ndarray) -> np.ndarray:
+        assert self.audio is not None
+        with torch.inference_mode():
+            return bf16_bits(self.audio(torch.from_numpy(codes).to(self._device(self.audio))))
+
+    def _observer(self, tower: str) -> Callable[[int, int, float, float], None] | None:
+        metrics = self.metrics
+        if metrics is None:
+            return None
+
+        def observe(items: int, rows: int, wait_s: float, run_s: float) -> None:
+            metrics.items_per_batch.labels(tower).observe(items)
+            metrics.forward.labels(tower).observe(run_s)
+            metrics.queue_wait.observe(wait_s)
+
+        return observe
+
+    def _count(self, modality: str, status: str) -> None:
+        if self.metrics:
+            self.metrics.items.labels(modality, status).inc()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Construction from a checkpoint
+
+
+def build_cache(settings: EncoderSettings, metrics: EncoderMetrics | None) -> EmbeddingCache | None:
+    observer = metrics.cache if metrics else None
+    l1 = LruCache(settings.l1_cache_bytes, observer=observer) if settings.l1_cache_bytes > 0 else None
+    l2 = None
+    if settings.redis is not None:
+        r = settings.redis
+        l2 = RedisCache(r.url, key_prefix=r.key_prefix, timeout_s=r.timeout_s, ttl_s=r.ttl_s,
+                        max_value_bytes=r.max_value_bytes, async_writes=r.async_writes, observer=observer)
+    return TieredCache(l1, l2) if l1 is not None or l2 is not None else None
+
+
+def load_engine(settings: EncoderSettings, metrics: EncoderMetrics | None = None) -> EncoderEngine:
+    """Read config + tower weights from the checkpoint and build the engine described by `settings`."""
+    config = load_model_config(settings.checkpoint)
+    dtype = DTYPES[settings.dtype]
+    files = CheckpointFiles(settings.checkpoint)
+    vision_state = audio_state = None
+    if config.vision is not None:
+        vision_state, _ = load_tower_weights(files, VISUAL, config, dtype, settings.device)
+    if config.audio is not None:
+        audio_state, _ = load_tower_weights(files, AUDIO, config, dtype, settings.device)
+    vision, audio = build_towers(config, vision_state, audio_state, settings.device, dtype)
+    image_policy = ImagePolicy(patch_size=config.vision.patch_size) if config.vision else None
+    audio_policy = None
+    if config.audio is not None:
+        a = config.audio
+        audio_policy = AudioPolicy(n_mels=a.n_mel_bins, num_dmel_bins=a.mel_vocab_size,
+                                   dmel_min=a.dmel_min_value, dmel_max=a.dmel_max_value)
+    return EncoderEngine(
+        vision=vision, audio=audio, dim=config.text.hidden_size,
+        fingerprint=tower_fingerprint(config, vision, audio, dtype), image_policy=image_policy,
+        audio_policy=audio_policy, cache=build_cache(settings, metrics), limits=settings.limits,
+        batcher=settings.batcher, preprocess_workers=settings.preprocess_workers, metrics=metrics,
+        model_id=str(settings.checkpoint))
