@@ -1,0 +1,137 @@
+"""Engine control-plane benchmark: scheduling overhead per step, and prefix-cache savings on multi-turn media chats.
+
+    python bench/bench_engine.py [--running 256] [--steps 50]
+
+Part 1 runs the engine with a model whose forward costs nothing, so the measured step time is the engine's own
+CPU work (scheduler, page tables, batch packing, sampling); it is printed next to the decode-step floor of
+Inkling-Small on one H200 (DESIGN.md: ~3.25 ms at batch 1, memory-bound) since the goal is < 5% of a GPU step.
+Part 2 replays a multi-turn multimodal conversation on the tiny random checkpoint and reports how many prompt
+tokens the prefix cache served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from common.checkpoint import CheckpointFiles, load_decoder_weights
+from common.config import load_model_config
+from decode_service.engine.engine import Engine, EngineSettings
+from decode_service.engine.request import MultimodalItem, Request, SamplingParams
+from decode_service.model.batch import ForwardBatch
+from decode_service.model.inkling import InklingDecoder
+from tools.make_tiny_checkpoint import make_tiny_checkpoint
+
+GPU_DECODE_STEP_FLOOR_MS = 3.25  # Inkling-Small, batch 1, one H200 (DESIGN.md performance model)
+
+
+class NullDecoder:
+    """Does no model work: hidden and logits are zeros, so greedy always picks token 0 (not an EOS here)."""
+
+    def __init__(self, hidden: int, vocab: int):
+        self.hidden, self.vocab, self.dtype = hidden, vocab, torch.float32
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return torch.zeros(batch.num_tokens, self.hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(hidden.shape[0], self.vocab)
+
+
+class Stopwatch:
+    """Accumulates the wall time spent inside wrapped callables (the data-plane parts of a step)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def scheduling_overhead(config, running: int, steps: int) -> tuple[float, float]:
+    """(control-plane ms per step, whole step ms): the control plane excludes forward, logits and sampling math,
+    which run on the GPU in production (argmax over a 200k vocabulary on this CPU would dominate otherwise)."""
+    model = NullDecoder(config.text.hidden_size, config.text.unpadded_vocab_size)
+    settings = EngineSettings(
+        kv_cache_bytes=2 << 30, max_num_seqs=running, max_num_batched_tokens=running * 8, enable_prefix_cache=True
+    )
+    engine = Engine(model, config, settings)
+    sampling = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    for i in range(running):
+        engine.add_request(Request(f"r{i}", list(range(1, 65)), sampling))
+    while any(r.num_computed_tokens < 64 for r in engine.requests.values()):
+        engine.step()  # finish every prefill first
+    watch = Stopwatch()
+    model.forward, model.logits = watch.wrap(model.forward), watch.wrap(model.logits)
+    engine.runner.sampler.sample = watch.wrap(engine.runner.sampler.sample)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = time.perf_counter() - start
+    return (total - watch.seconds) / steps * 1e3, total / steps * 1e3
+
+
+def multi_turn_savings(checkpoint: str, turns: int) -> tuple[int, int]:
+    config = load_model_config(checkpoint)
+    weights, _ = load_decoder_weights(CheckpointFiles(checkpoint), config, dtype=torch.float32, device="cpu")
+    model = InklingDecoder.from_weights(config.text, weights, torch.float32)
+    engine = Engine(model, config, EngineSettings(kv_cache_bytes=256 << 20, page_size=16, snapshot_interval_blocks=4))
+    gen = torch.Generator().manual_seed(0)
+    history: list[int] = []
+    items: list[MultimodalItem] = []
+    prompt_total = cached_total = 0
+    for turn in range(turns):
+        image_rows = torch.randn(48, config.text.hidden_size, generator=gen)
+        start = len(history) + 2
+        history += [200000, 200005] + [config.image_token_id] * 48 + [200010]
+        items.append(MultimodalItem(bytes([turn]) * 32, start, image_rows))
+        history += [200000, 200004] + torch.randint(0, 199_000, (40,), generator=gen).tolist() + [200010]
+        request = Request(
+            f"turn{turn}", list(history), SamplingParams(temperature=0.0, max_tokens=8), mm_items=tuple(items)
+        )
+        (out,) = engine.generate([request])
+        prompt_total += out.num_prompt_tokens
+        cached_total += out.num_cached_tokens
+        history += out.token_ids
+    return prompt_total, cached_total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--running", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--turns", type=int, default=4)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        make_tiny_checkpoint(tmp, nvfp4=True, seed=0)
+        config = load_model_config(tmp)
+        print(
+            "| running requests | control plane ms/step | whole step ms (CPU, null model) | "
+            "GPU decode-step floor ms | control/floor |"
+        )
+        print("|---|---|---|---|---|")
+        for running in sorted({64, args.running}):
+            control_ms, step_ms = scheduling_overhead(config, running, args.steps)
+            print(
+                f"| {running} | {control_ms:.2f} | {step_ms:.2f} | {GPU_DECODE_STEP_FLOOR_MS} | "
+                f"{control_ms / GPU_DECODE_STEP_FLOOR_MS:.1%} |"
+            )
+        prompt, cached = multi_turn_savings(tmp, args.turns)
+        print()
+        print("| turns | prompt tokens | served by prefix cache | hit rate |")
+        print("|---|---|---|---|")
+        print(f"| {args.turns} | {prompt} | {cached} | {cached / prompt:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
