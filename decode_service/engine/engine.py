@@ -23,6 +23,7 @@ from common.config import ModelConfig
 from common.errors import InvalidInputError, ResourceExhaustedError
 from decode_service.engine.kv_cache import CacheSpec, KVCache
 from decode_service.engine.prefix_cache import PrefixCache
+from decode_service.engine.redis_prefix import PrefixStore, RedisPrefixTier, measure_prefill_rate
 from decode_service.engine.request import FinishReason, Request, TokenLogprobs
 from decode_service.engine.runner import DecoderModel, ModelRunner
 from decode_service.engine.sampler import Sampler, check_stop
@@ -54,13 +55,22 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # stop, length, abort, error:<msg>
     num_prompt_tokens: int
-    num_cached_tokens: int
+    num_cached_tokens: int  # = num_cached_tokens_gpu + num_cached_tokens_redis
     num_mm_tokens: int
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens_gpu: int = 0  # prompt tokens from this replica's prefix cache
+    num_cached_tokens_redis: int = 0  # prompt tokens fetched from the shared Redis prefix tier
 
 
 class Engine:
-    def __init__(self, model: DecoderModel, config: ModelConfig, settings: EngineSettings):
+    def __init__(
+        self,
+        model: DecoderModel,
+        config: ModelConfig,
+        settings: EngineSettings,
+        prefix_store: PrefixStore | None = None,
+    ):
+        """`prefix_store`: the shared Redis prefix tier (needs the prefix cache); its cost model is measured here."""
         self.config = config
         self.settings = settings
         text = config.text
@@ -84,12 +94,19 @@ class Engine:
                 ).digest()
             )
             self.prefix_cache = PrefixCache(self.cache, fingerprint, settings.snapshot_interval_blocks)
+        self.redis_prefix: RedisPrefixTier | None = None
+        if prefix_store is not None and self.prefix_cache is not None:
+            self.redis_prefix = RedisPrefixTier(self.cache, self.prefix_cache, prefix_store)
         self.scheduler = Scheduler(
             self.cache,
             SchedulerConfig(settings.max_num_batched_tokens, settings.max_num_seqs),
             self.prefix_cache,
+            self.redis_prefix,
         )
         self.runner = ModelRunner(model, Sampler(settings.seed), settings.device)
+        if self.redis_prefix is not None:
+            chunk = min(settings.max_num_batched_tokens, 256)
+            self.redis_prefix.calibrate(measure_prefill_rate(self.cache, self.runner, chunk))
         self.max_model_len = min(
             settings.max_model_len or text.max_position_embeddings, self.cache.max_tokens_per_sequence()
         )
@@ -166,8 +183,10 @@ class Engine:
     def _emit(self, deltas: dict[str, tuple[Request, list[int], list[TokenLogprobs]]]) -> list[RequestOutput]:
         outputs = []
         for request, new_ids, new_logprobs in deltas.values():
+            redis_tokens = self.scheduler.num_cached_tokens_redis.get(request.request_id, 0)
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
+                self.scheduler.num_cached_tokens_redis.pop(request.request_id, None)
             outputs.append(
                 RequestOutput(
                     request.request_id,
@@ -179,6 +198,8 @@ class Engine:
                     request.num_cached_tokens,
                     sum(item.length for item in request.mm_items),
                     new_logprobs,
+                    request.num_cached_tokens - redis_tokens,
+                    redis_tokens,
                 )
             )
         return outputs

@@ -139,16 +139,24 @@ class PrefixCache:
         for h in reversed(request.block_hashes[:num_blocks]):  # the head ends most recent: evicted last
             self.entries.move_to_end(h)
 
-    def insert(self, request: Request, handle: CacheHandle, num_tokens: int) -> None:
+    def insert(
+        self, request: Request, handle: CacheHandle, num_tokens: int, snapshot: ConvSnapshot | None = None
+    ) -> None:
         """Record the blocks completed by a step that brings `handle` from `handle.num_tokens` to
-        `num_tokens`. Call before `handle.commit`, which releases sliding pages that left the window."""
+        `num_tokens`. Call before `handle.commit`, which releases sliding pages that left the window.
+        `snapshot`: the conv states at `num_tokens` of a prefix loaded from another tier (not computed here); it
+        makes `num_tokens` a usable boundary even where this request does not track one."""
         size = self.page_size
         first, last = handle.num_tokens // size, num_tokens // size
         hashes = self.block_hashes(request, last)
+        window_start = num_tokens - (self.cache.window - 1)
         for i in range(first, last):
             entry = self.entries.get(hashes[i])
             g_page = handle.tables[False][i] if self.cache.has_global else None
-            s_page = handle.tables[True][i] if self._window_needs(request, i) else None
+            keep_sliding = self._window_needs(request, i) or (
+                snapshot is not None and self.cache.has_sliding and (i + 1) * size > window_start
+            )
+            s_page = handle.tables[True][i] if keep_sliding else None
             if entry is None:
                 entry = _Entry(g_page, s_page)
                 for sliding, page in ((False, g_page), (True, s_page)):
@@ -159,10 +167,10 @@ class PrefixCache:
                 self.cache.pools[True].incref(s_page)
                 entry.sliding_page = s_page
             self.entries.move_to_end(hashes[i])
-        if last > 0 and num_tokens == last * size and self.is_tracked(request, num_tokens):
+        if last > 0 and num_tokens == last * size and (snapshot is not None or self.is_tracked(request, num_tokens)):
             entry = self.entries[hashes[last - 1]]
             if entry.snapshot is None:
-                entry.snapshot = handle.snapshot_conv()
+                entry.snapshot = snapshot if snapshot is not None else handle.snapshot_conv()
 
     def _window_needs(self, request: Request, block: int) -> bool:
         """Whether block `block` lies in the sliding window before the next tracked boundary (the only

@@ -2,20 +2,24 @@
 
 Every step packs the running sequences (decodes and unfinished prefills, in priority/arrival order) and then
 admits waiting requests, all under a token budget and a sequence cap. A request is admitted when a conv slot
-and the pages for its next chunk are available (after a prefix-cache lookup and, if needed, evicting
-unreferenced prefix entries). When a running sequence cannot grow, the lowest-priority latest running request
-is preempted by recompute: its cache is released and it waits again with its generated tokens kept, to be
-prefilled as prompt + output. Aborts are applied at the start of the next step. The result of `schedule` is a
-`SchedulerOutput`, the only thing the runner sees.
+and the pages for its next chunk are available (after a prefix-cache lookup, optionally extended from the shared
+Redis tier of `redis_prefix.py`, and, if needed, evicting unreferenced prefix entries). When a running sequence
+cannot grow, the lowest-priority latest running request is preempted by recompute: its cache is released and it
+waits again with its generated tokens kept, to be prefilled as prompt + output. Aborts are applied at the start
+of the next step. The result of `schedule` is a `SchedulerOutput`, the only thing the runner sees.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from decode_service.engine.kv_cache import CacheHandle, KVCache
 from decode_service.engine.prefix_cache import PrefixCache
 from decode_service.engine.request import FinishReason, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from decode_service.engine.redis_prefix import RedisPrefixTier
 
 
 @dataclass(frozen=True)
@@ -49,11 +53,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, config: SchedulerConfig, prefix_cache: PrefixCache | None = None):
+    def __init__(
+        self,
+        cache: KVCache,
+        config: SchedulerConfig,
+        prefix_cache: PrefixCache | None = None,
+        redis_prefix: RedisPrefixTier | None = None,
+    ):
         assert config.max_num_seqs <= cache.spec.num_conv_slots, "fewer conv slots than max_num_seqs"
         self.cache = cache
         self.config = config
         self.prefix_cache = prefix_cache
+        self.redis_prefix = redis_prefix  # shared tier: fetched after a GPU lookup, published after prefill
+        self.num_cached_tokens_redis: dict[str, int] = {}  # request id -> prompt tokens fetched from Redis
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._aborts: set[str] = set()
@@ -96,6 +108,8 @@ class Scheduler:
             request, end = seq.request, seq.start_position + seq.num_tokens
             if self.prefix_cache is not None:
                 self.prefix_cache.insert(request, seq.handle, end)
+            if self.redis_prefix is not None:
+                self.redis_prefix.publish(request, seq.handle, end)
             seq.handle.commit(end)
             request.num_computed_tokens = end
 
@@ -185,6 +199,10 @@ class Scheduler:
             if hit is not None:
                 request.handle.adopt_prefix(hit.num_tokens, hit.global_pages, hit.sliding_pages, hit.snapshot)
                 request.num_computed_tokens = hit.num_tokens
+            fetched = 0
+            if self.redis_prefix is not None:
+                fetched = self.redis_prefix.fetch(request, request.handle, self._make_room)
+                request.num_computed_tokens = request.handle.num_tokens
             n = self._chunk_size(request, budget)
             total = request.num_computed_tokens + n
             if not self._make_room(request.handle.pages_needed(total)):
@@ -193,6 +211,8 @@ class Scheduler:
             request.handle.grow(total)
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = request.num_computed_tokens
+                if fetched:
+                    self.num_cached_tokens_redis[request.request_id] = fetched
             request.status = RequestStatus.RUNNING
             self.waiting.remove(request)
             self.running.append(request)
