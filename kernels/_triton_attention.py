@@ -1,0 +1,164 @@
+"""Triton code for Inkling decode attention (one new query per sequence). Public entry: kernels/attention.py.
+
+Split-KV ("flash-decoding"): program (b, kv head, split) walks its chunk of visible keys for the GROUP query
+heads that share the KV head (padded to BLOCK_H rows so the products run on the tensor cores), keeps an
+online softmax in fp32, and writes an unnormalised partial (acc, max, sum); ``attn_combine_kernel`` merges
+the splits. The relative bias ``L_j(p, p - s) = r_j(p) . P[:, p - s]`` is formed per key block from the
+small P bank (bias 0 at distances >= R), so no [T, nH, T] tensor exists.
+
+All KV addressing goes through ``_kv_offsets`` so a page table can replace the contiguous
+``[B, S_max, nKV, hd]`` layout in one place.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_offsets(b, slots, kv_head, stride_b, stride_s, stride_h):
+    # Contiguous per-sequence layout: key ``slots`` of sequence b lives at row ``slots`` (position == slot).
+    return b.to(tl.int64) * stride_b + slots.to(tl.int64) * stride_s + kv_head * stride_h
+
+
+@triton.jit
+def attn_decode_split_kernel(
+    Q,
+    R,
+    P,
+    K,
+    V,
+    SeqLens,
+    Acc,
+    ML,
+    n_heads,
+    rel_extent,
+    window,
+    chunk,
+    tau_alpha,
+    tau_inv_n_floor,
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_rb,
+    stride_rh,
+    stride_pd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ab,
+    stride_ah,
+    stride_as,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_REL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    USE_TAU: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    p = seq_len - 1  # absolute position of the query (its own key is already in the cache)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(p - window + 1, 0)
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_r = tl.arange(0, D_REL)
+    heads = kv_head * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None],
+        other=0.0,
+    )
+    r = tl.load(
+        R + b.to(tl.int64) * stride_rb + heads[:, None] * stride_rh + offs_r[None, :],
+        mask=h_mask[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    # Logits in log2 units: (q.k * sm_scale + bias) * tau * log2(e).
+    logit_scale = 1.4426950408889634
+    if USE_TAU:
+        ratio = tl.maximum((p + 1).to(tl.float32) * tau_inv_n_floor, 1.0)
+        logit_scale = logit_scale * (1.0 + tau_alpha * tl.log(ratio))
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_N):
+        slots = s0 + tl.arange(0, BLOCK_N)
+        s_mask = slots < end
+        k_off = _kv_offsets(b, slots, kv_head, stride_kb, stride_ks, stride_kh)
+        k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_H, BLOCK_N] fp32
+        if p - s0 - BLOCK_N + 1 < rel_extent:  # some key of this block is within the bias extent
+            delta = p - slots
+            pv = tl.load(
+                P + offs_r[:, None] * stride_pd + delta[None, :],
+                mask=(delta < rel_extent)[None, :] & s_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            s += tl.sum(r[:, :, None] * pv[None, :, :], axis=1)
+        s = tl.where(s_mask[None, :], s * logit_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        prob = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        v_off = _kv_offsets(b, slots, kv_head, stride_vb, stride_vs, stride_vh)
+        v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+        m_i = m_new
+    a_ptrs = Acc + b.to(tl.int64) * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
+    tl.store(a_ptrs, acc, mask=h_mask[:, None])
+    ml_ptrs = ML + b.to(tl.int64) * stride_mb + heads * stride_mh + split * stride_ms
+    tl.store(ml_ptrs, m_i, mask=h_mask)
+    tl.store(ml_ptrs + 1, l_i, mask=h_mask)
+
+
+@triton.jit
+def attn_combine_kernel(
+    Acc,
+    ML,
+    Out,
+    n_splits,
+    stride_ab,
+    stride_ah,
+    stride_as,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < n_splits
+    ml_ptrs = ML + b.to(tl.int64) * stride_mb + h * stride_mh + offs_s * stride_ms
+    m = tl.load(ml_ptrs, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(ml_ptrs + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
+    denom = tl.sum(l_s * w, axis=0)
+    a = tl.load(
+        Acc + b.to(tl.int64) * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_d[None, :],
+        mask=s_mask[:, None],
+        other=0.0,
+    )
+    o = tl.sum(a * w[:, None], axis=0) / denom
+    tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(Out.dtype.element_ty))

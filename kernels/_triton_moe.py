@@ -1,0 +1,253 @@
+"""Triton code for the routed-expert MoE (weight-only NVFP4 or bf16 weights). Public entry: kernels/moe.py.
+
+Two launches per MoE call:
+  1. ``moe_w13_kernel``: per (row block of one expert, tile of I): gate and up accumulators over H, then
+     ``silu(g) * u`` into an intermediate ``[n_pairs, I]`` (one row per (token, slot) pair).
+  2. ``moe_w2_kernel``: per (row block, tile of H): the down projection over I, times the pair's routing
+     weight, into ``[n_pairs, H]`` fp32; the wrapper sums the k slots of each token.
+
+Row blocks come from one of two routings (constexpr ``IDENTITY``):
+  * identity: block b is pair b alone (expert ``topk_ids.flat[b]``); no metadata, best when pairs are few;
+  * sorted: ``sorted_pairs[b * BLOCK_M + i]`` lists the pairs of expert ``block_expert[b]`` (sentinel
+    ``n_pairs`` pads), built by ``kernels.moe.moe_align``; a block with expert -1 exits at once.
+
+NVFP4 weights are unpacked in registers: the low nibble of byte m is column 2m and the high nibble column
+2m+1, so each K block issues two dots, the activations split into their even and odd columns. e2m1 codes
+become fp16 by bit placement (value * 2^-14, exact); the e4m3 block scale is decoded from its bits with the
+2^14 folded in, so ``code * scale`` is exact in bf16; the per-expert fp32 ``scale2`` is applied to the fp32
+accumulator in the epilogue.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _e2m1_times_2pow_m14(c):
+    # c: integer nibble 0..15 (bit 3 sign, bits 0..2 exponent/mantissa) -> fp32 value * 2^-14, exact.
+    c = c.to(tl.uint16)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e4m3_times_2pow14(b):
+    # b: uint8 bits of a float8_e4m3fn -> fp32 value * 2^14 (NaN codes are not expected in scales).
+    b = b.to(tl.int32)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 134) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2^(e-7+14) * (1 + m/8)
+    sub = m.to(tl.float32) * 32.0  # 2^-6 * m/8 * 2^14
+    v = tl.where(e == 0, sub, normal)
+    return tl.where((b & 128) != 0, -v, v)
+
+
+# 4 packed bytes -> the 4 low-nibble and the 4 high-nibble weights as bf16, times (block scale * 2^119).
+# Bytes b0, b1 (b2, b3) are spread to the low bytes of the two register halves (prmt 0x4140 / 0x4342).
+# For a nibble n at bits 0..3 of a half, n * (2^6 + 2^12) puts its magnitude bits at 8..6 and a copy of
+# its sign at bit 15 with no carries between the copies; masking with 0x81C0 leaves the bf16 of
+# e2m1 * 2^-126 (the 0.5 code lands on a bf16 subnormal). The high nibble (bits 4..7) uses 2^2 + 2^8.
+# One packed multiply by the bf16 (scale * 2^119) gives e2m1 * scale * 2^-7 exactly (<= 6 significant
+# bits); the epilogue multiplies by 2^7 * scale2.
+_E2M1_ASM: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 t0, t1, a;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+and.b32 a, t0, 0x000F000F; mul.lo.u32 a, a, 4160; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $0, a, $5;
+and.b32 a, t1, 0x000F000F; mul.lo.u32 a, a, 4160; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $1, a, $6;
+and.b32 a, t0, 0x00F000F0; mul.lo.u32 a, a, 260; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $2, a, $5;
+and.b32 a, t1, 0x00F000F0; mul.lo.u32 a, a, 260; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $3, a, $6;
+}
+""")
+_ASM_UNSCALE: tl.constexpr = tl.constexpr(128.0)  # 2^7 taken out of the weights by the asm path
+
+
+@triton.jit
+def _e4m3_times_2pow119(b):
+    # e4m3 bits moved into an fp32 (sign to 31, exponent+mantissa to 26..20) read as scale * 2^-120 for
+    # normal and subnormal codes alike; two exact multiplies bring it to scale * 2^119 (<= 1.75 * 2^127).
+    b = b.to(tl.int32)
+    v = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return (v * 1.329227995784916e36) * 6.646139978924579e35  # * 2^120 * 2^119
+
+
+@triton.jit
+def _fp4_tile(
+    W,
+    S,
+    w_row_off,
+    s_row_off,
+    k0,
+    stride_wn,
+    stride_sn,
+    offs_n,
+    BLOCK_K: tl.constexpr,
+    DT: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Dequantise rows ``offs_n`` x columns [k0, k0 + BLOCK_K) -> (even cols, odd cols), each [BN, BK/2].
+
+    ``ASM`` (GPU, bf16 only): packed-bf16 inline PTX; otherwise portable Triton arithmetic (interpreter).
+    """
+    BN: tl.constexpr = offs_n.shape[0]
+    G: tl.constexpr = BLOCK_K // 16
+    offs_g = tl.arange(0, G)
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    # 2-D load (rows of BLOCK_K/2 contiguous bytes -> 16-byte copies), then [BN, G, 8]: one scale per 8 bytes.
+    w_ptrs = W + w_row_off + offs_n[:, None] * stride_wn + (k0 // 2 + offs_b[None, :])
+    s_ptrs = S + s_row_off + offs_n[:, None] * stride_sn + (k0 // 16 + offs_g[None, :])
+    packed = tl.reshape(tl.load(w_ptrs), [BN, G, 8])
+    if ASM:
+        scale = tl.broadcast_to(_e4m3_times_2pow119(tl.load(s_ptrs)).to(tl.bfloat16)[:, :, None], (BN, G, 8))
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+    else:
+        scale = _e4m3_times_2pow14(tl.load(s_ptrs))[:, :, None]  # [BN, G, 1]
+        lo = (_e2m1_times_2pow_m14(packed & 15) * scale).to(DT)
+        hi = (_e2m1_times_2pow_m14(packed >> 4) * scale).to(DT)
+    return tl.reshape(lo, [BN, BLOCK_K // 2]), tl.reshape(hi, [BN, BLOCK_K // 2])
+
+
+@triton.jit
+def _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M: tl.constexpr, IDENTITY: tl.constexpr):
+    """(expert, pair ids [BLOCK_M], valid [BLOCK_M]) of row block ``pid_m``; expert < 0: nothing to do."""
+    offs_m = tl.arange(0, BLOCK_M)
+    if IDENTITY:
+        expert = tl.load(TopkIds + pid_m).to(tl.int32)
+        pairs = pid_m + offs_m * 0
+        valid = offs_m == 0
+    else:
+        expert = tl.load(BlockExpert + pid_m).to(tl.int32)
+        pairs = tl.load(SortedPairs + pid_m * BLOCK_M + offs_m).to(tl.int32)
+        valid = pairs < n_pairs
+    return expert, pairs, valid
+
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def moe_w13_kernel(
+    X,
+    TopkIds,
+    SortedPairs,
+    BlockExpert,
+    W,
+    S,
+    S2,
+    Out,
+    n_pairs,
+    N_HALF,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IDENTITY: tl.constexpr,
+    FP4: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, pairs, valid = _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M, IDENTITY)
+    if expert < 0:
+        return
+    DT: tl.constexpr = X.dtype.element_ty
+    rows = pairs // TOPK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_off = expert.to(tl.int64) * stride_we
+    up_off = N_HALF.to(tl.int64) * stride_wn
+    x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
+        if FP4:
+            s_off = expert.to(tl.int64) * stride_se
+            s_up = N_HALF.to(tl.int64) * stride_sn
+            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+            g_even, g_odd = _fp4_tile(W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM)
+            acc_g = tl.dot(x_even, tl.trans(g_even), acc_g)
+            acc_g = tl.dot(x_odd, tl.trans(g_odd), acc_g)
+            u_even, u_odd = _fp4_tile(
+                W, S, w_off + up_off, s_off + s_up, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM
+            )
+            acc_u = tl.dot(x_even, tl.trans(u_even), acc_u)
+            acc_u = tl.dot(x_odd, tl.trans(u_odd), acc_u)
+        else:
+            w_ptrs = W + w_off + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
+            acc_g = tl.dot(x, tl.trans(tl.load(w_ptrs)), acc_g)
+            acc_u = tl.dot(x, tl.trans(tl.load(w_ptrs + up_off)), acc_u)
+    if FP4:
+        s2 = tl.load(S2 + expert)
+        if ASM:
+            s2 = s2 * _ASM_UNSCALE
+        acc_g = acc_g * s2
+        acc_u = acc_u * s2
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    o_ptrs = Out + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, h.to(Out.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def moe_w2_kernel(
+    X,
+    TopkIds,
+    TopkWeights,
+    SortedPairs,
+    BlockExpert,
+    W,
+    S,
+    S2,
+    Out,
+    n_pairs,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IDENTITY: tl.constexpr,
+    FP4: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, pairs, valid = _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M, IDENTITY)
+    if expert < 0:
+        return
+    DT: tl.constexpr = X.dtype.element_ty
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_off = expert.to(tl.int64) * stride_we
+    x_ptrs = X + pairs.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
+        if FP4:
+            s_off = expert.to(tl.int64) * stride_se
+            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+            w_even, w_odd = _fp4_tile(W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM)
+            acc = tl.dot(x_even, tl.trans(w_even), acc)
+            acc = tl.dot(x_odd, tl.trans(w_odd), acc)
+        else:
+            w_ptrs = W + w_off + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
+            acc = tl.dot(x, tl.trans(tl.load(w_ptrs)), acc)
+    scale = tl.load(TopkWeights + pairs, mask=valid, other=0.0).to(tl.float32)
+    if FP4:
+        scale = scale * tl.load(S2 + expert)
+        if ASM:
+            scale = scale * _ASM_UNSCALE
+    acc = acc * scale[:, None]
+    o_ptrs = Out + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, acc, mask=valid[:, None])

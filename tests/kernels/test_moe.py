@@ -1,0 +1,130 @@
+import pytest
+import torch
+
+from kernels.moe import MoeConfig, bf16_moe, dequant_nvfp4, moe_align, moe_reference, nvfp4_moe
+
+SMALL = MoeConfig(block_m=16, block_n13=16, block_k13=32, block_n2=16, block_k2=32)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def nvfp4_stack(e, rows, cols, gen, device="cpu"):
+    packed = torch.randint(0, 256, (e, rows, cols // 2), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(e, rows, cols // 16, generator=gen) * 1.5 + 0.1).to(torch.float8_e4m3fn)
+    scale2 = torch.rand(e, generator=gen) + 0.5
+    return packed.to(device), scale.to(device), scale2.to(device)
+
+
+def routing(t, e, k, gen, device="cpu"):
+    ids = torch.argsort(torch.rand(t, e, generator=gen), dim=1)[:, :k].to(torch.int32)
+    wts = torch.softmax(torch.randn(t, k, generator=gen), dim=-1)
+    return ids.to(device), wts.to(device)
+
+
+def test_dequant_nvfp4_codes_and_scales():
+    packed = torch.tensor([[[0x21, 0xF7] + [0] * 6]], dtype=torch.uint8)  # codes 1,2,7,15 then zeros
+    scale = torch.tensor([[[2.0]]]).to(torch.float8_e4m3fn)
+    w = dequant_nvfp4(packed, scale, torch.tensor([0.5]))
+    assert w.shape == (1, 1, 16)
+    assert w[0, 0, :4].tolist() == [0.5, 1.0, 6.0, -6.0]
+    assert not w[0, 0, 4:].any()
+
+
+def test_moe_align_groups_pairs_by_expert():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 2]])
+    sorted_pairs, block_expert = moe_align(ids, num_experts=5, block_m=2)
+    n_pairs = ids.numel()
+    seen = []
+    for b, e in enumerate(block_expert.tolist()):
+        rows = [p for p in sorted_pairs[b * 2 : b * 2 + 2].tolist() if p < n_pairs]
+        if e < 0:
+            assert not rows
+            continue
+        assert rows and all(ids.view(-1)[p].item() == e for p in rows)
+        seen += rows
+    assert sorted(seen) == list(range(n_pairs))
+
+
+@pytest.mark.parametrize(
+    "t,k,sorted_min_pairs,dtype",
+    [
+        (1, 2, 64, torch.float32),
+        (5, 2, 64, torch.float32),
+        (5, 3, 1, torch.float32),
+        (7, 2, 1, torch.float16),
+    ],
+)
+def test_nvfp4_moe_matches_reference(cpu_interpreter, t, k, sorted_min_pairs, dtype):
+    gen = torch.Generator().manual_seed(t * 10 + k)
+    e, h, i = 8, 64, 32
+    w13 = nvfp4_stack(e, 2 * i, h, gen)
+    w2 = nvfp4_stack(e, h, i, gen)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    ids, wts = routing(t, e, k, gen)
+    ref = moe_reference(x, ids, wts, *w13, *w2)
+    cfg = MoeConfig(**{**SMALL.__dict__, "sorted_min_pairs": sorted_min_pairs})
+    out = nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg)
+    assert out.dtype == dtype and out.shape == (t, h)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+def test_bf16_weight_moe_matches_reference(cpu_interpreter):
+    gen = torch.Generator().manual_seed(1)
+    e, h, i, t, k = 4, 64, 32, 3, 2
+    w13 = torch.randn(e, 2 * i, h, generator=gen) * 0.2
+    w2 = torch.randn(e, h, i, generator=gen) * 0.2
+    x = torch.randn(t, h, generator=gen)
+    ids, wts = routing(t, e, k, gen)
+    out = bf16_moe(x, ids, wts, w13, w2, config=SMALL)
+    ref = moe_reference(x, ids, wts, w13, None, None, w2, None, None)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_nvfp4_moe_rejects_bad_shapes():
+    gen = torch.Generator().manual_seed(2)
+    w13 = nvfp4_stack(4, 64, 64, gen)
+    w2 = nvfp4_stack(4, 64, 32, gen)
+    ids, wts = routing(2, 4, 2, gen)
+    with pytest.raises(ValueError, match="w13"):
+        nvfp4_moe(torch.randn(2, 32), ids, wts, *w13, *w2)
+    with pytest.raises(ValueError, match="tile"):
+        nvfp4_moe(torch.randn(2, 64), ids, wts, *w13, *w2, config=MoeConfig(block_n13=64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,sorted_min_pairs", [(1, 64), (8, 64), (8, 1), (64, 1)])
+def test_nvfp4_moe_gpu_full_width(cuda_device, t, sorted_min_pairs):
+    gen = torch.Generator().manual_seed(t)
+    e, h, i, k = 16, 4096, 2048, 6
+    w13 = nvfp4_stack(e, 2 * i, h, gen, cuda_device)
+    w2 = nvfp4_stack(e, h, i, gen, cuda_device)
+    w13 = (w13[0], w13[1], w13[2] * 1e-3)
+    w2 = (w2[0], w2[1], w2[2] * 1e-3)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
+    ids, wts = routing(t, e, k, gen, cuda_device)
+    out = nvfp4_moe(x, ids, wts, *w13, *w2, config=MoeConfig(sorted_min_pairs=sorted_min_pairs))
+    ref = moe_reference(x, ids, wts, *w13, *w2)
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    print(
+        f"nvfp4_moe T={t} sorted_min_pairs={sorted_min_pairs}: rel {err:.2e}, "
+        f"max_abs {(out.float() - ref.float()).abs().max().item():.3e}"
+    )
+    assert err < 1e-2
+
+
+@pytest.mark.gpu
+def test_bf16_moe_gpu(cuda_device):
+    gen = torch.Generator().manual_seed(3)
+    e, h, i, t, k = 8, 4096, 2048, 4, 6
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.02).to(torch.bfloat16).to(cuda_device)
+    w2 = (torch.randn(e, h, i, generator=gen) * 0.02).to(torch.bfloat16).to(cuda_device)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
+    ids, wts = routing(t, e, k, gen, cuda_device)
+    out = bf16_moe(x, ids, wts, w13, w2)
+    err = rel_err(out, moe_reference(x, ids, wts, w13, None, None, w2, None, None))
+    print(f"bf16_moe T={t}: rel {err:.2e}")
+    assert err < 1e-2
