@@ -26,13 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from common.checkpoint import (
-    INDEX_FILE,
-    QUANT_FILE,
-    decoder_tensor_shapes,
-    interleave_rows,
-    mtp_tensor_shapes,
-)
+from common.checkpoint_files import INDEX_FILE
+from common.checkpoint_layout import QUANT_FILE, decoder_tensor_shapes, interleave_rows, mtp_tensor_shapes
 from common.config import parse_model_config
 from common.nvfp4 import BLOCK_SIZE, pack_nvfp4
 

@@ -8,14 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from common.checkpoint import (
-    CheckpointFiles,
-    QuantConfig,
-    inspect_checkpoint,
-    load_decoder_weights,
-    load_tower_weights,
-    read_quant_config,
-)
+from common.checkpoint import CheckpointFiles, inspect_checkpoint, load_decoder_weights, load_tower_weights
+from common.checkpoint_layout import QuantConfig, read_quant_config
 from common.config import load_model_config
 from common.errors import CheckpointError
 from tests.reference.hf_tiny import build_hf_model, randomize_, raw_config
