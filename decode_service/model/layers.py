@@ -15,6 +15,7 @@ from torch import nn
 
 from common.config import TextConfig
 from common.nvfp4 import dequant_nvfp4
+from decode_service.model import fast_path
 from decode_service.model.batch import SequenceSlice
 from decode_service.model.state import ATTN_CONV, K_CONV, MLP_CONV, V_CONV, LayerCache
 
@@ -105,32 +106,43 @@ class Attention(nn.Module):
         return 1.0 + alpha * torch.log(((positions + 1).float() / n_floor).clamp(min=1.0))
 
     def forward(self, u: torch.Tensor, seqs: list[SequenceSlice]) -> torch.Tensor:
-        q_all, k0_all, v0_all, r_all = self.wq_du(u), self.wk_dv(u), self.wv_dv(u), self.wr_du(u)
-        outputs, offset = [], 0
+        geo, t = self.geo, u.shape[0]
+        q_all = self.q_norm(self.wq_du(u).view(t, geo.num_heads, geo.head_dim))  # [T, nH, hd]
+        r_all = self.wr_du(u).view(t, geo.num_heads, -1)  # [T, nH, d_rel]
+        k0_all, v0_all = self.wk_dv(u), self.wv_dv(u)  # [T, nKV*hd]
+        rows, visible, offset = [], [], 0
         for seq in seqs:
-            rows = slice(offset, offset + seq.num_tokens)
+            rows.append(slice(offset, offset + seq.num_tokens))
             offset += seq.num_tokens
-            outputs.append(self.attend(q_all[rows], k0_all[rows], v0_all[rows], r_all[rows],
-                                       seq.start_position, seq.layers[self.layer]))
-        return self.wo_ud(torch.cat(outputs))  # [T, H]
+            visible.append(self.store_kv(k0_all[rows[-1]], v0_all[rows[-1]], seq.start_position,
+                                         seq.layers[self.layer]))
+        if fast_path.use_decode_attention(self, q_all, seqs, visible):
+            out = fast_path.decode_attention(self, q_all, r_all, visible)  # [T, nH, hd]
+        else:
+            out = torch.cat([self.attend(q_all[rs], r_all[rs], seq.start_position, *kv)
+                             for rs, seq, kv in zip(rows, seqs, visible, strict=True)])
+        return self.wo_ud(out.reshape(t, geo.q_width))  # [T, H]
 
-    def attend(self, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, r: torch.Tensor, start: int,
-               cache: LayerCache) -> torch.Tensor:
-        geo, n = self.geo, q.shape[0]
+    def store_kv(self, k0: torch.Tensor, v0: torch.Tensor, start: int,
+                 cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Convolve and k-norm the new keys/values, append them; -> every visible key/value and its first position."""
+        geo, n = self.geo, k0.shape[0]
         k, k_state = self.k_sconv.step(k0, cache.conv_state(K_CONV))
         v, v_state = self.v_sconv.step(v0, cache.conv_state(V_CONV))
         cache.set_conv_state(K_CONV, k_state)
         cache.set_conv_state(V_CONV, v_state)
-
-        q = self.q_norm(q.view(n, geo.num_heads, geo.head_dim))  # [n, nH, hd]
         k = self.k_norm(k.view(n, geo.num_kv_heads, geo.head_dim))  # [n, nKV, hd]
         v = v.view(n, geo.num_kv_heads, geo.head_dim)
-        keys, values, first = cache.append_kv(k, v, start)  # [m, nKV, hd], position of keys[0]
+        return cache.append_kv(k, v, start)  # [m, nKV, hd] x2, position of keys[0]
 
+    def attend(self, q: torch.Tensor, r: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor,
+               first: int) -> torch.Tensor:
+        """q `[n, nH, hd]`, r `[n, nH, d_rel]` of queries at `start..` against keys from `first` -> `[n, nH, hd]`."""
+        geo, n = self.geo, q.shape[0]
         q_pos = torch.arange(start, start + n, device=q.device)
         k_pos = torch.arange(first, first + keys.shape[0], device=q.device)
         distance = q_pos[:, None] - k_pos[None, :]  # [n, m]
-        bias = self.rel_logits_proj(r.view(n, geo.num_heads, -1), distance)  # [nH, n, m]
+        bias = self.rel_logits_proj(r, distance)  # [nH, n, m]
         if self.log_scaling is not None:
             tau = self.tau(q_pos)  # [n]
             q = (q.float() * tau[:, None, None]).to(q.dtype)
@@ -145,8 +157,7 @@ class Attention(nn.Module):
             hidden |= distance >= geo.window  # a query sees itself and W-1 previous tokens
         scores = scores.masked_fill(hidden, -math.inf)
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = probs @ values  # [nH, n, hd]
-        return out.transpose(0, 1).reshape(n, geo.q_width)
+        return (probs @ values).transpose(0, 1)  # [n, nH, hd]
 
 
 class DenseMLP(nn.Module):
@@ -215,6 +226,8 @@ class Experts(nn.Module):
         return w13.to(dtype), w2.to(dtype)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if fast_path.use_routed_experts(self, x):
+            return fast_path.routed_experts(self, x, ids, weights)  # same math, fused kernels
         out = torch.zeros_like(x)  # [T, H]
         weights = weights.to(x.dtype)
         for e in ids.unique().tolist():

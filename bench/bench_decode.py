@@ -1,0 +1,391 @@
+"""Decode step of a depth-reduced Inkling-Small against its byte floor: reference path, fast path, transformers.
+
+Model "Small-L6": exact Inkling-Small layer shapes (H=4096, 32 query / 8 KV heads of 128, d_rel 16, window 512,
+rel_extent 1024, 256 routed experts of I=2048, top-6, 2 shared, full 201024 vocabulary) over 6 layers: 0-1 dense
+(Id=16384), 2 bf16 routed experts, 3-5 NVFP4 routed experts, 5 global. Random weights are generated on the GPU,
+the NVFP4 stacks directly in their packed form.
+
+A step is what the runner does for B decoding sequences: the decoder forward (one new token each, at context
+`ctx`, through the engine's paged KV cache holding random history) and the lm_head of the B rows. Floor = bytes
+that must move / copy bandwidth measured in the same run, bytes = every non-routed weight once (attention, dense
+MLP, shared experts, router, lm_head; B embedding rows) + the routed experts this step's routing touches (packed
+codes + block scales for NVFP4) + every visible K/V + conv states read and written + fp32 logits written.
+Kernel launches are counted with the torch profiler (kernels, plus memcpy/memset, per step).
+
+transformers' Inkling (bf16 everywhere, sdpa, its own random init, same shapes) runs last: prefill `ctx` tokens,
+then the median of timed decode steps through its cache.
+
+`--check` first compares the two paths module by module on identical inputs (attention of every layer, routed
+experts at T=2 and 600) and over greedy decode runs, next to a control: the reference path against itself with
+2^-8 noise on embed_norm. On random weights that control already moves the logits by O(1) (router top-k flips),
+so only the per-module figures measure the kernels.
+
+    python3 -m bench.bench_decode [--batches 1 8 64] [--contexts 1024 8192] [--check] [--check-fp32] [--hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+
+import torch
+
+from bench.floors import measure_ceilings, time_eager_ms
+from common.config import TextConfig, parse_model_config
+from decode_service.engine.kv_cache import CacheSpec, KVCache
+from decode_service.model import fast_path
+from decode_service.model.batch import ForwardBatch, SequenceSlice
+from decode_service.model.inkling import InklingDecoder
+from decode_service.model.layers import Experts
+from tools.make_tiny_checkpoint import raw_config
+
+SMALL_L6 = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "swa_num_attention_heads": 32,
+    "swa_num_key_value_heads": 8,
+    "swa_head_dim": 128,
+    "sliding_window_size": 512,
+    "d_rel": 16,
+    "rel_extent": 1024,
+    "log_scaling_n_floor": 128000,
+    "local_layer_ids": [0, 1, 2, 3, 4],
+    "dense_mlp_idx": 2,
+    "dense_intermediate_size": 16384,
+    "intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 2,
+}
+NVFP4_LAYERS = frozenset({3, 4, 5})
+PAGE = 16
+
+
+def proxy_raw_text() -> dict:
+    return raw_config(**SMALL_L6)["text_config"]
+
+
+def proxy_config() -> TextConfig:
+    return parse_model_config(raw_config(**SMALL_L6)).text
+
+
+@torch.no_grad()
+def random_proxy(config: TextConfig, nvfp4_layers: frozenset[int], device: str = "cuda", seed: int = 0):
+    """`InklingDecoder` with random weights made on `device`: unit-variance linear outputs, routing ~ uniform."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        shapes = InklingDecoder(config, nvfp4_layers).state_dict()
+    e2m1_rms, scale_mean = 2.93, 1.0  # RMS of the 16 e2m1 codes; block scales drawn in [0.25, 1.75]
+    weights = {}
+    for name, meta in shapes.items():
+        shape = tuple(meta.shape)
+        if meta.dtype == torch.uint8:  # packed e2m1 codes
+            t = torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
+        elif meta.dtype == torch.float8_e4m3fn:
+            t = (torch.rand(shape, device=device) * 1.5 + 0.25).to(torch.float8_e4m3fn)
+        elif name.endswith("_scale2"):  # per-expert scale: W rows of RMS 1/sqrt(fan-in)
+            fan_in = config.hidden_size if "w13" in name else config.moe_intermediate_size
+            t = torch.full(shape, 1.0 / math.sqrt(fan_in) / (e2m1_rms * scale_mean), device=device)
+        elif name.endswith("mlp.gate.bias"):
+            t = torch.zeros(shape, device=device)
+        elif name.endswith("global_scale"):
+            t = torch.ones(shape, device=device)
+        elif name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, device=device)
+        elif "sconv" in name:
+            t = 0.1 * torch.randn(shape, device=device)
+        elif name.endswith("rel_logits_proj.proj"):
+            t = 0.5 * torch.randn(shape, device=device)
+        else:
+            t = torch.randn(shape, device=device, dtype=torch.bfloat16).mul_(1.0 / math.sqrt(shape[-1]))
+        weights[name] = t
+    return InklingDecoder.from_weights(config, weights, torch.bfloat16, device)
+
+
+def paged_decode_batch(config: TextConfig, batch: int, ctx: int, device: str = "cuda"):
+    """B sequences whose `ctx` committed tokens sit in the engine's paged cache (random K/V, zero conv
+    states); the returned batch decodes position `ctx` of each (re-running it rewrites the same slots)."""
+    window_pages = math.ceil(config.sliding_window / PAGE) + 2
+    ctx_pages = math.ceil((ctx + 1) / PAGE)
+    spec = CacheSpec(PAGE, batch * window_pages + ctx_pages, batch * ctx_pages, batch, torch.bfloat16, device)
+    cache = KVCache(config, spec)
+    for pool in (*cache.k.values(), *cache.v.values()):
+        pool.normal_()
+    seqs = []
+    for _ in range(batch):
+        handle = cache.new_handle()
+        handle.grow(ctx + 1)
+        handle.commit(ctx)  # drops the sliding pages before the window
+        seqs.append(SequenceSlice(ctx, 1, handle.layers))
+    tokens = torch.randint(0, config.unpadded_vocab_size, (batch,), device=device)
+    return ForwardBatch(tokens, seqs), cache
+
+
+def touched_experts(model: InklingDecoder, fb: ForwardBatch) -> dict[int, int]:
+    """Distinct routed experts per MoE layer in this step's routing."""
+    counts: dict[int, int] = {}
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if isinstance(experts, Experts):
+            hooks.append(experts.register_forward_pre_hook(
+                lambda _m, args, i=i: counts.__setitem__(i, int(args[1].unique().numel()))
+            ))  # fmt: skip
+    with torch.inference_mode():
+        model(fb)
+    for h in hooks:
+        h.remove()
+    return counts
+
+
+def step_bytes(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int]) -> int:
+    config = model.config
+    h, i = config.hidden_size, config.moe_intermediate_size
+    total = 0
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if name == "embed.weight":
+            total += batch * h * t.element_size()
+        elif ".mlp.experts." not in name:
+            total += t.numel() * t.element_size()
+    for layer, n in touched.items():
+        if model.layers[layer].mlp.experts.nvfp4:
+            per_expert = 3 * h * i // 2 + 3 * h * i // 16 + 2 * 4  # codes + e4m3 block scales + scale2
+        else:
+            per_expert = 3 * h * i * 2
+        total += n * per_expert
+    for layer in range(config.num_layers):
+        geo = config.layer_geometry(layer)
+        visible = min(ctx + 1, geo.window) if geo.window else ctx + 1
+        total += batch * visible * 2 * geo.kv_width * 2  # K and V, bf16
+        total += batch * 2 * (config.conv_kernel_size - 1) * (2 * geo.kv_width + 2 * h) * 2  # conv in + out
+    total += batch * config.unpadded_vocab_size * 4  # fp32 logits
+    return total
+
+
+def count_launches(fn) -> tuple[int, int, float]:
+    """(kernels, memcpy/memset, ms the GPU spent in them) during one call of fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = sum(1 for e in events if e.name.startswith(("Memcpy", "Memset")))
+    busy_ms = sum(e.time_range.elapsed_us() for e in events) / 1e3
+    return len(events) - copies, copies, busy_ms
+
+
+def greedy_logits(model: InklingDecoder, prompts: list[list[int]], steps: int, mode: str) -> list[torch.Tensor]:
+    """Prefill each prompt alone, decode all together greedily; the logits of every decode step."""
+    states = [model.new_state() for _ in prompts]
+    dev = model.embed.weight.device
+    last, out = [], []
+    with torch.inference_mode(), fast_path.mode(mode):
+        for p, s in zip(prompts, states, strict=True):
+            hidden = model(ForwardBatch(torch.tensor(p, device=dev), [SequenceSlice(0, len(p), s.layers)]))
+            last.append(int(model.logits(hidden[-1:]).argmax()))
+        lengths = [len(p) for p in prompts]
+        for _ in range(steps):
+            seqs = [SequenceSlice(n, 1, s.layers) for n, s in zip(lengths, states, strict=True)]
+            logits = model.logits(model(ForwardBatch(torch.tensor(last, device=dev), seqs)))
+            out.append(logits)
+            last = logits.argmax(-1).tolist()
+            lengths = [n + 1 for n in lengths]
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@torch.inference_mode()
+def module_errors(model: InklingDecoder, prompts: list[list[int]]) -> None:
+    """Every attention and routed-expert module fed identical inputs on both paths (no error propagation), and
+    how often bf16-level noise on a router input changes its top-k set (what makes whole-model runs diverge)."""
+    dev = model.embed.weight.device
+    states = [model.new_state() for _ in prompts]
+    with fast_path.mode("reference"):
+        for p, s in zip(prompts, states, strict=True):
+            model(ForwardBatch(torch.tensor(p, device=dev), [SequenceSlice(0, len(p), s.layers)]))
+    h = model.config.hidden_size
+    parts = []
+    for i, layer in enumerate(model.layers):
+        u = torch.randn(len(prompts), h, device=dev).to(model.dtype)
+        outs = []
+        for mode in ("reference", "fast"):
+            seqs = [SequenceSlice(len(p), 1, s.clone().layers) for p, s in zip(prompts, states, strict=True)]
+            with fast_path.mode(mode):
+                outs.append(layer.attn(u, seqs))
+        parts.append(f"attn{i} {rel(outs[1], outs[0]):.1e}")
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue
+        for t in (2, 600):
+            x = torch.randn(t, h, device=dev).to(model.dtype)
+            ids, weights, _ = layer.mlp.gate(x)
+            with fast_path.mode("reference"):
+                ref = experts(x, ids, weights)
+            with fast_path.mode("fast"):
+                fast = experts(x, ids, weights)
+            parts.append(f"moe{i}/T{t} {rel(fast, ref):.1e}")
+        x = torch.randn(600, h, device=dev).to(model.dtype)
+        noisy = (x.float() * (1 + 2**-8 * torch.randn_like(x.float()))).to(x.dtype)
+        a, b = layer.mlp.gate(x)[0].sort(-1).values, layer.mlp.gate(noisy)[0].sort(-1).values
+        parts.append(f"route{i} flips {(a != b).any(-1).float().mean().item():.0%}")
+    print("# per-module fast vs reference rel err (same inputs): " + ", ".join(parts), flush=True)
+
+
+def check(model: InklingDecoder, steps: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 200000, (n,), generator=gen).tolist() for n in (600, 37)]  # 600 > window 512
+    module_errors(model, prompts)
+    ref = greedy_logits(model, prompts, steps, "reference")
+    fast = greedy_logits(model, prompts, steps, "fast")
+    errs = [rel(f, r) for f, r in zip(fast, ref, strict=True)]
+    # Control: the reference path against itself with 2^-8 noise on embed_norm (random weights are chaotic).
+    w = model.embed_norm.weight
+    saved = w.data.clone()
+    w.data = (w.data.float() * (1 + 2**-8 * torch.randn_like(w.data.float()))).to(w.dtype)
+    noisy = greedy_logits(model, prompts, steps, "reference")
+    w.data = saved
+    print(
+        "# control: reference vs reference with 2^-8 noise on embed_norm, logits rel err per step "
+        + " ".join(f"{rel(n, r):.1e}" for n, r in zip(noisy, ref, strict=True)),
+        flush=True,
+    )
+    same = sum(int(torch.equal(f.argmax(-1), r.argmax(-1))) for f, r in zip(fast, ref, strict=True))
+    print(
+        f"# check Small-L6 {model.dtype} (prompts 600 + 37 tokens, {steps} greedy steps): fast vs reference logits "
+        f"rel err max {max(errs):.2e} mean {statistics.mean(errs):.2e}; "
+        f"steps with identical greedy tokens {same}/{steps}",
+        flush=True,
+    )
+
+
+def hf_decode_ms(raw_text: dict, batches: list[int], ctx: int, reps: int = 5) -> dict[int, str]:
+    """transformers' InklingForCausalLM, bf16, random init: median decode-step ms after a ctx-token prefill."""
+    import transformers
+    from transformers import InklingForCausalLM, InklingTextConfig
+
+    cfg = InklingTextConfig(**raw_text)
+    cfg._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = InklingForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    print(f"# transformers {transformers.__version__} InklingForCausalLM built (sdpa, bf16)", flush=True)
+    results = {}
+    for b in batches:
+        try:
+            with torch.inference_mode():
+                ids = torch.randint(0, 200000, (b, ctx), device="cuda")
+                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                cache = out.past_key_values
+                nxt = out.logits[:, -1:].argmax(-1)
+                times = []
+                for _ in range(reps + 1):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+                    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            results[b] = f"{statistics.median(times[1:]):.2f}"
+        except Exception as exc:  # report, keep the table
+            results[b] = f"failed ({type(exc).__name__})"
+            print(f"# transformers B={b}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"# transformers B={b} ctx={ctx}: {results[b]} ms", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--check", action="store_true", help="fast vs reference logits on the proxy first")
+    parser.add_argument("--check-steps", type=int, default=16)
+    parser.add_argument("--check-fp32", action="store_true", help="then repeat the check in fp32 and stop")
+    parser.add_argument("--hf", action="store_true", help="also time transformers' Inkling (bf16, ctx = first)")
+    parser.add_argument("--ref-max-batch", type=int, default=64, help="skip the reference path above this B")
+    args = parser.parse_args()
+
+    ceil = measure_ceilings()
+    print(ceil.line(), flush=True)
+    config = proxy_config()
+    model = random_proxy(config, NVFP4_LAYERS)
+    print(f"# Small-L6 built: {torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU", flush=True)
+    if args.check:
+        check(model, args.check_steps)
+    if args.check_fp32:  # the same weights with fp32 activations: separates kernel error from bf16 chaos
+        for p in model.parameters():
+            p.data = p.data.float() if p.dtype == torch.bfloat16 else p.data
+        check(model, args.check_steps)
+        return
+
+    rows = []
+    for ctx in args.contexts:
+        for b in args.batches:
+            fb, cache = paged_decode_batch(config, b, ctx)
+
+            def step(fb=fb):
+                with torch.inference_mode():
+                    return model.logits(model(fb))
+
+            touched = touched_experts(model, fb)
+            floor = ceil.floor_us(step_bytes(model, b, ctx, touched)) / 1e3
+            with fast_path.mode("fast"):
+                fast = time_eager_ms(step, reps=10, warmup=2)
+                launches = count_launches(step)
+            ref = "skipped"
+            if b <= args.ref_max_batch:
+                with fast_path.mode("reference"):
+                    ref = f"{time_eager_ms(step, reps=3, warmup=1):.2f}"
+            experts = "/".join(str(touched[i]) for i in sorted(touched))
+            rows.append([ctx, b, experts, floor, ref, fast, launches])
+            print(
+                f"# ctx={ctx} B={b}: experts {experts}, floor {floor:.2f} ms, reference {ref} ms, fast {fast:.2f} ms"
+                f" ({floor / fast:.0%} of floor), kernels {launches[0]} + {launches[1]} copies per step, GPU busy "
+                f"{launches[2]:.2f} ms",
+                flush=True,
+            )
+            del fb, cache
+            torch.cuda.empty_cache()
+
+    hf = {}
+    if args.hf:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        try:
+            hf = hf_decode_ms(proxy_raw_text(), args.batches, args.contexts[0])
+        except Exception as exc:
+            print(f"# transformers Inkling did not run: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+    print()
+    print(ceil.line())
+    print(
+        "| ctx | B | experts touched (L2-L5) | floor ms | reference ms | fast ms | fast % of floor | "
+        "kernels + copies / step | GPU busy ms | transformers ms |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for ctx, b, experts, floor, ref, fast, (kern, copies, busy) in rows:
+        hf_cell = hf.get(b, "-") if ctx == args.contexts[0] else "-"
+        print(
+            f"| {ctx} | {b} | {experts} | {floor:.2f} | {ref} | {fast:.2f} | {floor / fast:.0%} | "
+            f"{kern} + {copies} | {busy:.2f} | {hf_cell} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""GPU fast path of the decoder: the same math as `layers.py`, with the hot ops on the Triton kernels of `kernels/`.
+
+`layers.py` asks two questions and otherwise runs its reference torch code:
+
+* `use_routed_experts(experts, x)` -> `routed_experts(...)`: the routed experts through `nvfp4_moe` (packed weights
+  as loaded, dequantised in registers) or `bf16_moe`, with tiles shrunk to divide H and I.
+* `use_decode_attention(attn, q, seqs, visible)` -> `decode_attention(...)`: scores, bias, softmax and P@V of a
+  batch in which every sequence brings exactly one new token, in one kernel call for all sequences.
+
+`mode()` decides: "auto" (default) takes the fast path for CUDA tensors when Triton is installed, "reference" never
+does (benchmarks and parity checks on the GPU), "fast" always does (CPU tests under `TRITON_INTERPRET=1`).
+
+Costs this slice still pays (the paged kernel and CUDA graphs are later slices):
+* each sequence's cache returns its visible keys/values (an `index_select` gather in the paged cache) and this
+  module pads them into the kernel's `[B, S, nKV, hd]` layout: two copies of the visible KV per layer;
+* the short convs, `append_kv` and the per-sequence loops around them stay Python, which also blocks graph capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+if TYPE_CHECKING:  # layers.py imports this module
+    from decode_service.model.batch import SequenceSlice
+    from decode_service.model.layers import Attention, Experts
+
+MODES = ("auto", "reference", "fast")
+_mode = "auto"
+_MIN_TILE = 16  # smallest tile edge the kernels are written for
+_MIN_D_REL = 16  # the attention kernel wants a power-of-two d_rel >= 16; smaller banks are zero-padded
+
+
+@contextlib.contextmanager
+def mode(name: str) -> Iterator[None]:
+    """Run a block with the fast path forced on ("fast"), off ("reference"), or chosen per device ("auto")."""
+    global _mode
+    if name not in MODES:
+        raise ValueError(f"fast-path mode {name!r}: expected one of {MODES}")
+    previous, _mode = _mode, name
+    try:
+        yield
+    finally:
+        _mode = previous
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def enabled(x: torch.Tensor) -> bool:
+    if _mode == "reference":
+        return False
+    if _mode == "fast":
+        return True
+    return x.is_cuda and _triton_available()
+
+
+# -- routed experts ----------------------------------------------------------------------------------------------
+
+
+def _fit(tile: int, dim: int) -> int | None:
+    """The largest power-of-two divisor of `tile` (>= 16) that divides `dim`, or None."""
+    while tile >= _MIN_TILE and dim % tile:
+        tile //= 2
+    return tile if tile >= _MIN_TILE else None
+
+
+@functools.cache
+def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False):
+    """The kernels' measured default tiles for this many (token, slot) pairs, shrunk to divide H and I; fp32
+    activations get two pipeline stages (three overflow the H200's shared memory at Inkling-Small widths)."""
+    from kernels.moe import MoeConfig, default_config
+
+    base = default_config(n_pairs)
+    tiles = {
+        "num_stages": min(base.num_stages, 2) if fp32 else base.num_stages,
+        "block_n13": _fit(base.block_n13, width),
+        "block_k13": _fit(base.block_k13, hidden),
+        "block_n2": _fit(base.block_n2, hidden),
+        "block_k2": _fit(base.block_k2, width),
+    }
+    if None in tiles.values():
+        return None
+    return MoeConfig(**{**base.__dict__, **tiles})
+
+
+def use_routed_experts(experts: Experts, x: torch.Tensor) -> bool:
+    if not enabled(x) or x.dim() != 2:
+        return False
+    if not experts.nvfp4 and experts.w13_weight.dtype != x.dtype:
+        return False
+    return _moe_config(1, x.shape[1], experts.width) is not None
+
+
+def routed_experts(experts: Experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`Experts.forward` on the MoE kernels: x `[T, H]`, ids/weights `[T, k]` -> `[T, H]` in x's dtype."""
+    from kernels.moe import bf16_moe, nvfp4_moe
+
+    config = _moe_config(ids.numel(), x.shape[1], experts.width, x.dtype == torch.float32)
+    ids, weights = ids.to(torch.int32), weights.float()
+    if experts.nvfp4:
+        return nvfp4_moe(
+            x, ids, weights,
+            experts.w13_weight, experts.w13_weight_scale, experts.w13_weight_scale2,
+            experts.w2_weight, experts.w2_weight_scale, experts.w2_weight_scale2,
+            config=config,
+        )  # fmt: skip
+    return bf16_moe(x, ids, weights, experts.w13_weight, experts.w2_weight, config=config)
+
+
+# -- decode attention --------------------------------------------------------------------------------------------
+
+VisibleKV = tuple[torch.Tensor, torch.Tensor, int]  # keys, values `[m, nKV, hd]`, absolute position of keys[0]
+
+
+def use_decode_attention(
+    attn: Attention, q: torch.Tensor, seqs: Sequence[SequenceSlice], visible: Sequence[VisibleKV]
+) -> bool:
+    """One new token per sequence, a power-of-two head_dim >= 16, and, where tau depends on the absolute
+    position, caches that start at position 0 (the kernel addresses keys by position)."""
+    if not seqs or not enabled(q) or any(seq.num_tokens != 1 for seq in seqs):
+        return False
+    hd = attn.geo.head_dim
+    if hd < 16 or hd & (hd - 1):
+        return False
+    return attn.log_scaling is None or all(first == 0 for _, _, first in visible)
+
+
+def decode_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, visible: Sequence[VisibleKV]) -> torch.Tensor:
+    """q `[B, nH, hd]` (q-normed), r `[B, nH, d_rel]`, each sequence's visible keys -> `[B, nH, hd]`.
+
+    Keys are re-addressed from their first visible position: the relative bias and the window depend only on
+    query-key distances, so sequence b's query sits at slot `m_b - 1` of a `[B, max m, nKV, hd]` buffer.
+    """
+    from kernels.attention import decode_attention as kernel
+
+    keys = pad_sequence([k for k, _, _ in visible], batch_first=True).to(q.dtype)  # [B, S, nKV, hd]
+    values = pad_sequence([v for _, v, _ in visible], batch_first=True).to(q.dtype)
+    lengths = [k.shape[0] for k, _, _ in visible]
+    seq_lens = torch.tensor(lengths, dtype=torch.int32).to(q.device, non_blocking=True)
+    rel_proj = attn.rel_logits_proj.proj  # [d_rel, R]
+    d_rel = rel_proj.shape[0]
+    padded = max(_MIN_D_REL, 1 << (d_rel - 1).bit_length())
+    if padded != d_rel:  # zero rows of P against zero columns of r add nothing to the bias
+        rel_proj = F.pad(rel_proj, (0, 0, 0, padded - d_rel))
+        r = F.pad(r, (0, padded - d_rel))
+    log_scaling = None
+    if attn.log_scaling is not None:
+        n_floor, alpha = attn.log_scaling
+        log_scaling = (alpha, n_floor)
+    return kernel(
+        q.contiguous(), r.contiguous(), rel_proj.to(q.dtype).contiguous(), keys, values, seq_lens,
+        window=attn.geo.window, log_scaling=log_scaling, max_seq_len=max(lengths),
+    )  # fmt: skip
