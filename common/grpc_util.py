@@ -2,8 +2,8 @@
 
 - `create_server`: a `grpc.aio` server with explicit max message sizes and keepalive settings that
   tolerate long silent streams;
-- `ServerHealth`: the standard `grpc.health.v1` servicer (its `Watch` streams every status change)
-  registered with the server, plus helpers to flip all services between SERVING and NOT_SERVING;
+- `ServerHealth`: a `grpc.health.v1` servicer (its `Watch` streams every status change and ends at graceful
+  shutdown) registered with the server, plus helpers to flip all services between SERVING and NOT_SERVING;
 - `enable_reflection`, `bind`;
 - `graceful_stop`: NOT_SERVING first (watchers and load balancers drain), then `server.stop(grace)`;
 - `status_for`: THE mapping from project exceptions to gRPC status codes.
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.errors import ConfigError, InvalidInputError, ResourceExhaustedError, UnavailableError
@@ -79,11 +79,61 @@ def enable_reflection(server: grpc.aio.Server, service_full_names: Sequence[str]
     reflection.enable_server_reflection(names, server)
 
 
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """`grpc.health.v1` with a streaming `Watch`, like grpc's reference servicer, except that once graceful
+    shutdown starts every Watch stream sends NOT_SERVING and then ENDS. (The reference servicer keeps them open,
+    so each watcher, e.g. every decode replica following an encoder, held `server.stop(grace)` for the whole
+    grace period even after the last real call had finished.)"""
+
+    def __init__(self) -> None:
+        self._status: dict[str, int] = {"": SERVING}
+        self._changed = asyncio.Condition()
+        self._shutting_down = False
+
+    async def Check(self, request: health_pb2.HealthCheckRequest,
+                    context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext,
+                    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        last = None
+        while True:
+            async with self._changed:
+                status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                ending = self._shutting_down
+                if status == last and not ending:
+                    await self._changed.wait()
+                    continue
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            if ending:
+                return
+
+    async def set(self, service: str, status: int) -> None:
+        """Ignored once graceful shutdown started."""
+        if self._shutting_down:
+            return
+        async with self._changed:
+            self._status[service] = status
+            self._changed.notify_all()
+
+    async def enter_graceful_shutdown(self) -> None:
+        async with self._changed:
+            self._shutting_down = True
+            for service in self._status:
+                self._status[service] = NOT_SERVING
+            self._changed.notify_all()
+
+
 class ServerHealth:
     """Health of a server: the overall status ("") and one entry per named service move together."""
 
     def __init__(self, server: grpc.aio.Server, service_full_names: Sequence[str]) -> None:
-        self.servicer = health.aio.HealthServicer()
+        self.servicer = HealthServicer()
         self.services = ("", *service_full_names)
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
 

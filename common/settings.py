@@ -63,12 +63,83 @@ class RedisSettings:
 
 
 @dataclass(frozen=True)
+class SecuritySettings:
+    """Optional transport security (see `common.auth`): a shared bearer token and/or (m)TLS from PEM files.
+
+    The token protects every RPC except `grpc.health.v1`; `tls_ca` set on a server requires client
+    certificates signed by it (mTLS). Clients use the same settings to dial our servers.
+    """
+
+    token: str | None = field(default=None, repr=False)
+    tls_cert: str | None = None  # PEM certificate chain of this process (server cert; client cert for mTLS)
+    tls_key: str | None = None  # PEM private key of `tls_cert`
+    tls_ca: str | None = None  # PEM CA bundle: verifies peers (servers require client certs when set)
+    tls_server_name: str | None = None  # clients: expected name in the server certificate, if not the host
+    max_streams_per_client: int = 0  # servers: concurrent calls per client address (0: unlimited)
+
+    def __post_init__(self) -> None:
+        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
+            raise ConfigError("auth token must be non-empty and contain no whitespace")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key must be given together")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"--{name.replace('_', '-')}={path!r} is not a readable file")
+        _positive("--max-streams-per-client", self.max_streams_per_client, allow_zero=True)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None or self.tls_ca is not None
+
+
+def add_security_args(parser: argparse.ArgumentParser, max_streams_per_client: int | None = 0) -> None:
+    """Flags of `SecuritySettings` (every serve command; clients that dial our servers too, with
+    `max_streams_per_client=None`: no server-side flag)."""
+    parser.add_argument("--auth-token-file", default=None,
+                        help="file holding the shared bearer token required on every RPC except health")
+    parser.add_argument("--auth-token", default=None,
+                        help="the token itself (visible in the process list; prefer --auth-token-file)")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate (enables TLS)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", default=None, help="PEM CA bundle; servers then require client certs (mTLS)")
+    parser.add_argument("--tls-server-name", default=None, help="expected server certificate name (clients)")
+    if max_streams_per_client is not None:
+        parser.add_argument("--max-streams-per-client", type=int, default=max_streams_per_client,
+                            help="concurrent calls accepted per client address; more get RESOURCE_EXHAUSTED "
+                                 "(0 = unlimited)")
+
+
+def read_token_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--auth-token-file={path!r}: cannot read the token ({exc})") from None
+
+
+def security_settings(args: argparse.Namespace) -> SecuritySettings:
+    """`SecuritySettings` from the flags of `add_security_args` (all optional: absent flags mean off)."""
+    token_file = getattr(args, "auth_token_file", None)
+    token = getattr(args, "auth_token", None)
+    if token_file and token:
+        raise ConfigError("give either --auth-token-file or --auth-token, not both")
+    if token_file:
+        token = read_token_file(token_file)
+    return SecuritySettings(token=token or None, tls_cert=getattr(args, "tls_cert", None),
+                            tls_key=getattr(args, "tls_key", None), tls_ca=getattr(args, "tls_ca", None),
+                            tls_server_name=getattr(args, "tls_server_name", None),
+                            max_streams_per_client=int(getattr(args, "max_streams_per_client", 0) or 0))
+
+
+@dataclass(frozen=True)
 class GrpcSettings:
     host: str = "127.0.0.1"
     port: int = 0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # largest message this server sends
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # largest message it accepts (media inline)
     grace_s: float = 10.0
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -179,7 +250,8 @@ def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
     grpc = GrpcSettings(
         host=args.host, port=args.port, grace_s=args.grace_seconds,
         max_message_bytes=int(_flag(args, "max_message_mb", DEFAULT_MAX_MESSAGE_BYTES / _MIB) * _MIB),
-        max_request_bytes=int(_flag(args, "max_request_mb", DEFAULT_MAX_REQUEST_BYTES / _MIB) * _MIB))
+        max_request_bytes=int(_flag(args, "max_request_mb", DEFAULT_MAX_REQUEST_BYTES / _MIB) * _MIB),
+        security=security_settings(args))
     return EncoderSettings(
         checkpoint=args.checkpoint, grpc=grpc, metrics_port=args.metrics_port,
         redis=redis_settings(args.redis_url), device=args.device, dtype=args.dtype,

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import CollectorRegistry
 
+from common.auth import bind_server, server_interceptors
 from common.errors import InvalidInputError
-from common.grpc_util import ServerHealth, bind, create_server, enable_reflection, graceful_stop, status_for
+from common.grpc_util import ServerHealth, create_server, enable_reflection, graceful_stop, status_for
 from common.metrics import EncoderMetrics, MetricsServer, new_registry, start_metrics_server
 from common.settings import GrpcSettings, encoder_settings
 from common.wire import CHUNK_BYTES, item_messages, modality_to_proto
@@ -176,12 +177,12 @@ def build_server(engine: EncoderEngine, grpc_settings: GrpcSettings, metrics: En
                  registry: CollectorRegistry | None = None, metrics_port: int = 0,
                  chunk_bytes: int = CHUNK_BYTES) -> EncoderServer:
     """A bound, not yet started server. `metrics_port` > 0 also starts the /metrics exporter of `registry`."""
-    server = create_server(grpc_settings.max_message_bytes,
+    server = create_server(grpc_settings.max_message_bytes, server_interceptors(grpc_settings.security),
                            max_request_bytes=grpc_settings.max_request_bytes)
     encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(engine, metrics, chunk_bytes), server)
     health = ServerHealth(server, [SERVICE_NAME])
     enable_reflection(server, [SERVICE_NAME])
-    port = bind(server, grpc_settings.host, grpc_settings.port)
+    port = bind_server(server, grpc_settings.host, grpc_settings.port, grpc_settings.security)
     exporter = None
     if metrics_port and registry is not None:
         exporter = start_metrics_server(metrics_port, registry, grpc_settings.host)

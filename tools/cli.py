@@ -8,14 +8,28 @@ import sys
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate from prompt token ids (--local: in-process, no services)")
-    p.add_argument("--local", action="store_true", help="run encoder + decoder in this process")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
-    p.add_argument("--prompt-ids", required=True, help="comma-separated prompt token ids")
+    p = sub.add_parser("generate", help="generate from a chat prompt or token ids (--server ADDR: through a "
+                       "running router/decode replica; --local: in-process, no services)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--local", action="store_true", help="run encoder + decoder in this process")
+    mode.add_argument("--server", metavar="ADDR", help="host:port of a router or decode replica")
+    p.add_argument("--checkpoint", help="checkpoint directory (--local)")
+    p.add_argument("--prompt-ids", help="comma-separated prompt token ids (one placeholder token per media item)")
+    p.add_argument("--prompt", help="user message text (chat prompt)")
+    p.add_argument("--image", action="append", default=[], metavar="PATH", help="image file (repeatable)")
+    p.add_argument("--audio", action="append", default=[], metavar="PATH", help="audio file (repeatable)")
+    p.add_argument("--video", action="append", default=[], metavar="PATH", help="video file (repeatable)")
+    p.add_argument("--no-rescale", action="store_true", help="patch images as they are (RESCALE_POLICY_NONE)")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--stream", action="store_true", help="print text deltas as they arrive")
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline of the Generate call in seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    from common.settings import add_security_args
+
+    add_security_args(p, max_streams_per_client=None)  # token / TLS to dial --server
     p.set_defaults(func=_run_generate)
 
 
@@ -30,16 +44,126 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    if not args.local:
-        raise SystemExit("generate: only --local is available in this build")
-    from decode_service.local import LocalGenerator
+    if (args.prompt_ids is None) == (args.prompt is None):
+        raise SystemExit("generate: give exactly one of --prompt-ids and --prompt")
+    has_media = bool(args.image or args.audio or args.video)
+    if args.local:
+        if not args.checkpoint:
+            raise SystemExit("generate --local: --checkpoint is required")
+        if args.prompt_ids is not None and not has_media:
+            from decode_service.local import LocalGenerator
 
-    generator = LocalGenerator.load(args.checkpoint, device=args.device, dtype=args.dtype)
-    result = generator.generate(_parse_ids(args.prompt_ids), max_tokens=args.max_tokens)
-    if args.json:
-        print(json.dumps(result))
+            generator = LocalGenerator.load(args.checkpoint, device=args.device, dtype=args.dtype)
+            result = generator.generate(_parse_ids(args.prompt_ids), max_tokens=args.max_tokens)
+            print(json.dumps(result) if args.json else result["text"])
+            return 0
+    return _print_stream(args, _generate_request(args))
+
+
+def _generate_request(args: argparse.Namespace):
+    """The `GenerateRequest` the flags describe: a chat (media parts, then the text) or a token prompt."""
+    import uuid
+
+    from proto.inkling_epd.v1 import generator_pb2 as pb
+    from proto.inkling_epd.v1 import media_pb2
+
+    media = []
+    for paths, modality in ((args.image, media_pb2.MODALITY_IMAGE), (args.audio, media_pb2.MODALITY_AUDIO),
+                            (args.video, media_pb2.MODALITY_VIDEO)):
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    item = media_pb2.MediaItem(modality=modality, data=f.read())
+            except OSError as exc:
+                raise SystemExit(f"cannot read {path}: {exc}") from exc
+            if args.no_rescale and modality == media_pb2.MODALITY_IMAGE:
+                item.image.rescale_policy = media_pb2.RESCALE_POLICY_NONE
+            media.append(item)
+    sampling = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    rid = f"cli-{uuid.uuid4().hex[:12]}"
+    if args.prompt_ids is not None:
+        return pb.GenerateRequest(request_id=rid, sampling=sampling,
+                                  tokens=pb.TokenPrompt(token_ids=_parse_ids(args.prompt_ids), media=media))
+    parts = [pb.ContentPart(media=m) for m in media] + [pb.ContentPart(text=args.prompt)]
+    chat = pb.ChatPrompt(messages=[pb.Message(role=pb.ROLE_USER, content=parts)])
+    return pb.GenerateRequest(request_id=rid, sampling=sampling, chat=chat)
+
+
+def _responses(args: argparse.Namespace, request):
+    """GenerateResponse messages from the server (--server) or an in-process decode service (--local)."""
+    if args.server:
+        from common.auth import sync_channel
+        from common.grpc_util import channel_options
+        from common.settings import security_settings
+        from proto.inkling_epd.v1 import generator_pb2_grpc
+
+        with sync_channel(args.server, security_settings(args), channel_options()) as channel:
+            yield from generator_pb2_grpc.GeneratorStub(channel).Generate(request, timeout=args.timeout)
+        return
+    import asyncio
+
+    from decode_service.local_encoder import LocalEncoder
+    from decode_service.server import delta_message, final_message, generate_input
+    from decode_service.service import DecodeService, FinalEvent, build_engine
+
+    async def run() -> list:
+        engine = build_engine(args.checkpoint, args.device, args.dtype, 256 << 20, 4, 2048)
+        encoder = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
+        service = DecodeService(engine, encoder, model_id=args.checkpoint)
+        await service.start(warm_up=False)
+        try:
+            return [final_message(e) if isinstance(e, FinalEvent) else delta_message(e)
+                    async for e in service.generate(generate_input(request, args.timeout))]
+        finally:
+            await service.close()
+            await encoder.close()
+
+    yield from asyncio.run(run())
+
+
+def _print_stream(args: argparse.Namespace, request) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from common.errors import InklingError
+
+    token_ids: list[int] = []
+    text = {"content": "", "reasoning": ""}
+    tool_calls: list[dict] = []
+    final = None
+    try:
+        for response in _responses(args, request):
+            if response.WhichOneof("response") == "final":
+                final = response.final
+                continue
+            delta = response.delta
+            token_ids += delta.token_ids
+            if delta.HasField("tool_call"):
+                tool_calls.append(MessageToDict(delta.tool_call))
+            channel = "reasoning" if delta.channel == 1 else "content"
+            text[channel] += delta.text
+            if args.stream and delta.text:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+    except InklingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # grpc.RpcError (imported lazily): report the status, not a traceback
+        code = getattr(exc, "code", None)
+        if code is None:
+            raise
+        print(f"error: {code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    if args.stream:
+        sys.stdout.write("\n")
+    if args.json or args.stream:
+        summary = {"token_ids": token_ids, "text": text["content"], "reasoning": text["reasoning"],
+                   "tool_calls": tool_calls}
+        if final is not None:
+            summary.update(MessageToDict(final, preserving_proto_field_name=True))
+            summary["finish_reason"] = summary.get("finish_reason", "").removeprefix("FINISH_REASON_").lower()
+        print(json.dumps(summary))
     else:
-        print(result["text"])
+        print(text["content"])
     return 0
 
 
@@ -72,7 +196,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_common(p: argparse.ArgumentParser, port: int) -> None:
+def _serve_common(p: argparse.ArgumentParser, port: int, max_streams_per_client: int = 0) -> None:
+    from common.settings import add_security_args
+
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=port, help="gRPC port (0 = pick a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0 = off)")
@@ -80,6 +206,7 @@ def _serve_common(p: argparse.ArgumentParser, port: int) -> None:
                    "INKLING_REDIS_URL, else no Redis)")
     p.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO")
+    add_security_args(p, max_streams_per_client)
 
 
 def _add_servers(sub: argparse._SubParsersAction) -> None:
@@ -106,10 +233,19 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     dec.add_argument("--max-batch-tokens", type=int, default=2048)
     dec.add_argument("--kv-budget-mb", type=float, default=512.0)
     dec.add_argument("--replica-id", default="", help="name published to the router's prefix directory")
+    dec.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts: INVALID_ARGUMENT "
+                     "(default: the context limit)")
+    dec.add_argument("--max-completion-tokens", type=int, default=None, help="cap on max_tokens (default: the "
+                     "context limit)")
+    dec.add_argument("--max-media-items", type=int, default=32, help="media items per request")
+    dec.add_argument("--max-live-requests", type=int, default=1024, help="requests encoding, queued or running; "
+                     "more get RESOURCE_EXHAUSTED")
+    dec.add_argument("--redis-prefix", action="store_true", help="share KV prefixes through Redis (needs a "
+                     "Redis URL; used where its measured cost model beats recompute)")
     dec.set_defaults(func=_lazy("decode_service.server", "serve"))
 
     router = sub.add_parser("router", help="serve the Generator gRPC service in front of decode replicas")
-    _serve_common(router, 50050)
+    _serve_common(router, 50050, max_streams_per_client=128)
     router.add_argument("--decoders", required=True, help="comma-separated host:port list or dns:///name:port")
     router.set_defaults(func=_lazy("decode_service.router", "serve"))
 

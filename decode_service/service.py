@@ -1,0 +1,677 @@
+"""The decode service (no gRPC): a request with media in, a stream of output deltas and one final event out.
+
+    service = DecodeService(engine, encoder)
+    await service.start()                     # engine thread + warm-up generation; then `ready`
+    async for event in service.generate(GenerateInput(...)): ...   # DeltaEvent..., FinalEvent
+
+One request: validate limits and sampling -> media rows (the encoder client: Redis or an encoder replica) ->
+render the chat with the real per-item row counts (`chat.render_chat`; raw token prompts go through
+`chat.attach_media` after their one-placeholder-per-item is expanded) -> an engine `Request` with the rows at
+their spans -> token outputs through `OutputParser` (stop strings, channels, tool calls) -> deltas, then a
+final event with finish reason, usage and timings.
+
+The `Engine` is not thread-safe and is driven by ONE background thread: requests and aborts enter through a
+queue, outputs go back to each request's asyncio queue with `loop.call_soon_threadsafe`. Closing a `generate`
+iterator early (client cancel) aborts the engine request at once, which frees its KV pages and conv slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from common.checkpoint import CheckpointFiles, load_decoder_weights
+from common.config import load_model_config
+from common.errors import InklingError, InvalidInputError, ResourceExhaustedError, UnavailableError
+from common.wire import EncodedItem
+from decode_service.chat import (
+    AUDIO_PLACEHOLDER,
+    CONTENT_IMAGE,
+    CONTENT_TEXT,
+    CONTENT_THINKING,
+    END_MESSAGE,
+    IMAGE_PLACEHOLDER,
+    MESSAGE_USER,
+    MODEL_END_SAMPLING,
+    ChatMessage,
+    MediaSpan,
+    RenderedPrompt,
+    ToolSpec,
+    attach_media,
+    decode_tokens,
+    encode_text,
+    render_chat,
+)
+from decode_service.engine.engine import Engine, EngineSettings, RequestOutput
+from decode_service.engine.redis_prefix import PrefixStore
+from decode_service.engine.request import MultimodalItem, Request, RequestStatus, SamplingParams
+from decode_service.model.inkling import InklingDecoder
+from decode_service.output_parser import OutputParser, ParsedToolCall
+from encoder_service.service import MediaInput
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_REASONING_EFFORT = 0.9  # proto ChatPrompt.reasoning_effort unset
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Native request and event types (the server converts protobuf to and from these)
+
+
+@dataclass(frozen=True)
+class SamplingInput:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int | None = None  # None: up to the context limit
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """Either a chat (`messages`, media referenced by `MediaPart.index`) or a token prompt
+    (`prompt_token_ids` with ONE image/audio placeholder token per media item, in item order)."""
+
+    request_id: str
+    messages: tuple[ChatMessage, ...] = ()
+    tools: tuple[ToolSpec, ...] = ()
+    reasoning_effort: float | None = None  # None: DEFAULT_REASONING_EFFORT
+    prompt_token_ids: tuple[int, ...] | None = None
+    media: tuple[MediaInput, ...] = ()
+    sampling: SamplingInput = field(default_factory=SamplingInput)
+    cache_salt: str = ""
+    priority: int = 0
+    timeout_s: float | None = None  # remaining deadline of the call
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class DeltaEvent:
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    channel: str | None = None  # "reasoning", "content", "tool_call"; None for tokens without text
+    tool_call: ParsedToolCall | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens_gpu: int = 0
+    cached_tokens_redis: int = 0
+    image_tokens: int = 0
+    audio_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    mm_items_cached: int = 0
+    mm_items_encoded: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_tokens_gpu + self.cached_tokens_redis
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_s: float = 0.0
+    encode_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    finish_reason: str  # stop, length, tool_calls, abort
+    usage: Usage
+    timings: Timings
+    matched_stop: str = ""
+    matched_stop_token_id: int | None = None
+
+
+Event = DeltaEvent | FinalEvent
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    free_kv_pages: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    inflight_encode_items: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    model_fingerprint: bytes
+    encoder_fingerprint: bytes
+    max_context_tokens: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    image_token_id: int
+    audio_token_id: int
+    modalities: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_prompt_tokens: int | None = None  # None: the engine's context limit
+    max_media_items: int = 32
+    max_logprobs: int = 20
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_live_requests: int = 1024  # encoding, queued and running together; above it: RESOURCE_EXHAUSTED
+    max_completion_tokens: int | None = None  # cap on sampling.max_tokens (and its default); None: the context
+
+
+class EngineFailure(InklingError):
+    """The engine finished a request with an error (a failed forward step)."""
+
+
+class MediaEncoder(Protocol):
+    """What the service needs from the encoder client (or an in-process encoder)."""
+
+    async def encode(self, items: Sequence[MediaInput], request_id: str = "",
+                     timeout_s: float | None = None) -> list[EncodedItem]: ...
+
+    @property
+    def inflight_items(self) -> int: ...
+
+    @property
+    def pool_fingerprint(self) -> bytes | None: ...
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The engine thread's side of a request
+
+
+class _Sink:
+    """Where the engine thread delivers one request's outputs (an asyncio queue of another thread)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.submitted_at = time.monotonic()
+        self.scheduled_at: float | None = None  # written by the engine thread before the first delivery
+        self.request: Request | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is gone; nobody is listening any more
+            pass
+
+
+class DecodeService:
+    def __init__(self, engine: Engine, encoder: MediaEncoder | None = None, limits: ServiceLimits | None = None,
+                 model_id: str = "") -> None:
+        self.engine = engine
+        self.encoder = encoder
+        self.limits = limits or ServiceLimits()
+        self.model_id = model_id
+        self.config = engine.config
+        self.dtype: torch.dtype = getattr(engine.runner.model, "dtype", torch.float32)
+        self.ready = False
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._live: dict[str, bool] = {}  # event loop only: request id -> aborted
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._load = LoadSnapshot()
+        self._prompt_tokens_seen = 0
+        self._cached_tokens_seen = 0
+        self._wake = threading.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    async def start(self, warm_up: bool = True) -> None:
+        """Start the engine thread; run one short generation; then `ready` (the server reports SERVING)."""
+        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+        self._thread.start()
+        if warm_up:
+            prompt = (MESSAGE_USER, CONTENT_TEXT, *encode_text("warm up"), END_MESSAGE)
+            warm = GenerateInput(request_id=f"warmup-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
+                                 sampling=SamplingInput(temperature=0.0, max_tokens=2, ignore_eos=True))
+            async for _ in self._generate(warm):
+                pass
+            self._prompt_tokens_seen = self._cached_tokens_seen = 0
+        self.ready = True
+        log.info("decode service ready (context %d tokens)", self.engine.max_model_len)
+
+    async def close(self) -> None:
+        self.ready = False
+        self._stopping.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    # -- public API ------------------------------------------------------------------------------------------
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[Event]:
+        """Deltas, then exactly one `FinalEvent`. Raises `InvalidInputError` (naming the field or item),
+        `ResourceExhaustedError`, `UnavailableError`, `TimeoutError` or `EngineFailure`."""
+        if not self.ready:
+            raise UnavailableError("decode service is not ready (loading or shutting down)")
+        async for event in self._generate(inp):
+            yield event
+
+    def abort(self, request_ids: Sequence[str]) -> list[str]:
+        """Abort live requests (queued, encoding or running); returns the ids that were found."""
+        found = [rid for rid in request_ids if rid in self._live]
+        for rid in found:
+            self._live[rid] = True
+            self._commands.put(("abort", rid))
+        return found
+
+    def load(self) -> LoadSnapshot:
+        snapshot = self._load
+        inflight = self.encoder.inflight_items if self.encoder is not None else 0
+        rate = self._cached_tokens_seen / self._prompt_tokens_seen if self._prompt_tokens_seen else 0.0
+        return LoadSnapshot(snapshot.running, snapshot.waiting, snapshot.kv_usage, snapshot.free_kv_pages, rate,
+                            inflight)
+
+    def model_info(self) -> ModelInfo:
+        prefix = self.engine.prefix_cache
+        fingerprint = prefix.fingerprint if prefix is not None else hashlib.sha256(
+            repr(sorted(self.config.fingerprint_fields().items())).encode()).digest()
+        modalities = tuple(m for m, present in (("image", self.config.vision), ("audio", self.config.audio),
+                                                ("video", self.config.vision)) if present is not None)
+        encoder_fp = (self.encoder.pool_fingerprint if self.encoder is not None else None) or b""
+        return ModelInfo(self.model_id, fingerprint, encoder_fp, self.engine.max_model_len,
+                         self.config.text.unpadded_vocab_size, tuple(self.config.eos_token_ids),
+                         self.config.image_token_id, self.config.audio_token_id, modalities)
+
+    # -- one request -----------------------------------------------------------------------------------------
+
+    async def _generate(self, inp: GenerateInput) -> AsyncIterator[Event]:
+        started = time.monotonic()
+        rid = inp.request_id or uuid.uuid4().hex
+        if rid in self._live:
+            raise InvalidInputError(f"request_id: {rid!r} is already in flight")
+        if len(self._live) >= self.limits.max_live_requests:
+            raise ResourceExhaustedError(f"server busy: {len(self._live)} requests in flight (limit "
+                                         f"{self.limits.max_live_requests})")
+        sampling = self._sampling(inp.sampling)
+        self._check_media(inp)
+        self._live[rid] = False
+        submitted = False
+        finished = False
+        try:
+            encoded = await self._encode(inp, rid)
+            encoded_at = time.monotonic()
+            # Rendering and row conversion are CPU work: off the event loop, which serves every stream.
+            prompt, mm_items = await asyncio.to_thread(self._prepare, inp, encoded)
+            limit = self.limits.max_prompt_tokens
+            if limit is not None and len(prompt.token_ids) > limit:
+                raise InvalidInputError(f"prompt: {len(prompt.token_ids)} tokens exceeds the limit of {limit}")
+            if inp.sampling.max_tokens is None:
+                room = max(1, self.engine.max_model_len - len(prompt.token_ids))
+                if self.limits.max_completion_tokens is not None:
+                    room = min(room, self.limits.max_completion_tokens)
+                sampling = dataclasses.replace(sampling, max_tokens=room)
+            request = Request(rid, prompt.token_ids, sampling, mm_items, inp.priority, inp.cache_salt or None)
+            counts = _MediaCounts.of(prompt, encoded)
+            if self._live.get(rid):
+                finished = True
+                yield FinalEvent("abort", Usage(prompt_tokens=len(prompt.token_ids)), Timings(
+                    encode_s=encoded_at - started))
+                return
+            sink = _Sink(asyncio.get_running_loop())
+            self._commands.put(("add", request, sink))
+            submitted = True
+            log.debug("request %s submitted: %d prompt tokens, %d media items", rid, len(prompt.token_ids),
+                      len(encoded))
+            async for event in self._stream(rid, inp.sampling, sink, counts, started, encoded_at):
+                if isinstance(event, FinalEvent):
+                    finished = True
+                yield event
+        finally:
+            if submitted and not finished:
+                self._commands.put(("abort", rid))
+                log.info("request %s: cancelled, aborting it in the engine", rid)
+            self._live.pop(rid, None)
+
+    async def _stream(self, rid: str, params: SamplingInput, sink: _Sink, counts: _MediaCounts,
+                      started: float, encoded_at: float) -> AsyncIterator[Event]:
+        parser = OutputParser(params.stop)
+        completion = reasoning = 0
+        thinking = False
+        first_token_at: float | None = None
+        last_token: int | None = None
+        matched_stop = ""
+        cached_gpu = cached_redis = 0
+        while True:
+            item = await sink.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            out = item
+            if first_token_at is None and out.new_token_ids:
+                first_token_at = time.monotonic()
+                cached_gpu, cached_redis = out.num_cached_tokens_gpu, out.num_cached_tokens_redis
+            logprobs = [TokenLogprob(t, lp.logprob, lp.top)
+                        for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=False)]
+            events: list[DeltaEvent] = []
+            for n, token in enumerate(out.new_token_ids):
+                completion += 1
+                last_token = token
+                if token == CONTENT_THINKING:
+                    thinking = True
+                elif token in (END_MESSAGE, MODEL_END_SAMPLING):
+                    thinking = False
+                elif thinking:
+                    reasoning += 1
+                was_done = parser.done
+                deltas = parser.feed(token)
+                events += _token_events(token, logprobs[n: n + 1], deltas)
+                if not was_done and parser.done and token != MODEL_END_SAMPLING and params.stop:
+                    matched_stop = _which_stop(params.stop, out.token_ids[: len(out.token_ids)
+                                                                           - len(out.new_token_ids) + n + 1])
+                    break
+            for event in events:
+                yield event
+            if matched_stop:
+                self._commands.put(("abort", rid))
+                reason = "stop"
+            elif out.finished:
+                reason = out.finish_reason or "stop"
+                if reason.startswith("error:"):
+                    raise EngineFailure(f"request {rid}: generation failed: {reason[len('error:'):]}")
+            else:
+                continue
+            for delta in parser.finish(reason):
+                yield DeltaEvent(text=delta.text, channel=delta.channel, tool_call=delta.tool_call)
+            finished_at = time.monotonic()
+            self._prompt_tokens_seen += out.num_prompt_tokens
+            self._cached_tokens_seen += cached_gpu + cached_redis
+            stop_id = last_token if (reason == "stop" and not matched_stop and last_token is not None
+                                     and last_token in params.stop_token_ids) else None
+            usage = Usage(prompt_tokens=out.num_prompt_tokens, cached_tokens_gpu=cached_gpu,
+                          cached_tokens_redis=cached_redis,
+                          image_tokens=counts.image_tokens, audio_tokens=counts.audio_tokens,
+                          completion_tokens=completion, reasoning_tokens=reasoning,
+                          mm_items_cached=counts.cached, mm_items_encoded=counts.encoded)
+            scheduled = sink.scheduled_at or sink.submitted_at
+            first = first_token_at or finished_at
+            timings = Timings(queue_s=max(0.0, scheduled - sink.submitted_at), encode_s=encoded_at - started,
+                              prefill_s=max(0.0, first - scheduled), ttft_s=first - started,
+                              decode_s=finished_at - first)
+            yield FinalEvent(parser.finish_reason or reason, usage, timings, matched_stop, stop_id)
+            return
+
+    # -- validation and prompt building ----------------------------------------------------------------------
+
+    def _sampling(self, s: SamplingInput) -> SamplingParams:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not math.isfinite(getattr(s, name)):
+                raise InvalidInputError(f"sampling.{name}={getattr(s, name)!r} must be finite")
+        if s.min_tokens:
+            raise InvalidInputError("sampling.min_tokens is not supported by this server yet")
+        if s.logprobs is not None and s.logprobs > self.limits.max_logprobs:
+            raise InvalidInputError(f"sampling.logprobs={s.logprobs} exceeds the limit of "
+                                    f"{self.limits.max_logprobs}")
+        if s.max_tokens is not None and s.max_tokens < 1:
+            raise InvalidInputError(f"sampling.max_tokens={s.max_tokens} must be >= 1")
+        cap = self.limits.max_completion_tokens
+        if s.max_tokens is not None and cap is not None and s.max_tokens > cap:
+            raise InvalidInputError(f"sampling.max_tokens={s.max_tokens} exceeds the limit of {cap}")
+        if len(s.stop) > self.limits.max_stop_strings:
+            raise InvalidInputError(f"sampling.stop: {len(s.stop)} strings exceeds the limit of "
+                                    f"{self.limits.max_stop_strings}")
+        for i, stop in enumerate(s.stop):
+            if not stop or len(stop) > self.limits.max_stop_string_chars:
+                raise InvalidInputError(f"sampling.stop[{i}]: must have 1 to {self.limits.max_stop_string_chars} "
+                                        "characters")
+        params = SamplingParams(
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed,
+            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, max_tokens=s.max_tokens or 1,
+            stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+        params.validate(self.config.text.unpadded_vocab_size)
+        return params
+
+    def _check_media(self, inp: GenerateInput) -> None:
+        if len(inp.media) > self.limits.max_media_items:
+            raise InvalidInputError(f"media: {len(inp.media)} items exceeds the limit of "
+                                    f"{self.limits.max_media_items}")
+        if inp.prompt_token_ids is None and not inp.messages:
+            raise InvalidInputError("prompt: neither chat messages nor token ids were given")
+        for i, item in enumerate(inp.media):
+            if item.modality not in ("image", "audio", "video"):
+                raise InvalidInputError(f"media[{i}].modality: unknown modality {item.modality!r}")
+            if not item.data:
+                raise InvalidInputError(f"media[{i}] ({item.modality}): no media data")
+
+    async def _encode(self, inp: GenerateInput, rid: str) -> list[EncodedItem]:
+        if not inp.media:
+            return []
+        if self.encoder is None:
+            raise UnavailableError("media: this decode replica has no encoder pool and no local encoder")
+        encoded = await self.encoder.encode(inp.media, rid, inp.timeout_s)
+        dim = self.config.text.hidden_size
+        for i, item in enumerate(encoded):
+            if item.dim != dim:
+                raise UnavailableError(f"media[{i}]: encoder rows have dim {item.dim}, the decoder needs {dim}")
+            if item.modality == "video" and any(s.modality != "image" for s in item.spans):
+                raise InvalidInputError(f"media[{i}] (video): audio tracks of videos are not supported in "
+                                        "prompts yet; set include_audio=false")
+        return encoded
+
+    def _prepare(self, inp: GenerateInput, encoded: Sequence[EncodedItem],
+                 ) -> tuple[RenderedPrompt, tuple[MultimodalItem, ...]]:
+        prompt = self._prompt(inp, encoded)
+        return prompt, self._mm_items(prompt, encoded)
+
+    def _prompt(self, inp: GenerateInput, encoded: Sequence[EncodedItem]) -> RenderedPrompt:
+        counts: list[int | list[int]] = [
+            [s.rows for s in item.spans] if item.modality == "video" else item.rows for item in encoded]
+        if inp.prompt_token_ids is None:
+            effort = DEFAULT_REASONING_EFFORT if inp.reasoning_effort is None else inp.reasoning_effort
+            return render_chat(list(inp.messages), list(inp.tools), effort, counts)
+        expanded = _expand_placeholders(list(inp.prompt_token_ids), encoded)
+        return attach_media(expanded, [item.modality for item in encoded], counts)
+
+    def _mm_items(self, prompt: RenderedPrompt, encoded: Sequence[EncodedItem]) -> tuple[MultimodalItem, ...]:
+        rows = {item.item_index: _bf16_rows(item).to(self.dtype) for item in encoded}
+        items = []
+        for span in prompt.media_spans:
+            item = encoded[span.item_index]
+            key = item.mm_key if span.row_offset == 0 else hashlib.sha256(
+                item.mm_key + span.row_offset.to_bytes(8, "little")).digest()
+            items.append(MultimodalItem(key, span.start,
+                                        rows[span.item_index][span.row_offset: span.row_offset + span.length]))
+        return tuple(items)
+
+    # -- the engine thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self.engine.has_unfinished)
+            if self.engine.has_unfinished:
+                step_started = time.monotonic()
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # a bug below the engine's own error handling: fail, never hang
+                    log.exception("engine step raised; failing the %d live requests", len(self._sinks))
+                    self._fail_all(EngineFailure(f"engine step failed: {type(exc).__name__}: {exc}"))
+                    continue
+                self._note_scheduled(step_started)
+                for out in outputs:
+                    sink = self._sinks.get(out.request_id)
+                    if sink is None:
+                        continue
+                    if out.finished:
+                        del self._sinks[out.request_id]
+                    sink.put(out)
+            self._update_load()
+        self._fail_all(UnavailableError("decode service is shutting down"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid, sink in list(self._sinks.items()):
+            self.engine.abort(rid)
+            sink.put(error)
+        self._sinks.clear()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request, sink = command
+            try:
+                self.engine.add_request(request)
+            except Exception as exc:  # validation errors go back to the caller, the engine carries on
+                sink.put(exc)
+                return
+            sink.request = request
+            self._sinks[request.request_id] = sink
+        elif kind == "abort":
+            self.engine.abort(command[1])
+
+    def _note_scheduled(self, step_started: float) -> None:
+        """Requests that left WAITING in the step that began at `step_started` were scheduled then."""
+        for sink in self._sinks.values():
+            if sink.scheduled_at is None and sink.request is not None and \
+                    sink.request.status is not RequestStatus.WAITING:
+                sink.scheduled_at = step_started
+
+    def _update_load(self) -> None:
+        cache = self.engine.cache
+        total = sum(pool.num_pages for pool in cache.pools.values())
+        free = sum(pool.num_free for pool in cache.pools.values())
+        scheduler = self.engine.scheduler
+        self._load = LoadSnapshot(len(scheduler.running), len(scheduler.waiting),
+                                  1.0 - free / total if total else 0.0, free)
+
+
+@dataclass(frozen=True)
+class _MediaCounts:
+    image_tokens: int = 0
+    audio_tokens: int = 0
+    cached: int = 0
+    encoded: int = 0
+
+    @classmethod
+    def of(cls, prompt: RenderedPrompt, items: Sequence[EncodedItem]) -> _MediaCounts:
+        image = sum(s.length for s in prompt.media_spans if s.modality != "audio")
+        audio = sum(s.length for s in prompt.media_spans if s.modality == "audio")
+        cached = sum(item.cache_hit for item in items)
+        return cls(image, audio, cached, len(items) - cached)
+
+
+def _bf16_rows(item: EncodedItem) -> torch.Tensor:
+    """Raw little-endian bf16 bytes -> a `[rows, dim]` tensor."""
+    return torch.frombuffer(bytearray(item.payload), dtype=torch.bfloat16).view(item.rows, item.dim)
+
+
+def _expand_placeholders(token_ids: list[int], items: Sequence[EncodedItem]) -> list[int]:
+    """A token prompt's single placeholder per item -> the item's full placeholder run(s).
+
+    Images and videos use the image placeholder, audio the audio placeholder; items of each kind are matched
+    to placeholders in order. A video's frames are separate image messages, as in chat rendering.
+    """
+    visual = [item for item in items if item.modality != "audio"]
+    audio = [item for item in items if item.modality == "audio"]
+    found_visual = token_ids.count(IMAGE_PLACEHOLDER)
+    found_audio = token_ids.count(AUDIO_PLACEHOLDER)
+    if found_visual != len(visual) or found_audio != len(audio):
+        raise InvalidInputError(
+            f"prompt.token_ids: {found_visual} image and {found_audio} audio placeholders, but the media are "
+            f"{len(visual)} image/video and {len(audio)} audio items (one placeholder token per item)")
+    queues = {IMAGE_PLACEHOLDER: iter(visual), AUDIO_PLACEHOLDER: iter(audio)}
+    out: list[int] = []
+    for token in token_ids:
+        if token not in queues:
+            out.append(token)
+            continue
+        item = next(queues[token])
+        for n, span in enumerate(item.spans):
+            if n:
+                out += [END_MESSAGE, MESSAGE_USER, CONTENT_IMAGE]
+            out += [token] * span.rows
+    return out
+
+
+def _token_events(token: int, logprobs: list[TokenLogprob], deltas: list) -> list[DeltaEvent]:
+    """One sampled token -> delta events: the first carries the token (and its logprob), later ones only text."""
+    if not deltas:
+        return [DeltaEvent((token,), logprobs=tuple(logprobs))]
+    first, *rest = deltas
+    events = [DeltaEvent((token,), first.text, first.channel, first.tool_call, tuple(logprobs))]
+    events += [DeltaEvent(text=d.text, channel=d.channel, tool_call=d.tool_call) for d in rest]
+    return events
+
+
+def _which_stop(stops: Sequence[str], token_ids: Sequence[int]) -> str:
+    """The stop string that ended the output: the one whose last occurrence ends latest (longest on ties)."""
+    text = decode_tokens(token_ids)
+    best = max(stops, key=lambda s: (text.rfind(s) + len(s) if s in text else -1, len(s)))
+    return best
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Construction
+
+
+def build_engine(checkpoint: str | Path, device: str = "cpu", dtype: str = "bfloat16",
+                 kv_cache_bytes: int = 512 << 20, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_prefix_cache: bool = True, prefix_store: PrefixStore | None = None) -> Engine:
+    """Load the decoder weights of a checkpoint and wrap them in an `Engine` (`prefix_store`: the shared Redis
+    prefix tier)."""
+    if dtype not in DTYPES:
+        raise InvalidInputError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    config = load_model_config(checkpoint)
+    weights, _ = load_decoder_weights(CheckpointFiles(checkpoint), config, dtype=DTYPES[dtype], device=device)
+    model = InklingDecoder.from_weights(config.text, weights, DTYPES[dtype], device)
+    settings = EngineSettings(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, device=device,
+                              enable_prefix_cache=enable_prefix_cache)
+    return Engine(model, config, settings, prefix_store)
+
+
+__all__ = [
+    "DecodeService", "DeltaEvent", "EngineFailure", "FinalEvent", "GenerateInput", "LoadSnapshot",
+    "MediaEncoder", "MediaInput", "MediaSpan", "ModelInfo", "SamplingInput", "ServiceLimits", "Timings",
+    "TokenLogprob", "Usage", "build_engine",
+]

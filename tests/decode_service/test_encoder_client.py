@@ -1,0 +1,265 @@
+"""EncoderClient against in-process fake Encoder servers: cache first, rendezvous + load cap, retry on the next
+replica, checksum verification, circuit breaker, health Watch, item errors, local fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.cache_store import Entry, LruCache
+from common.errors import InvalidInputError, UnavailableError
+from common.hashing import mm_key
+from common.wire import EncodedItem, Span, item_messages
+from decode_service.encoder_client import (
+    ClientSettings,
+    EncoderClient,
+    media_to_proto,
+    parse_targets,
+    rendezvous_order,
+)
+from encoder_service.server import media_from_proto
+from encoder_service.service import ImageOptions, MediaInput, VideoOptions
+from proto.inkling_epd.v1 import encoder_pb2, encoder_pb2_grpc
+
+pytestmark = pytest.mark.anyio
+
+FINGERPRINT = hashlib.sha256(b"fake encoder").digest()
+DIM = 4
+PREPROCESS = {"version": "test"}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def rows_for(data: bytes) -> tuple[int, bytes]:
+    rows = 1 + len(data) % 3
+    return rows, (hashlib.sha256(data).digest() * 4)[: rows * DIM * 2]
+
+
+class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
+    """mode: ok | unavailable | garble | invalid (an ItemError for data b"bad")."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.calls = 0
+        self.items = 0
+
+    async def Encode(self, request, context):
+        self.calls += 1
+        self.items += len(request.items)
+        if self.mode == "unavailable":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+        for i, media in enumerate(request.items):
+            if media.data == b"bad":
+                yield encoder_pb2.EncodeChunk(error=encoder_pb2.ItemError(
+                    item_index=i, code="INVALID_ARGUMENT", message=f"item {i} (image): cannot decode"))
+                continue
+            rows, payload = rows_for(media.data)
+            key = mm_key("image", media.data, PREPROCESS, FINGERPRINT)
+            messages = list(item_messages(EncodedItem(i, key, "image", rows, DIM, payload, (Span("image", rows),))))
+            if self.mode == "garble":
+                messages[1].data.payload = bytes(b ^ 0xFF for b in messages[1].data.payload)
+            for message in messages:
+                yield message
+
+    async def GetInfo(self, request, context):
+        return encoder_pb2.EncoderInfo(encoder_fingerprint=FINGERPRINT, dim=DIM, dtype="bfloat16")
+
+
+@pytest.fixture
+async def pool():
+    servers, fakes, healths = [], [], []
+    for _ in range(2):
+        server = grpc.aio.server()
+        fake = FakeEncoder()
+        encoder_pb2_grpc.add_EncoderServicer_to_server(fake, server)
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        servers.append((server, port))
+        fakes.append(fake)
+        healths.append(servicer)
+    addresses = [f"127.0.0.1:{port}" for _, port in servers]
+    yield addresses, dict(zip(addresses, fakes, strict=True)), dict(zip(addresses, healths, strict=True))
+    for server, _ in servers:
+        await server.stop(0)
+
+
+class Counting:
+    def __init__(self) -> None:
+        self.retries = self.hits = self.lookups = self.fallbacks = 0
+
+    def cache_lookup(self, hit: bool) -> None:
+        self.lookups += 1
+        self.hits += hit
+
+    def rpc(self, address: str, seconds: float, code: str) -> None:
+        pass
+
+    def retry(self) -> None:
+        self.retries += 1
+
+    def local_fallback(self) -> None:
+        self.fallbacks += 1
+
+
+async def started(addresses, **kw) -> EncoderClient:
+    settings = kw.pop("settings", ClientSettings(ready_wait_s=5.0, breaker_open_s=60.0))
+    client = EncoderClient(addresses, lambda media, item: PREPROCESS, settings=settings, **kw)
+    await client.start()
+    for _ in range(250):
+        if len(client.healthy()) == len(addresses):
+            return client
+        await asyncio.sleep(0.02)
+    raise AssertionError("the replicas never became healthy")
+
+
+def images(*payloads: bytes) -> list[MediaInput]:
+    return [MediaInput("image", p) for p in payloads]
+
+
+def key_of(data: bytes) -> bytes:
+    return mm_key("image", data, PREPROCESS, FINGERPRINT)
+
+
+async def test_items_come_back_in_order_spread_over_replicas(pool):
+    addresses, fakes, _ = pool
+    client = await started(addresses)
+    try:
+        data = [f"image-{i}".encode() for i in range(12)]
+        out = await client.encode(images(*data), "r1", timeout_s=10)
+        assert [o.item_index for o in out] == list(range(12))
+        for item, d in zip(out, data, strict=True):
+            rows, payload = rows_for(d)
+            assert (item.rows, item.payload, item.mm_key, item.cache_hit) == (rows, payload, key_of(d), False)
+        assert all(f.items > 0 for f in fakes.values())  # rendezvous + the load cap use both replicas
+        assert client.inflight_items == 0
+    finally:
+        await client.close()
+
+
+async def test_rendezvous_order_is_a_stable_permutation():
+    addresses = [f"10.0.0.{i}:1" for i in range(5)]
+    order = rendezvous_order(b"k" * 32, addresses)
+    assert sorted(order) == sorted(addresses) and order == rendezvous_order(b"k" * 32, list(reversed(addresses)))
+    # Removing a replica keeps the relative order of the others (only its keys move).
+    assert rendezvous_order(b"k" * 32, [a for a in addresses if a != order[0]]) == order[1:]
+
+
+async def test_cache_hit_skips_the_encoders(pool):
+    addresses, fakes, _ = pool
+    cache = LruCache(1 << 20)
+    rows, payload = rows_for(b"cached")
+    cache.put(key_of(b"cached"), Entry("image", rows, DIM, payload, (Span("image", rows),)))
+    observer = Counting()
+    client = await started(addresses, cache=cache, observer=observer)
+    try:
+        out = await client.encode(images(b"cached", b"fresh"), "r2", timeout_s=10)
+        assert out[0].cache_hit and out[0].payload == payload and not out[1].cache_hit
+        assert sum(f.items for f in fakes.values()) == 1
+        assert (observer.lookups, observer.hits) == (2, 1)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("mode", ["unavailable", "garble"])
+async def test_failed_call_is_retried_on_the_next_replica_then_the_breaker_opens(pool, mode):
+    addresses, fakes, _ = pool
+    first = rendezvous_order(key_of(b"x"), addresses)[0]
+    fakes[first].mode = mode
+    observer = Counting()
+    client = await started(addresses, observer=observer)
+    try:
+        for attempt in range(5):
+            out = await client.encode(images(b"x"), f"r{attempt}", timeout_s=10)
+            assert out[0].payload == rows_for(b"x")[1]
+        # Three failures open the breaker: later requests go straight to the healthy replica.
+        assert fakes[first].calls == 3 and observer.retries == 3
+        assert fakes[next(a for a in addresses if a != first)].calls == 5
+    finally:
+        await client.close()
+
+
+async def test_item_error_is_invalid_input_naming_the_request_item(pool):
+    addresses, _, _ = pool
+    client = await started(addresses)
+    try:
+        with pytest.raises(InvalidInputError, match=r"media\[1\]"):
+            await client.encode(images(b"fine", b"bad"), "r3", timeout_s=10)
+    finally:
+        await client.close()
+
+
+async def test_not_serving_replicas_are_skipped_and_none_left_is_unavailable(pool):
+    addresses, fakes, healths = pool
+    client = await started(addresses, settings=ClientSettings(ready_wait_s=0.3))
+    try:
+        await healths[addresses[0]].set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        for _ in range(100):
+            if len(client.healthy()) == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert [r.address for r in client.healthy()] == [addresses[1]]
+        await client.encode(images(*(f"i{i}".encode() for i in range(6))), "r4", timeout_s=10)
+        assert fakes[addresses[0]].calls == 0
+        await healths[addresses[1]].set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        for _ in range(100):
+            if not client.healthy():
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(UnavailableError):
+            await client.encode(images(b"y"), "r5", timeout_s=10)
+    finally:
+        await client.close()
+
+
+async def test_local_fallback_when_no_encoder_is_reachable():
+    class Local:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def encode(self, items, request_id, timeout_s=None):
+            self.calls += 1
+            return [EncodedItem(i, b"k" * 32, "image", 1, DIM, bytes(DIM * 2), (Span("image", 1),))
+                    for i, _ in enumerate(items)]
+
+    local, observer = Local(), Counting()
+    client = EncoderClient(["127.0.0.1:1"], lambda media, item: PREPROCESS, local=local, local_fingerprint=FINGERPRINT,
+                           settings=ClientSettings(ready_wait_s=0.1), observer=observer)
+    await client.start()
+    try:
+        out = await client.encode(images(b"z"), "r6", timeout_s=5)
+        assert local.calls == 1 and observer.fallbacks == 1 and out[0].rows == 1
+    finally:
+        await client.close()
+
+
+def test_media_to_proto_round_trips_through_the_encoder_edge_parser():
+    items = [MediaInput("image", b"a", ImageOptions("long_edge", 1.5, 1024)), MediaInput("audio", b"b"),
+             MediaInput("video", b"c", video=VideoOptions(fps=2.0, max_frames=3, include_audio=False,
+                                                          frame=ImageOptions("none")))]
+    for i, item in enumerate(items):
+        assert media_from_proto(i, media_to_proto(item)) == item
+
+
+async def test_dns_target_resolves_to_the_replicas(pool):
+    addresses, fakes, _ = pool
+    port = addresses[0].rsplit(":", 1)[1]
+    assert parse_targets(f"dns:///localhost:{port}, {addresses[1]}") == [f"dns:///localhost:{port}", addresses[1]]
+    with pytest.raises(InvalidInputError, match="--encoders"):
+        parse_targets("no-port")
+    client = await started([f"dns:///127.0.0.1:{port}"])
+    try:
+        assert [r.address for r in client.healthy()] == [addresses[0]]
+        await client.encode(images(b"via-dns"), "r7", timeout_s=10)
+        assert fakes[addresses[0]].calls == 1
+    finally:
+        await client.close()

@@ -1,0 +1,227 @@
+"""Decode + encoder gRPC servers in-process on port 0, tiny checkpoint in float32."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.metrics import new_registry
+from common.settings import EncoderSettings, GrpcSettings
+from decode_service.encoder_client import EncoderClient
+from decode_service.local_encoder import LocalEncoder
+from decode_service.server import DecodeMetrics, build_server
+from decode_service.service import DecodeService, build_engine
+from encoder_service.server import build_server as build_encoder_server
+from encoder_service.service import load_engine
+from proto.inkling_epd.v1 import generator_pb2 as pb
+from proto.inkling_epd.v1 import generator_pb2_grpc, media_pb2
+from tools.make_sample_media import sample_media
+from tools.make_tiny_checkpoint import make_tiny_checkpoint
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), nvfp4=True, seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return build_engine(checkpoint, dtype="float32", kv_cache_bytes=8 << 20, max_num_seqs=4,
+                        max_num_batched_tokens=256, enable_prefix_cache=False)
+
+
+@pytest.fixture
+async def cluster(checkpoint, engine):
+    """(decode server, decode stub, encoder server): everything bound to 127.0.0.1 port 0."""
+    encoder = build_encoder_server(load_engine(EncoderSettings(checkpoint=str(checkpoint), dtype="float32")),
+                                   GrpcSettings(port=0))
+    await encoder.start()
+    keys = LocalEncoder.load(checkpoint, dtype="float32")
+    metrics = DecodeMetrics(new_registry())
+    client = EncoderClient([f"127.0.0.1:{encoder.port}"], keys.preprocess_fingerprint,
+                           local_fingerprint=keys.fingerprint, observer=metrics)
+    service = DecodeService(engine, client)
+    decode = build_server(service, GrpcSettings(port=0), client, metrics)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+    statuses: list[int] = []
+
+    async def follow() -> None:
+        async for response in watch:
+            statuses.append(response.status)
+
+    follower = asyncio.create_task(follow())
+    await decode.start()
+    try:
+        deadline = time.monotonic() + 10
+        while health_pb2.HealthCheckResponse.SERVING not in statuses:
+            assert time.monotonic() < deadline, f"health never went SERVING: {statuses}"
+            await asyncio.sleep(0.01)
+        yield decode, generator_pb2_grpc.GeneratorStub(channel), encoder, statuses
+    finally:
+        watch.cancel()
+        follower.cancel()
+        await channel.close()
+        await decode.stop(0.5)
+        await encoder.stop(0.5)
+        await keys.close()
+
+
+def chat_request(rid: str, media: list[media_pb2.MediaItem], max_tokens: int = 5) -> pb.GenerateRequest:
+    parts = [pb.ContentPart(media=m) for m in media] + [pb.ContentPart(text="Describe this.")]
+    return pb.GenerateRequest(
+        request_id=rid, chat=pb.ChatPrompt(messages=[pb.Message(role=pb.ROLE_USER, content=parts)]),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def image_and_audio() -> list[media_pb2.MediaItem]:
+    files = sample_media()
+    return [media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=files["shapes.png"],
+                                image=media_pb2.ImageParams(rescale_policy=media_pb2.RESCALE_POLICY_NONE)),
+            media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=files["tones_16k.wav"])]
+
+
+async def generate(stub, request) -> tuple[list[pb.Delta], pb.Final]:
+    responses = [r async for r in stub.Generate(request, timeout=60)]
+    assert responses[-1].WhichOneof("response") == "final"
+    assert all(r.WhichOneof("response") == "delta" for r in responses[:-1])
+    return [r.delta for r in responses[:-1]], responses[-1].final
+
+
+async def wait_idle(decode, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while decode.service.load().running or decode.service.load().waiting or decode.service.engine.requests:
+        assert time.monotonic() < deadline, f"engine not idle: {decode.service.load()}"
+        await asyncio.sleep(0.01)
+
+
+async def test_health_goes_serving_after_warm_up(cluster):
+    _, _, _, statuses = cluster
+    assert statuses[-1] == health_pb2.HealthCheckResponse.SERVING
+    assert health_pb2.HealthCheckResponse.SERVING in statuses
+
+
+async def test_multimodal_generate_uses_the_encoder_then_its_cache(cluster):
+    decode, stub, encoder, _ = cluster
+    deltas, final = await generate(stub, chat_request("mm-1", image_and_audio()))
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert len(tokens) == 5
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert final.usage.image_tokens == 104 and final.usage.audio_tokens == 30
+    assert final.usage.mm_items_encoded == 2 and final.usage.mm_items_cached == 0
+    assert final.usage.completion_tokens == 5 and final.timings.ttft_s > 0
+    # Same media again: the encoder's cache answers (cache_hit in its headers) and the tokens are the same.
+    deltas2, final2 = await generate(stub, chat_request("mm-2", image_and_audio()))
+    assert [t for d in deltas2 for t in d.token_ids] == tokens
+    assert final2.usage.mm_items_cached == 2
+    registry = decode.metrics.registry
+    assert registry.get_sample_value("inkling_ttft_seconds_count") == 2
+    assert registry.get_sample_value("inkling_itl_seconds_count") == 2 * 4
+    assert registry.get_sample_value("inkling_embedding_cache_queries_total") == 0  # no Redis configured
+    address = f"127.0.0.1:{encoder.port}"
+    assert registry.get_sample_value("inkling_encode_rpc_seconds_count", {"encoder": address, "code": "OK"}) == 2
+    assert registry.get_sample_value("inkling_decode_requests_total", {"status": "OK"}) == 2
+    info = await stub.GetModelInfo(pb.ModelInfoRequest())
+    assert info.encoder_fingerprint == encoder.engine.fingerprint
+    assert info.image_token_id == 200054 and info.max_context_tokens > 0
+
+
+async def test_corrupt_image_is_invalid_argument_naming_the_item(cluster):
+    _, stub, _, _ = cluster
+    media = image_and_audio()
+    media[1] = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=b"\x89PNG garbage")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(stub, chat_request("bad-1", media))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "media[1]" in err.value.details()
+
+
+async def test_bad_sampling_is_invalid_argument_naming_the_field(cluster):
+    _, stub, _, _ = cluster
+    request = chat_request("bad-2", [])
+    request.sampling.top_p = 1.5
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(stub, request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.top_p" in err.value.details()
+
+
+async def test_client_cancellation_frees_the_engine(cluster):
+    decode, stub, _, _ = cluster
+    cache = decode.service.engine.cache
+    free = {k: p.num_free for k, p in cache.pools.items()}
+    call = stub.Generate(chat_request("cx-1", [], max_tokens=500))
+    first = await call.read()
+    assert first.WhichOneof("response") == "delta"
+    assert decode.service.engine.requests  # it is running
+    call.cancel()
+    await wait_idle(decode)
+    assert {k: p.num_free for k, p in cache.pools.items()} == free
+    load = await stub.GetLoad(pb.LoadRequest())
+    assert load.running_requests == 0 and load.kv_usage == pytest.approx(0.0)
+
+
+async def test_abort_rpc_ends_the_stream_with_abort(cluster):
+    decode, stub, _, _ = cluster
+    call = stub.Generate(chat_request("ab-1", [], max_tokens=500))
+    await call.read()
+    aborted = await stub.Abort(pb.AbortRequest(request_ids=["ab-1", "unknown"]))
+    assert list(aborted.aborted_request_ids) == ["ab-1"]
+    responses = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        responses.append(response)
+    assert responses[-1].final.finish_reason == pb.FINISH_REASON_ABORT
+    assert await call.code() == grpc.StatusCode.OK
+    await wait_idle(decode)
+
+
+async def test_cli_generate_through_the_server(cluster, tmp_path, capsys):
+    import json
+
+    from tools.cli import main
+
+    decode, _, _, _ = cluster
+    image = tmp_path / "shapes.png"
+    image.write_bytes(sample_media()["shapes.png"])
+    argv = ["generate", "--server", f"127.0.0.1:{decode.port}", "--prompt", "Describe.", "--image", str(image),
+            "--no-rescale", "--max-tokens", "3", "--json"]
+    assert await asyncio.to_thread(main, argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["token_ids"]) <= 3 and result["finish_reason"] in ("length", "stop")
+    assert result["usage"]["image_tokens"] == 104
+    bad = await asyncio.to_thread(main, ["generate", "--server", f"127.0.0.1:{decode.port}", "--prompt-ids", "1,2",
+                                         "--image", str(image), "--max-tokens", "2"])
+    assert bad == 1 and "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+async def test_graceful_stop_reports_not_serving_and_drains_running_calls(engine):
+    decode = build_server(DecodeService(engine), GrpcSettings(port=0))
+    await decode.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}")
+    try:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        call = generator_pb2_grpc.GeneratorStub(channel).Generate(chat_request("drain", [], max_tokens=30))
+        responses = [await call.read()]
+        stopping = asyncio.create_task(decode.stop(20.0))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        while (response := await call.read()) is not grpc.aio.EOF:
+            responses.append(response)
+        assert await call.code() == grpc.StatusCode.OK
+        assert responses[-1].final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(r.delta.token_ids) for r in responses) == 30
+        await stopping
+    finally:
+        await channel.close()

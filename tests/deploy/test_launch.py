@@ -1,0 +1,133 @@
+"""`Cluster` with stand-in encoder/decode processes (a tiny gRPC script written here) and the real router."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import grpc
+import pytest
+
+from deploy import launch
+from deploy.launch import Cluster, ClusterError, ClusterSpec, free_port, redis_reachable
+from proto.inkling_epd.v1 import generator_pb2 as pb
+from proto.inkling_epd.v1 import generator_pb2_grpc
+from tools.healthcheck import check
+
+FAKE_SERVER = '''
+import argparse, asyncio, signal, sys
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from proto.inkling_epd.v1 import generator_pb2 as pb, generator_pb2_grpc
+
+class Fake(generator_pb2_grpc.GeneratorServicer):
+    def __init__(self, name):
+        self.name = name
+    async def Generate(self, request, context):
+        yield pb.GenerateResponse(delta=pb.Delta(text=self.name))
+        yield pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP))
+    async def GetLoad(self, request, context):
+        return pb.Load()
+
+async def run(args):
+    server = grpc.aio.server()
+    generator_pb2_grpc.add_GeneratorServicer_to_server(Fake(f"{args.role}@{args.port}"), server)
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    ready = args.fake_mode != "never-ready"
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING if ready else
+                       health_pb2.HealthCheckResponse.NOT_SERVING)
+    stop = asyncio.Event()
+    if args.fake_mode == "ignore-sigterm":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    print("fake: stopping on SIGTERM", flush=True)
+    await server.stop(0)
+
+parser = argparse.ArgumentParser()
+parser.add_argument("role")
+parser.add_argument("--host")
+parser.add_argument("--port", type=int)
+parser.add_argument("--fake-mode", default="ok")
+args, _ = parser.parse_known_args()
+print("fake argv:", " ".join(sys.argv[1:]), flush=True)
+if args.fake_mode == "crash":
+    print("boom: cannot load checkpoint", flush=True)
+    sys.exit(3)
+asyncio.run(run(args))
+'''
+
+
+@pytest.fixture
+def fake_spec(tmp_path):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    fake = (sys.executable, str(script))
+
+    def make(**overrides) -> ClusterSpec:
+        base = dict(checkpoint=str(tmp_path / "ckpt"), redis="none", log_dir=str(tmp_path / "logs"),
+                    startup_timeout_s=30.0, stop_timeout_s=10.0, grace_seconds=0.5,
+                    commands={"encoder": fake, "decode": fake})
+        return ClusterSpec(**{**base, **overrides})
+
+    return make
+
+
+def test_cluster_starts_every_tier_and_serves_through_the_router(fake_spec, monkeypatch):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    # Pretend no Redis listens on the default address so the cluster starts its own redis-server.
+    monkeypatch.setattr(launch, "DEFAULT_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+    cluster = Cluster(fake_spec(encoders=2, decoders=2, redis="auto"))
+    with cluster:
+        assert cluster.redis_url and redis_reachable(cluster.redis_url)
+        assert check(cluster.router_address) == "SERVING"
+        decode_log = (cluster.log_dir / "decode-1.log").read_text()
+        assert f"--encoders {','.join(cluster.encoder_addresses)}" in decode_log
+        assert f"--replica-id {cluster.decoder_addresses[1]}" in decode_log
+        assert f"--redis-url {cluster.redis_url}" in decode_log
+        with grpc.insecure_channel(cluster.router_address) as channel:
+            stub = generator_pb2_grpc.GeneratorStub(channel)
+            out = list(stub.Generate(pb.GenerateRequest(request_id="x"), timeout=10))
+        assert out[0].delta.text.startswith("decode@") and out[-1].HasField("final")
+        processes = cluster.processes()
+        assert len(processes) == 6 and not cluster.dead()
+    assert all(p.popen.returncode == 0 for p in processes), [(p.name, p.popen.returncode) for p in processes]
+    assert "stopping on SIGTERM" in (cluster.log_dir / "encoder-0.log").read_text()
+    assert not redis_reachable(cluster.redis_url)
+
+
+def test_a_crashing_process_fails_the_start_with_its_log_tail(fake_spec):
+    cluster = Cluster(fake_spec(extra_args={"decode": ["--fake-mode", "crash"]}))
+    with pytest.raises(ClusterError) as err:
+        cluster.start()
+    message = str(err.value)
+    assert "decode-0 exited with code 3" in message and "boom: cannot load checkpoint" in message
+    assert all(p.popen.poll() is not None for p in cluster.processes())  # the encoder was stopped too
+
+
+def test_a_process_that_never_becomes_healthy_times_out(fake_spec):
+    spec = fake_spec(startup_timeout_s=2.0, extra_args={"encoder": ["--fake-mode", "never-ready"]})
+    cluster = Cluster(spec)
+    with pytest.raises(ClusterError, match=r"encoder-0 \(127\.0\.0\.1:\d+\) not SERVING after 2 s"):
+        cluster.start()
+    assert cluster.processes() and all(p.popen.poll() is not None for p in cluster.processes())
+
+
+def test_stop_kills_processes_that_ignore_sigterm(fake_spec):
+    spec = fake_spec(stop_timeout_s=0.5, extra_args={"encoder": ["--fake-mode", "ignore-sigterm"]})
+    cluster = Cluster(spec)
+    with cluster:
+        encoder = cluster.encoders[0]
+    assert encoder.popen.returncode == -9
+
+
+def test_spec_validation():
+    with pytest.raises(ClusterError, match="unknown roles"):
+        ClusterSpec(checkpoint="x", extra_args={"decoder": ["--x"]})
+    with pytest.raises(ClusterError, match=">= 1 decoder"):
+        ClusterSpec(checkpoint="x", decoders=0)
