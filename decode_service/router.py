@@ -8,7 +8,8 @@ Failures: a replica that fails before its first message (UNAVAILABLE, RESOURCE_E
 CANCELLED, UNKNOWN) is skipped and the call retried on another one. Once a message has been forwarded, a
 failure ends the call with UNAVAILABLE (or the replica's own request-level code) and nothing is replayed: the
 client never sees duplicated output. A client cancellation cancels the upstream call. `Abort` fans out to
-every replica.
+every replica. The serving replica's address travels back as initial metadata `inkling-replica`, sent with
+the first forwarded message.
 
 Prefix directory (the contract with the decode replicas). The router cannot reproduce the engine's block
 hashes (they need chat rendering, placeholder expansion and mm_keys, i.e. the tokenizer and media decoding),
@@ -64,6 +65,8 @@ from proto.inkling_epd.v1 import generator_pb2, generator_pb2_grpc
 log = logging.getLogger(__name__)
 
 GENERATOR_SERVICE = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
+# Initial-metadata key naming the decode replica (its address) that serves a routed Generate call.
+REPLICA_METADATA_KEY = "inkling-replica"
 
 # ----------------------------------------------------------------------------------------------------------
 # Prefix directory
@@ -375,6 +378,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServicer):
                 async for response in call:
                     if not forwarded:
                         self.metrics.ttft.observe(time.monotonic() - start)
+                        await context.send_initial_metadata(((REPLICA_METADATA_KEY, replica.address),))
                     forwarded += 1
                     yield response
             except grpc.aio.AioRpcError as exc:

