@@ -26,7 +26,7 @@ from common.errors import InvalidInputError
 from common.grpc_util import ServerHealth, create_server, enable_reflection, graceful_stop, status_for
 from common.metrics import EncoderMetrics, MetricsServer, new_registry, start_metrics_server
 from common.settings import GrpcSettings, encoder_settings
-from common.wire import CHUNK_BYTES, item_messages, modality_to_proto
+from common.wire import CHUNK_BYTES, EncodedItem, item_messages, modality_to_proto
 from encoder_service.service import (
     EncoderEngine,
     ImageOptions,
@@ -100,17 +100,27 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                                 f"encoder fingerprint {self.engine.fingerprint.hex()[:16]}... differs "
                                 f"from the expected {expected.hex()[:16]}...")
         failure: Exception | None = None
+        # Without continue_on_item_error a bad item fails the whole call, so nothing is sent until every item
+        # has succeeded: the client never sees embeddings of a call that then fails.
+        lenient = request.continue_on_item_error
+        held: list[EncodedItem] = []
         try:
             items = [media_from_proto(i, m) for i, m in enumerate(request.items)]
             async with contextlib.aclosing(self.engine.encode(items, request.request_id)) as results:
                 async for result in results:
                     if isinstance(result, ItemError):
-                        if not request.continue_on_item_error:
+                        if not lenient:
                             raise result.error
                         code, message = status_for(result.error)
                         yield encoder_pb2.EncodeChunk(error=encoder_pb2.ItemError(
                             item_index=result.item_index, code=code.name, message=message))
                         continue
+                    if not lenient:
+                        held.append(result)
+                        continue
+                    for message in item_messages(result, self.chunk_bytes):
+                        yield message
+                for result in held:
                     for message in item_messages(result, self.chunk_bytes):
                         yield message
         except asyncio.CancelledError:

@@ -4,7 +4,8 @@ Per item: validate the parameters against the limits, compute the `mm_key` (medi
 fingerprint + encoder fingerprint), look it up in the embedding cache, otherwise preprocess on a CPU thread
 pool, run the tower through the cross-request `DynamicBatcher`, store the result in the cache and return it.
 Items of one call run concurrently and come back in item order. Concurrent work on the same `mm_key` (in one
-call or across calls) is computed once.
+call or across calls) is computed once; once every caller waiting for a computation has gone (cancelled
+call), the computation is cancelled too.
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ class EncoderEngine:
         self._audio_batcher = DynamicBatcher(self._run_audio, batcher.max_batch_tokens, wait_s,
                                              self._tower_pool, self._observer("audio"))
         self._singleflight: dict[bytes, asyncio.Task[Entry]] = {}
+        self._waiters: dict[asyncio.Task[Entry], int] = {}  # callers awaiting each computation
         self._inflight = 0
 
     # -- public ----------------------------------------------------------------------------------------------
@@ -309,17 +311,32 @@ class EncoderEngine:
                 task = asyncio.create_task(self._compute(key, media.modality, preprocess, item))
                 self._singleflight[key] = task
                 task.add_done_callback(lambda t, k=key: self._computed(k, t))
+            self._waiters[task] = self._waiters.get(task, 0) + 1
             try:
                 entry = await asyncio.shield(task)
             except InvalidInputError as exc:
                 if not shared:
                     raise
                 raise InvalidInputError(f"{item}: same media as an item that failed: {exc}") from None
+            finally:
+                self._release(key, task)
         return EncodedItem(item_index=index, mm_key=key, modality=media.modality, rows=entry.rows,
                            dim=entry.dim, payload=entry.payload, spans=entry.spans, cache_hit=hit)
 
+    def _release(self, key: bytes, task: asyncio.Task[Entry]) -> None:
+        """One caller fewer; the last one to go cancels a computation that is still running."""
+        self._waiters[task] -= 1
+        if self._waiters[task]:
+            return
+        del self._waiters[task]
+        if not task.done():
+            task.cancel()
+            if self._singleflight.get(key) is task:
+                del self._singleflight[key]  # a new caller starts afresh instead of joining a cancelled task
+
     def _computed(self, key: bytes, task: asyncio.Task) -> None:
-        self._singleflight.pop(key, None)
+        if self._singleflight.get(key) is task:
+            del self._singleflight[key]
         if not task.cancelled():
             task.exception()  # retrieved: the callers may all have gone away
 
