@@ -105,7 +105,7 @@ def test_released_layout_loads_hf_weights(released_dir, hf_model) -> None:
 
 def test_reference_writer_matches_transformers_loader(released_dir, hf_model) -> None:
     """The released-layout writer is checked against HF's own conversion (re-interleave, renames)."""
-    reloaded = transformers.InklingForConditionalGeneration.from_pretrained(released_dir)
+    reloaded = transformers.InklingForConditionalGeneration.from_pretrained(released_dir, dtype=torch.float32)
     ours, theirs = hf_model.state_dict(), reloaded.state_dict()
     assert sorted(ours) == sorted(theirs)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -2,64 +2,16 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
-# A tiny released-layout config: hidden 64, 6 layers (layer 5 global), dense layers 0-1, MoE 2-5, window 16,
-# rel_extent 32, tau active from position 24, the real vocabulary size.
-TINY_TEXT = {
-    "vocab_size": 201024,
-    "unpadded_vocab_size": 200058,
-    "hidden_size": 64,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "swa_num_attention_heads": 4,
-    "swa_num_key_value_heads": 2,
-    "swa_head_dim": 16,
-    "sliding_window_size": 16,
-    "d_rel": 4,
-    "rel_extent": 32,
-    "log_scaling_n_floor": 24,
-    "log_scaling_alpha": 0.1,
-    "local_layer_ids": [0, 1, 2, 3, 4],
-    "dense_mlp_idx": 2,
-    "dense_intermediate_size": 96,
-    "intermediate_size": 32,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 2,
-    "route_scale": 8.0,
-    "logits_mup_width_multiplier": 24.0,
-    "rms_norm_eps": 1e-6,
-    "sconv_kernel_size": 4,
-    "model_max_length": 4096,
-}
-
-TINY_VISION = {"vision_encoder_type": "hmlp", "patch_size": 8, "temporal_patch_size": 2, "n_channels": 3,
-               "n_layers": 3, "decoder_dmodel": 64, "use_vision_norm": True}
-TINY_AUDIO = {"n_mel_bins": 80, "mel_vocab_size": 16, "dmel_min_value": -7.0, "dmel_max_value": 2.0,
-              "decoder_dmodel": 64, "use_audio_norm": True, "audio_mode": "dmel"}
+from tools.make_tiny_checkpoint import raw_config as tiny_raw_config
 
 
 def raw_config(text_overrides: dict | None = None, vision: dict | None = None) -> dict:
-    text = copy.deepcopy(TINY_TEXT)
-    text.update(text_overrides or {})
-    vision = copy.deepcopy(vision or TINY_VISION)
-    vision["decoder_dmodel"] = text["hidden_size"]
-    audio = dict(TINY_AUDIO, decoder_dmodel=text["hidden_size"])
-    return {
-        "model_type": "inkling_mm_model",
-        "architectures": ["InklingForConditionalGeneration"],
-        "eos_token_id": 200006,
-        "text_config": text,
-        "vision_config": vision,
-        "audio_config": audio,
-        "image_token_id": 200054,
-        "audio_token_id": 200053,
-    }
+    """The make-tiny released-style config (hidden 64, 6 layers, layer 5 global, window 16, rel_extent 32, tau from
+    position 24, real vocabulary), with text_config keys and the vision block overridden."""
+    blocks = {"vision_config": vision} if vision else {}
+    return tiny_raw_config(**(text_overrides or {}), **blocks)
 
 
 def hf_config(raw: dict):
