@@ -257,7 +257,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self._count("OK")
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        return pb.AbortResponse(aborted_request_ids=self.service.abort(list(request.request_ids)))
+        """The ids found live are aborted; NOT_FOUND when none of the given ids is live (see the proto)."""
+        if not request.request_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_ids: at least one id is required")
+        aborted = self.service.abort(list(request.request_ids))
+        if not aborted:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_ids: none of {list(request.request_ids)[:8]} "
+                                "is running or queued on this replica")
+        return pb.AbortResponse(aborted_request_ids=aborted)
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.Load:
         load = self.service.load()

@@ -334,7 +334,8 @@ class DecodeService:
             prompt, mm_items = await asyncio.to_thread(self._prepare, inp, encoded)
             limit = self.limits.max_prompt_tokens
             if limit is not None and len(prompt.token_ids) > limit:
-                raise InvalidInputError(f"prompt: {len(prompt.token_ids)} tokens exceeds the limit of {limit}")
+                raise ResourceExhaustedError(f"prompt: {len(prompt.token_ids)} tokens exceeds the limit of "
+                                             f"{limit}")
             if inp.sampling.max_tokens is None:
                 room = max(1, self.engine.max_model_len - len(prompt.token_ids))
                 if self.limits.max_completion_tokens is not None:

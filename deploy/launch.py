@@ -109,14 +109,6 @@ def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
         client.close()
 
 
-def _die_with_parent() -> None:
-    """Child-side: get SIGTERM if the launcher dies without cleaning up (Linux only; best effort)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Cluster:
     """Redis + encoders + decode replicas + router as child processes; a context manager."""
 
@@ -242,9 +234,9 @@ class Cluster:
         process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", address)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(process.log_path, "wb") as log_file:
-            process.popen = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
-                                             stdout=log_file, stderr=subprocess.STDOUT,
-                                             start_new_session=True, preexec_fn=_die_with_parent)
+            guarded = [sys.executable, "-m", "deploy.exit_with_parent", str(os.getpid()), *argv]
+            process.popen = subprocess.Popen(guarded, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                                             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         log.info("started %s (pid %d, %s)", name, process.popen.pid, address or "no gRPC")
         return process
 

@@ -14,17 +14,37 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--local", action="store_true", help="run encoder + decoder in this process")
     mode.add_argument("--server", metavar="ADDR", help="host:port of a router or decode replica")
     p.add_argument("--checkpoint", help="checkpoint directory (--local)")
-    p.add_argument("--prompt-ids", help="comma-separated prompt token ids (one placeholder token per media item)")
-    p.add_argument("--prompt", help="user message text (chat prompt)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="user message text (chat prompt; media flags come before it)")
+    prompt.add_argument("--messages", metavar="FILE.json", help="chat as a JSON list of {role, content: str | "
+                        "[{type: text, text} | {type: image|audio|video, path}]}")
+    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids (one placeholder token per media "
+                        "item)")
     p.add_argument("--image", action="append", default=[], metavar="PATH", help="image file (repeatable)")
     p.add_argument("--audio", action="append", default=[], metavar="PATH", help="audio file (repeatable)")
     p.add_argument("--video", action="append", default=[], metavar="PATH", help="video file (repeatable)")
-    p.add_argument("--no-rescale", action="store_true", help="patch images as they are (RESCALE_POLICY_NONE)")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--stream", action="store_true", help="print text deltas as they arrive")
+    p.add_argument("--no-rescale", action="store_true", help="patch images and video frames as they are "
+                   "(RESCALE_POLICY_NONE)")
+    p.add_argument("--reasoning-effort", type=float, default=None, help="thinking effort in [0, 0.99] (chat)")
+    s = p.add_argument_group("sampling (unset: the server's neutral default)")
+    s.add_argument("--max-tokens", type=int, default=16)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--min-p", type=float, default=None)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--repetition-penalty", type=float, default=None)
+    s.add_argument("--presence-penalty", type=float, default=None)
+    s.add_argument("--frequency-penalty", type=float, default=None)
+    s.add_argument("--logprobs", type=int, default=None, help="top-N alternatives per token")
+    s.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    s.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+                   help="stop token id (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stream", action="store_true", help="print text as it arrives (reasoning dimmed or marked)")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of the Generate call in seconds")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, finish_reason, "
+                   "reasoning, tool_calls, usage, timings)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     from common.settings import add_security_args
@@ -44,49 +64,37 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    if (args.prompt_ids is None) == (args.prompt is None):
-        raise SystemExit("generate: give exactly one of --prompt-ids and --prompt")
-    has_media = bool(args.image or args.audio or args.video)
-    if args.local:
-        if not args.checkpoint:
-            raise SystemExit("generate --local: --checkpoint is required")
-        if args.prompt_ids is not None and not has_media:
-            from decode_service.local import LocalGenerator
+    from common.errors import InvalidInputError
 
-            generator = LocalGenerator.load(args.checkpoint, device=args.device, dtype=args.dtype)
-            result = generator.generate(_parse_ids(args.prompt_ids), max_tokens=args.max_tokens)
-            print(json.dumps(result) if args.json else result["text"])
-            return 0
-    return _print_stream(args, _generate_request(args))
+    has_media = bool(args.image or args.audio or args.video)
+    if args.messages and has_media:
+        raise SystemExit("generate: --messages carries its own media; drop --image/--audio/--video")
+    if args.local and not args.checkpoint:
+        raise SystemExit("generate --local: --checkpoint is required")
+    try:
+        request = _generate_request(args)
+    except InvalidInputError as exc:
+        raise SystemExit(f"generate: {exc}") from exc
+    return _print_stream(args, request)
 
 
 def _generate_request(args: argparse.Namespace):
-    """The `GenerateRequest` the flags describe: a chat (media parts, then the text) or a token prompt."""
-    import uuid
+    """The `GenerateRequest` the flags describe: a chat (--messages, or media parts then --prompt) or a token
+    prompt (--prompt-ids)."""
+    from decode_service.client import build_request, load_messages, media_item, sampling_params
 
-    from proto.inkling_epd.v1 import generator_pb2 as pb
-    from proto.inkling_epd.v1 import media_pb2
-
-    media = []
-    for paths, modality in ((args.image, media_pb2.MODALITY_IMAGE), (args.audio, media_pb2.MODALITY_AUDIO),
-                            (args.video, media_pb2.MODALITY_VIDEO)):
-        for path in paths:
-            try:
-                with open(path, "rb") as f:
-                    item = media_pb2.MediaItem(modality=modality, data=f.read())
-            except OSError as exc:
-                raise SystemExit(f"cannot read {path}: {exc}") from exc
-            if args.no_rescale and modality == media_pb2.MODALITY_IMAGE:
-                item.image.rescale_policy = media_pb2.RESCALE_POLICY_NONE
-            media.append(item)
-    sampling = pb.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    rid = f"cli-{uuid.uuid4().hex[:12]}"
-    if args.prompt_ids is not None:
-        return pb.GenerateRequest(request_id=rid, sampling=sampling,
-                                  tokens=pb.TokenPrompt(token_ids=_parse_ids(args.prompt_ids), media=media))
-    parts = [pb.ContentPart(media=m) for m in media] + [pb.ContentPart(text=args.prompt)]
-    chat = pb.ChatPrompt(messages=[pb.Message(role=pb.ROLE_USER, content=parts)])
-    return pb.GenerateRequest(request_id=rid, sampling=sampling, chat=chat)
+    media = [media_item(kind, path, args.no_rescale)
+             for kind, paths in (("image", args.image), ("audio", args.audio), ("video", args.video))
+             for path in paths]
+    sampling = sampling_params(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+        max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_id,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
+    messages = load_messages(args.messages, args.no_rescale) if args.messages else ()
+    prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    return build_request(sampling, messages=messages, prompt=args.prompt, media=media, prompt_ids=prompt_ids,
+                         reasoning_effort=args.reasoning_effort)
 
 
 def _responses(args: argparse.Namespace, request):
@@ -122,28 +130,14 @@ def _responses(args: argparse.Namespace, request):
 
 
 def _print_stream(args: argparse.Namespace, request) -> int:
-    from google.protobuf.json_format import MessageToDict
-
     from common.errors import InklingError
+    from decode_service.client import OutputPrinter
 
-    token_ids: list[int] = []
-    text = {"content": "", "reasoning": ""}
-    tool_calls: list[dict] = []
-    final = None
+    prompt_ids = list(request.tokens.token_ids) if request.WhichOneof("prompt") == "tokens" else None
+    printer = OutputPrinter(sys.stdout, stream=args.stream, prompt_token_ids=prompt_ids)
     try:
         for response in _responses(args, request):
-            if response.WhichOneof("response") == "final":
-                final = response.final
-                continue
-            delta = response.delta
-            token_ids += delta.token_ids
-            if delta.HasField("tool_call"):
-                tool_calls.append(MessageToDict(delta.tool_call))
-            channel = "reasoning" if delta.channel == 1 else "content"
-            text[channel] += delta.text
-            if args.stream and delta.text:
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
+            printer.feed(response)
     except InklingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -155,15 +149,10 @@ def _print_stream(args: argparse.Namespace, request) -> int:
         return 1
     if args.stream:
         sys.stdout.write("\n")
-    if args.json or args.stream:
-        summary = {"token_ids": token_ids, "text": text["content"], "reasoning": text["reasoning"],
-                   "tool_calls": tool_calls}
-        if final is not None:
-            summary.update(MessageToDict(final, preserving_proto_field_name=True))
-            summary["finish_reason"] = summary.get("finish_reason", "").removeprefix("FINISH_REASON_").lower()
-        print(json.dumps(summary))
-    else:
-        print(text["content"])
+    if args.json:
+        print(json.dumps(printer.summary()))
+    elif not args.stream:
+        print(printer.text["content"])
     return 0
 
 
