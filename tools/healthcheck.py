@@ -12,12 +12,16 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.auth import sync_channel
+from common.settings import SecuritySettings, add_security_args, security_settings
+
 UNREACHABLE = "UNREACHABLE"
 
 
-def check(address: str, service: str = "", timeout_s: float = 2.0) -> str:
-    """The server's health status name (`SERVING`, `NOT_SERVING`, ...), or `UNREACHABLE` on any RPC error."""
-    with grpc.insecure_channel(address) as channel:
+def check(address: str, service: str = "", timeout_s: float = 2.0, security: SecuritySettings | None = None) -> str:
+    """The server's health status name (`SERVING`, `NOT_SERVING`, ...), or `UNREACHABLE` on any RPC error.
+    `security`: TLS settings of a server started with --tls-* flags (health needs no token)."""
+    with sync_channel(address, security) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -31,8 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("address", help="host:port of a gRPC server")
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds")
+    add_security_args(parser, max_streams_per_client=None)
     args = parser.parse_args(argv)
-    status = check(args.address, args.service, args.timeout)
+    status = check(args.address, args.service, args.timeout, security_settings(args))
     print(f"{args.address}: {status}")
     return 0 if status == "SERVING" else 1
 

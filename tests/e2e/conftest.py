@@ -13,6 +13,7 @@ import time
 import zlib
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import grpc
@@ -149,9 +150,10 @@ async def start_decode(checkpoint: str, fingerprints: FingerprintSource, encoder
     return server
 
 
-async def start_router(decoders: Sequence[str]) -> Router:
-    router = Router(RouterConfig(decoders=tuple(decoders), grpc=GrpcSettings(port=0, grace_s=2.0),
-                                 poll_interval_s=0.1, rpc_timeout_s=1.0))
+async def start_router(decoders: Sequence[str], security: SecuritySettings | None = None) -> Router:
+    grpc_settings = GrpcSettings(port=0, grace_s=2.0, security=security or SecuritySettings())
+    router = Router(RouterConfig(decoders=tuple(decoders), grpc=grpc_settings, poll_interval_s=0.1,
+                                 rpc_timeout_s=1.0))
     await router.start()
     return router
 
@@ -284,3 +286,12 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, int]:
     for outcome in outcomes:
         counts[outcome.status] = counts.get(outcome.status, 0) + 1
     return counts
+
+
+@pytest.fixture(scope="session")
+def e2e() -> SimpleNamespace:
+    """The helpers of this file for the test modules (a fixture, so that test modules never import each other)."""
+    return SimpleNamespace(
+        start_encoder=start_encoder, start_decode=start_decode, start_router=start_router, wait_idle=wait_idle,
+        engine_idle=engine_idle, chat_request=chat_request, image_bytes=image_bytes, generate_once=generate_once,
+        run_traffic=run_traffic, recovery_time=recovery_time, summarize=summarize, MIX=MIX)
