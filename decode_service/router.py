@@ -42,7 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.auth import aio_channel, bind_server, server_interceptors
-from common.errors import ConfigError
+from common.errors import ConfigError, InvalidInputError
 from common.grpc_util import (
     SERVING,
     ServerHealth,
@@ -52,6 +52,7 @@ from common.grpc_util import (
     graceful_stop,
 )
 from common.metrics import MetricsServer, new_registry, start_metrics_server
+from common.request_ids import check_request_id
 from common.settings import (
     GrpcSettings,
     RedisSettings,
@@ -358,6 +359,10 @@ class RouterServicer(generator_pb2_grpc.GeneratorServicer):
     async def Generate(self, request: generator_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generator_pb2.GenerateResponse]:
         start = time.monotonic()
+        try:
+            check_request_id(request.request_id)
+        except InvalidInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         matches = await self._prefix_matches(request)
         tried: set[str] = set()
         last_error = "no healthy decode replica"
@@ -412,15 +417,22 @@ class RouterServicer(generator_pb2_grpc.GeneratorServicer):
 
     async def Abort(self, request: generator_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> generator_pb2.AbortResponse:
+        if not request.request_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_ids: at least one id is required")
         replicas = list(self.pool.replicas.values())
         results = await asyncio.gather(*(r.stub.Abort(request, timeout=self.rpc_timeout_s) for r in replicas),
                                        return_exceptions=True)
         aborted: dict[str, None] = {}
         for replica, result in zip(replicas, results, strict=True):
+            if isinstance(result, grpc.aio.AioRpcError) and result.code() == grpc.StatusCode.NOT_FOUND:
+                continue  # the ids live elsewhere (or nowhere)
             if isinstance(result, BaseException):
                 log.warning("abort fan-out to %s failed: %r", replica.address, result)
                 continue
             aborted.update(dict.fromkeys(result.aborted_request_ids))
+        if not aborted:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_ids: none of {list(request.request_ids)[:8]} "
+                                "is running or queued on any replica")
         return generator_pb2.AbortResponse(aborted_request_ids=list(aborted))
 
     async def GetLoad(self, request: generator_pb2.LoadRequest,

@@ -36,6 +36,7 @@ import torch
 from common.checkpoint import CheckpointFiles, load_decoder_weights
 from common.config import load_model_config
 from common.errors import InklingError, InvalidInputError, ResourceExhaustedError, UnavailableError
+from common.request_ids import check_request_id
 from common.wire import EncodedItem
 from decode_service.chat import (
     AUDIO_PLACEHOLDER,
@@ -316,7 +317,7 @@ class DecodeService:
 
     async def _generate(self, inp: GenerateInput) -> AsyncIterator[Event]:
         started = time.monotonic()
-        rid = inp.request_id or uuid.uuid4().hex
+        rid = check_request_id(inp.request_id) or uuid.uuid4().hex
         if rid in self._live:
             raise InvalidInputError(f"request_id: {rid!r} is already in flight")
         if len(self._live) >= self.limits.max_live_requests:

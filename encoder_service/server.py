@@ -25,6 +25,7 @@ from common.auth import bind_server, server_interceptors
 from common.errors import InvalidInputError
 from common.grpc_util import ServerHealth, create_server, enable_reflection, graceful_stop, status_for
 from common.metrics import EncoderMetrics, MetricsServer, new_registry, start_metrics_server
+from common.request_ids import check_request_id
 from common.settings import GrpcSettings, encoder_settings
 from common.wire import CHUNK_BYTES, EncodedItem, item_messages, modality_to_proto
 from encoder_service.service import (
@@ -105,6 +106,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         lenient = request.continue_on_item_error
         held: list[EncodedItem] = []
         try:
+            check_request_id(request.request_id)
             items = [media_from_proto(i, m) for i, m in enumerate(request.items)]
             async with contextlib.aclosing(self.engine.encode(items, request.request_id)) as results:
                 async for result in results:

@@ -187,3 +187,8 @@ async def test_still_serving_after_bad_input(stub):
     responses = [r async for r in stub.Generate(chat("ok-1", media=(_image(),)), timeout=60)]
     assert responses[-1].final.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
     assert sum(len(r.delta.token_ids) for r in responses[:-1]) >= 1
+
+
+async def test_request_ids_that_would_pollute_logs(stub):
+    await expect_error(stub, chat("line\nbreak"), INVALID, "request_id", "printable")
+    await expect_error(stub, chat("x" * 129), INVALID, "request_id", "at most 128")

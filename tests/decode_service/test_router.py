@@ -70,7 +70,10 @@ class FakeReplica(generator_pb2_grpc.GeneratorServicer):
 
     async def Abort(self, request, context):
         self.aborted.extend(request.request_ids)
-        return pb.AbortResponse(aborted_request_ids=[i for i in request.request_ids if i in self.calls])
+        found = [i for i in request.request_ids if i in self.calls]
+        if not found:  # as the decode server does
+            await context.abort(grpc.StatusCode.NOT_FOUND, "request_ids: none is live here")
+        return pb.AbortResponse(aborted_request_ids=found)
 
     async def GetLoad(self, request, context):
         return pb.Load(running_requests=self.running, waiting_requests=self.waiting, kv_usage=0.5,
@@ -229,6 +232,20 @@ def test_abort_fans_out_to_every_replica():
     response = asyncio.run(scenario())
     assert a.aborted == ["known", "other"] and b.aborted == ["known", "other"]
     assert list(response.aborted_request_ids) == ["known"]
+
+
+def test_abort_of_ids_no_replica_knows_is_not_found():
+    a, b = FakeReplica("a"), FakeReplica("b")
+
+    async def scenario():
+        async with routed(a, b) as router:
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                await _stub(channel).Abort(pb.AbortRequest(request_ids=["nobody"]), timeout=5)
+
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        asyncio.run(scenario())
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND and "nobody" in error.value.details()
+    assert a.aborted == ["nobody"] and b.aborted == ["nobody"]
 
 
 def test_health_follows_the_replicas_and_watch_streams_changes():
