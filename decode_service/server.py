@@ -32,18 +32,11 @@ from common.grpc_util import ServerHealth, create_server, enable_reflection, gra
 from common.metrics import MetricsServer, new_registry, start_metrics_server
 from common.settings import GrpcSettings, env_log_level, redis_settings, security_settings
 from common.wire import modality_to_proto
+from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingInput, ServiceLimits
 from decode_service.chat import ChatMessage, MediaPart, TextPart, ToolCall, ToolSpec
 from decode_service.encoder_client import ClientSettings, EncoderClient, parse_targets
 from decode_service.router import PrefixDirectory, request_prefix_hashes
-from decode_service.service import (
-    DecodeService,
-    DeltaEvent,
-    FinalEvent,
-    GenerateInput,
-    SamplingInput,
-    ServiceLimits,
-    build_engine,
-)
+from decode_service.service import DecodeService, build_engine
 from encoder_service.server import media_from_proto
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc

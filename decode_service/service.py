@@ -27,17 +27,31 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from common.checkpoint import CheckpointFiles, load_decoder_weights
 from common.config import load_model_config
-from common.errors import InklingError, InvalidInputError, ResourceExhaustedError, UnavailableError
+from common.errors import InvalidInputError, ResourceExhaustedError, UnavailableError
 from common.request_ids import check_request_id
 from common.wire import EncodedItem
+from decode_service.api import (
+    DeltaEvent,
+    EngineFailure,
+    Event,
+    FinalEvent,
+    GenerateInput,
+    LoadSnapshot,
+    MediaEncoder,
+    ModelInfo,
+    SamplingInput,
+    ServiceLimits,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
 from decode_service.chat import (
     AUDIO_PLACEHOLDER,
     CONTENT_IMAGE,
@@ -47,10 +61,8 @@ from decode_service.chat import (
     IMAGE_PLACEHOLDER,
     MESSAGE_USER,
     MODEL_END_SAMPLING,
-    ChatMessage,
     MediaSpan,
     RenderedPrompt,
-    ToolSpec,
     attach_media,
     decode_tokens,
     encode_text,
@@ -60,157 +72,13 @@ from decode_service.engine.engine import Engine, EngineSettings, RequestOutput
 from decode_service.engine.redis_prefix import PrefixStore
 from decode_service.engine.request import MultimodalItem, Request, RequestStatus, SamplingParams
 from decode_service.model.inkling import InklingDecoder
-from decode_service.output_parser import OutputParser, ParsedToolCall
+from decode_service.output_parser import OutputParser
 from encoder_service.service import MediaInput
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_REASONING_EFFORT = 0.9  # proto ChatPrompt.reasoning_effort unset
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Native request and event types (the server converts protobuf to and from these)
-
-
-@dataclass(frozen=True)
-class SamplingInput:
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    max_tokens: int | None = None  # None: up to the context limit
-    ignore_eos: bool = False
-    min_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class GenerateInput:
-    """Either a chat (`messages`, media referenced by `MediaPart.index`) or a token prompt
-    (`prompt_token_ids` with ONE image/audio placeholder token per media item, in item order)."""
-
-    request_id: str
-    messages: tuple[ChatMessage, ...] = ()
-    tools: tuple[ToolSpec, ...] = ()
-    reasoning_effort: float | None = None  # None: DEFAULT_REASONING_EFFORT
-    prompt_token_ids: tuple[int, ...] | None = None
-    media: tuple[MediaInput, ...] = ()
-    sampling: SamplingInput = field(default_factory=SamplingInput)
-    cache_salt: str = ""
-    priority: int = 0
-    timeout_s: float | None = None  # remaining deadline of the call
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class DeltaEvent:
-    token_ids: tuple[int, ...] = ()
-    text: str = ""
-    channel: str | None = None  # "reasoning", "content", "tool_call"; None for tokens without text
-    tool_call: ParsedToolCall | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int = 0
-    cached_tokens_gpu: int = 0
-    cached_tokens_redis: int = 0
-    image_tokens: int = 0
-    audio_tokens: int = 0
-    completion_tokens: int = 0
-    reasoning_tokens: int = 0
-    mm_items_cached: int = 0
-    mm_items_encoded: int = 0
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.cached_tokens_gpu + self.cached_tokens_redis
-
-
-@dataclass(frozen=True)
-class Timings:
-    queue_s: float = 0.0
-    encode_s: float = 0.0
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class FinalEvent:
-    finish_reason: str  # stop, length, tool_calls, abort
-    usage: Usage
-    timings: Timings
-    matched_stop: str = ""
-    matched_stop_token_id: int | None = None
-
-
-Event = DeltaEvent | FinalEvent
-
-
-@dataclass(frozen=True)
-class LoadSnapshot:
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    free_kv_pages: int = 0
-    prefix_cache_hit_rate: float = 0.0
-    inflight_encode_items: int = 0
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    model_id: str
-    model_fingerprint: bytes
-    encoder_fingerprint: bytes
-    max_context_tokens: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    image_token_id: int
-    audio_token_id: int
-    modalities: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ServiceLimits:
-    max_prompt_tokens: int | None = None  # None: the engine's context limit
-    max_media_items: int = 32
-    max_logprobs: int = 20
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
-    max_live_requests: int = 1024  # encoding, queued and running together; above it: RESOURCE_EXHAUSTED
-    max_completion_tokens: int | None = None  # cap on sampling.max_tokens (and its default); None: the context
-
-
-class EngineFailure(InklingError):
-    """The engine finished a request with an error (a failed forward step)."""
-
-
-class MediaEncoder(Protocol):
-    """What the service needs from the encoder client (or an in-process encoder)."""
-
-    async def encode(self, items: Sequence[MediaInput], request_id: str = "",
-                     timeout_s: float | None = None) -> list[EncodedItem]: ...
-
-    @property
-    def inflight_items(self) -> int: ...
-
-    @property
-    def pool_fingerprint(self) -> bytes | None: ...
 
 
 # ---------------------------------------------------------------------------------------------------------

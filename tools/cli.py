@@ -110,9 +110,10 @@ def _responses(args: argparse.Namespace, request):
         return
     import asyncio
 
+    from decode_service.api import FinalEvent
     from decode_service.local_encoder import LocalEncoder
     from decode_service.server import delta_message, final_message, generate_input
-    from decode_service.service import DecodeService, FinalEvent, build_engine
+    from decode_service.service import DecodeService, build_engine
 
     async def run() -> list:
         engine = build_engine(args.checkpoint, args.device, args.dtype, 256 << 20, 4, 2048)

@@ -11,11 +11,12 @@ import grpc
 import pytest
 
 from common.settings import EncoderLimits, EncoderSettings, GrpcSettings
+from decode_service.api import ServiceLimits
 from decode_service.chat import AUDIO_PLACEHOLDER, CONTENT_TEXT, END_MESSAGE, IMAGE_PLACEHOLDER, MESSAGE_USER
 from decode_service.encoder_client import EncoderClient
 from decode_service.local_encoder import LocalEncoder
 from decode_service.server import build_server
-from decode_service.service import DecodeService, ServiceLimits, build_engine
+from decode_service.service import DecodeService, build_engine
 from encoder_service.server import build_server as build_encoder_server
 from encoder_service.service import load_engine
 from proto.inkling_epd.v1 import generator_pb2 as pb

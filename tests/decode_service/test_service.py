@@ -9,16 +9,10 @@ import time
 import pytest
 
 from common.errors import InvalidInputError
+from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingInput
 from decode_service.chat import CONTENT_TEXT, END_MESSAGE, MESSAGE_USER, ChatMessage, MediaPart, TextPart, encode_text
 from decode_service.local_encoder import LocalEncoder
-from decode_service.service import (
-    DecodeService,
-    DeltaEvent,
-    FinalEvent,
-    GenerateInput,
-    SamplingInput,
-    build_engine,
-)
+from decode_service.service import DecodeService, build_engine
 from encoder_service.service import ImageOptions, MediaInput
 from tools.make_sample_media import sample_media
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
@@ -207,7 +201,7 @@ async def test_not_ready_is_unavailable(engine):
 
 
 async def test_an_engine_step_that_raises_fails_the_request_and_the_service_carries_on(service, monkeypatch):
-    from decode_service.service import EngineFailure
+    from decode_service.api import EngineFailure
 
     real_step = service.engine.step
     calls = {"n": 0}
@@ -228,7 +222,7 @@ async def test_an_engine_step_that_raises_fails_the_request_and_the_service_carr
 
 async def test_too_many_live_requests_is_resource_exhausted(engine):
     from common.errors import ResourceExhaustedError
-    from decode_service.service import ServiceLimits
+    from decode_service.api import ServiceLimits
 
     svc = DecodeService(engine, limits=ServiceLimits(max_live_requests=1))
     await svc.start(warm_up=False)

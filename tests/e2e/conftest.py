@@ -23,12 +23,13 @@ from common.auth import bind_server, server_interceptors
 from common.cache_store import EmbeddingCache
 from common.grpc_util import ServerHealth, create_server, enable_reflection
 from common.settings import EncoderLimits, EncoderSettings, GrpcSettings, RedisSettings, SecuritySettings
+from decode_service.api import ServiceLimits
 from decode_service.encoder_client import ClientSettings, EncoderClient
 from decode_service.local_encoder import LocalEncoder
 from decode_service.router import Router, RouterConfig
 from decode_service.server import DecodeServer
 from decode_service.server import build_server as build_decode_server
-from decode_service.service import DecodeService, ServiceLimits, build_engine
+from decode_service.service import DecodeService, build_engine
 from encoder_service.server import SERVICE_NAME as ENCODER_SERVICE
 from encoder_service.server import EncoderServer, EncoderServicer
 from encoder_service.service import EncoderEngine, load_engine

@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from decode_service.api import ServiceLimits
 from decode_service.chat import AUDIO_PLACEHOLDER, CONTENT_TEXT, END_MESSAGE, IMAGE_PLACEHOLDER, MESSAGE_USER
-from decode_service.service import ServiceLimits
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import media_pb2
 from tools.make_sample_media import sample_media
