@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
-import struct
 import threading
 import time
 import uuid
@@ -52,6 +51,18 @@ from common.settings import RedisSettings
 from common.wire import checksum
 from decode_service.engine.kv_cache import NUM_CONVS, CacheHandle, ConvSnapshot, KVCache
 from decode_service.engine.prefix_cache import PrefixCache
+from decode_service.engine.prefix_format import (
+    HEADER_BYTES,
+    KIND_BOUNDARY,
+    KIND_GLOBAL,
+    CorruptValueError,
+    Geometry,
+    ValueId,
+    decode_value,
+    encode_value,
+    part_sizes,
+    to_bytes,
+)
 from decode_service.engine.request import Request
 
 if TYPE_CHECKING:
@@ -59,117 +70,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-KIND_GLOBAL = 1  # one block of global-layer KV
-KIND_BOUNDARY = 2  # one part of: sliding-window KV + conv states at one boundary
-BOUNDARY_PART_BYTES = 16 << 20  # part of the format: every replica must split boundaries the same way
-_MAGIC = b"INKP"
-# magic, version, kind, dtype code, sha256(fingerprint), 11 geometry u32, position, window blocks, part, parts,
-# crc32, payload length
-_HEADER = struct.Struct("<4sHBB32s16IQ")
-_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 # STRLEN of many keys in one command (a pipeline of hundreds of STRLENs costs milliseconds of client time)
 _STRLEN_MANY = "local n = {} for i, key in ipairs(KEYS) do n[i] = redis.call('STRLEN', key) end return n"
-
-
-class CorruptValueError(ValueError):
-    """A stored value does not match what this replica expects at that key."""
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Format
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Everything besides the model fingerprint that gives a value's bytes their meaning."""
-
-    dtype_code: int
-    page_size: int
-    window: int
-    num_layers: int
-    global_layers: int
-    global_kv_heads: int
-    global_head_dim: int
-    sliding_layers: int
-    sliding_kv_heads: int
-    sliding_head_dim: int
-    hidden_size: int
-    conv_len: int
-
-    @classmethod
-    def of(cls, cache: KVCache) -> Geometry:
-        config = cache.config
-        n_sliding = sum(sliding for sliding, _ in cache.layer_kind)
-        g, s = config.geometry(False), config.geometry(True)
-        return cls(
-            *(_DTYPE_CODES[cache.spec.dtype], cache.page_size, cache.window, config.num_layers),
-            *(config.num_layers - n_sliding, g.num_kv_heads, g.head_dim),
-            *(n_sliding, s.num_kv_heads, s.head_dim),
-            *(config.hidden_size, config.conv_kernel_size - 1),
-        )
-
-    @property
-    def fields(self) -> tuple[int, ...]:
-        return tuple(getattr(self, name) for name in self.__dataclass_fields__)[1:]
-
-
-@dataclass(frozen=True)
-class ValueId:
-    """What a value must be (besides the model and geometry); checked against its header."""
-
-    kind: int
-    position: int  # block index (global) or boundary in tokens
-    window_blocks: int = 0
-    part: int = 0
-    num_parts: int = 1
-
-
-def encode_value(vid: ValueId, fingerprint: bytes, geometry: Geometry, payload: bytes | memoryview) -> bytes:
-    """Header + payload; the fingerprint is stored as its SHA-256."""
-    ids = (vid.position, vid.window_blocks, vid.part, vid.num_parts)
-    fp = hashlib.sha256(fingerprint).digest()
-    header = _HEADER.pack(
-        _MAGIC,
-        FORMAT_VERSION,
-        vid.kind,
-        geometry.dtype_code,
-        fp,
-        *geometry.fields,
-        *ids,
-        checksum(payload),
-        len(payload),
-    )
-    return header + payload
-
-
-def decode_value(value: bytes, vid: ValueId, fingerprint: bytes, geometry: Geometry, payload_bytes: int) -> memoryview:
-    """The payload of a value after every header field and the checksum matched; else `CorruptValueError`."""
-    if len(value) < _HEADER.size:
-        raise CorruptValueError(f"value of {len(value)} bytes is shorter than the header")
-    magic, version, kind, dtype_code, fp, *rest = _HEADER.unpack_from(value)
-    geo, ids, (crc, length) = tuple(rest[:11]), tuple(rest[11:15]), rest[15:]
-    if magic != _MAGIC or version != FORMAT_VERSION:
-        raise CorruptValueError(f"unknown magic/version {magic!r}/{version}")
-    if fp != hashlib.sha256(fingerprint).digest():
-        raise CorruptValueError("model fingerprint mismatch")
-    if (kind, dtype_code, geo) != (vid.kind, geometry.dtype_code, geometry.fields):
-        raise CorruptValueError(f"kind/dtype/geometry {kind}/{dtype_code}/{geo}, expected {vid.kind}/{geometry}")
-    if ids + (length,) != (vid.position, vid.window_blocks, vid.part, vid.num_parts, payload_bytes):
-        raise CorruptValueError(f"position/blocks/part/parts/length {ids}/{length}, expected {vid}/{payload_bytes}")
-    payload = memoryview(value)[_HEADER.size :]
-    if len(payload) != payload_bytes or checksum(payload) != crc:
-        raise CorruptValueError("payload length or checksum mismatch")
-    return payload
-
-
-def part_sizes(total: int) -> list[int]:
-    """How a boundary payload of `total` bytes is split into values."""
-    return [min(BOUNDARY_PART_BYTES, total - offset) for offset in range(0, total, BOUNDARY_PART_BYTES)]
-
-
-def _to_bytes(tensors: Sequence[torch.Tensor]) -> bytes:
-    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -517,7 +419,7 @@ class RedisPrefixTier:
     def _queue(
         self, keys: list[str], ids: list[ValueId], sizes: list[int], tensors: Callable[[], list[torch.Tensor]]
     ) -> None:
-        if max(sizes) + _HEADER.size > self.store.settings.max_value_bytes:
+        if max(sizes) + HEADER_BYTES > self.store.settings.max_value_bytes:
             self.stats.oversize += 1
             return
         if not self.store.available:
@@ -527,7 +429,7 @@ class RedisPrefixTier:
         fingerprint, geometry = self.prefix_cache.fingerprint, self.geometry
 
         def encode() -> list[bytes]:
-            payload, values, offset = memoryview(_to_bytes(host)), [], 0
+            payload, values, offset = memoryview(to_bytes(host)), [], 0
             for vid, n in zip(ids, sizes, strict=True):
                 values.append(encode_value(vid, fingerprint, geometry, payload[offset : offset + n]))
                 offset += n
@@ -598,7 +500,7 @@ class RedisPrefixTier:
             boundary = (start + n + 1) * self.page_size
             keys, ids, part_bytes = self._boundary_values(block_hash, boundary)
             g_bytes = [self.global_bytes()] * (n + 1 if has_global else 0)
-            nbytes = sum(g_bytes) + sum(part_bytes) + _HEADER.size * (len(g_bytes) + len(part_bytes))
+            nbytes = sum(g_bytes) + sum(part_bytes) + HEADER_BYTES * (len(g_bytes) + len(part_bytes))
             saved = self.cost.recompute_seconds((n + 1) * self.page_size) - self.cost.fetch_seconds(nbytes)
             if best is None or saved > best.saved_s:
                 g_ids = [ValueId(KIND_GLOBAL, start + i) for i in range(len(g_bytes))]

@@ -13,21 +13,18 @@ import redis
 import torch
 from prometheus_client import CollectorRegistry
 
-from decode_service.engine import redis_prefix
+from decode_service.engine import prefix_format
 from decode_service.engine.engine import Engine, EngineSettings
-from decode_service.engine.redis_prefix import (
+from decode_service.engine.prefix_format import (
     KIND_BOUNDARY,
     KIND_GLOBAL,
     CorruptValueError,
-    CostModel,
     Geometry,
-    PrefixCacheCollector,
-    PrefixStore,
-    RedisPrefixSettings,
     ValueId,
     decode_value,
     encode_value,
 )
+from decode_service.engine.redis_prefix import CostModel, PrefixCacheCollector, PrefixStore, RedisPrefixSettings
 from decode_service.engine.request import MultimodalItem, Request, SamplingParams
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -276,12 +273,12 @@ def test_value_header_checks(model_config, inkling_model):
 
 
 def test_boundaries_are_split_into_parts(inkling_model, model_config, stores, reference, monkeypatch):
-    monkeypatch.setattr(redis_prefix, "BOUNDARY_PART_BYTES", 1000)
+    monkeypatch.setattr(prefix_format, "BOUNDARY_PART_BYTES", 1000)
     item = image(model_config, b"\x07", 5)
     a = replica(inkling_model, model_config, stores())
     want, cold_logprobs = run_with_logprobs(a, "a", item)
     a.redis_prefix.store.flush()
-    parts = redis_prefix.part_sizes(a.redis_prefix.boundary_bytes(28))
+    parts = prefix_format.part_sizes(a.redis_prefix.boundary_bytes(28))
     assert len(parts) > 2 and max(parts) == 1000
     b = replica(inkling_model, model_config, stores())
     out, logprobs = run_with_logprobs(b, "b", item)
