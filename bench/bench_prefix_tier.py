@@ -37,9 +37,13 @@ INKLING_GLOBAL_BYTES_PER_TOKEN = 11 * 2 * 8 * 128 * 2
 INKLING_BOUNDARY_BYTES = 55 * 2 * 16 * 128 * 2 * 512 + int(6.1 * (1 << 20))
 
 
-def settings() -> EngineSettings:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def settings(device: str) -> EngineSettings:
     return EngineSettings(
-        kv_cache_bytes=256 << 20, page_size=16, max_num_batched_tokens=512, snapshot_interval_blocks=8
+        kv_cache_bytes=256 << 20, page_size=16, max_num_batched_tokens=512, snapshot_interval_blocks=8,
+        device=device,
     )
 
 
@@ -68,7 +72,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="128,512,2048")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
     lengths = [int(n) for n in args.lengths.split(",")]
     client = redis.Redis.from_url(args.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     prefix = f"bench:kvp:{uuid.uuid4().hex[:12]}:"
@@ -77,18 +84,18 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             make_tiny_checkpoint(tmp, nvfp4=True, seed=0)
             config = load_model_config(tmp)
-            weights, _ = load_decoder_weights(CheckpointFiles(tmp), config, dtype=torch.float32, device="cpu")
-            model = InklingDecoder.from_weights(config.text, weights, torch.float32)
+            weights, _ = load_decoder_weights(CheckpointFiles(tmp), config, dtype=dtype, device=args.device)
+            model = InklingDecoder.from_weights(config.text, weights, dtype, args.device)
         rows = []
         cost = None
         for length in lengths:
-            a = Engine(model, config, settings(), store)
+            a = Engine(model, config, settings(args.device), store)
             ttft(a, request(config, length, "a"))
             store.flush(60.0)
-            b = Engine(model, config, settings())
+            b = Engine(model, config, settings(args.device))
             cold, _, _ = ttft(b, request(config, length, "b-cold"))
             gpu, gpu_tokens, _ = ttft(b, request(config, length, "b-gpu"))
-            fresh = Engine(model, config, settings(), store)
+            fresh = Engine(model, config, settings(args.device), store)
             tier = fresh.redis_prefix
             cost = tier.cost
             hit, _, redis_tokens = ttft(fresh, request(config, length, "b-redis"))
@@ -98,7 +105,7 @@ def main() -> None:
         assert cost is not None
         print(
             f"Redis GET {cost.redis_bytes_per_s / 1e6:.0f} MB/s, round trip {cost.redis_latency_s * 1e3:.2f} ms; "
-            f"prefill {cost.prefill_tokens_per_s:.0f} tokens/s (tiny checkpoint, CPU, fp32)"
+            f"prefill {cost.prefill_tokens_per_s:.0f} tokens/s (tiny checkpoint, {args.device}, {args.dtype})"
         )
         print()
         print(
