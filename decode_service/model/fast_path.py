@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,8 @@ from torch.nn.utils.rnn import pad_sequence
 if TYPE_CHECKING:  # layers.py imports this module
     from decode_service.model.batch import SequenceSlice
     from decode_service.model.layers import Attention, Experts
+
+log = logging.getLogger(__name__)
 
 MODES = ("auto", "reference", "fast")
 _mode = "auto"
@@ -52,9 +55,11 @@ def mode(name: str) -> Iterator[None]:
 
 @functools.cache
 def _triton_available() -> bool:
+    """Asked only for CUDA tensors, so a missing Triton is said once rather than silently running slow."""
     try:
         import triton  # noqa: F401
     except ImportError:
+        log.warning("Triton is not importable: the decoder runs its torch reference path on CUDA (slow)")
         return False
     return True
 
