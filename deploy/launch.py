@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import InklingError
+from common.settings import SecuritySettings, security_settings
 from tools.healthcheck import check
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class ClusterSpec:
     stop_timeout_s: float = 20.0  # per tier, before SIGKILL
     grace_seconds: float = 5.0  # passed to every server's --grace-seconds
     extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role -> more flags
+    security_flags: Sequence[str] = ()  # token / TLS flags given to every server (common.settings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)  # how the launcher dials them
     commands: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role -> argv prefix override
 
     def __post_init__(self) -> None:
@@ -203,7 +206,7 @@ class Cluster:
                 "--grace-seconds", str(self.spec.grace_seconds)]
         if self.redis_url:
             args += ["--redis-url", self.redis_url]
-        return args
+        return [*args, *self.spec.security_flags]
 
     def _start_servers(self) -> None:
         spec = self.spec
@@ -248,7 +251,7 @@ class Cluster:
                 if process.exited():
                     raise ClusterError(f"{process.name} exited with code {process.popen.returncode} before "
                                        f"reporting SERVING; log {process.log_path}:\n{process.log_tail()}")
-                if check(process.address, timeout_s=1.0) == "SERVING":
+                if check(process.address, timeout_s=1.0, security=self.spec.security) == "SERVING":
                     pending.remove(process)
             if pending and time.monotonic() > deadline:
                 process = pending[0]
@@ -292,12 +295,22 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise _Terminated
 
 
+def security_flags(args: argparse.Namespace) -> list[str]:
+    """The token / TLS flags of `inkling-epd up`, to pass on to every server it starts."""
+    flags = []
+    for name in ("auth_token_file", "auth_token", "tls_cert", "tls_key", "tls_ca"):
+        value = getattr(args, name, None)
+        if value:
+            flags += [f"--{name.replace('_', '-')}", value]
+    return flags
+
+
 def main(args: argparse.Namespace) -> int:
     """`inkling-epd up`: start the cluster, print the router address, run until Ctrl-C / SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     spec = ClusterSpec(checkpoint=args.checkpoint, encoders=args.encoders, decoders=args.decoders,
                        base_port=args.base_port, redis=args.redis_url or "auto", device=args.device,
-                       dtype=args.dtype)
+                       dtype=args.dtype, security_flags=security_flags(args), security=security_settings(args))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_terminated)
     cluster = Cluster(spec)

@@ -200,7 +200,7 @@ def _serve_common(p: argparse.ArgumentParser, port: int, max_streams_per_client:
 
 
 def _add_servers(sub: argparse._SubParsersAction) -> None:
-    from common.settings import add_encoder_args
+    from common.settings import add_encoder_args, add_security_args
 
     enc = sub.add_parser("encoder", help="serve the Encoder gRPC service")
     _serve_common(enc, 50061)
@@ -247,6 +247,7 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--redis-url", default=None)
     up.add_argument("--device", default="cpu")
     up.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_security_args(up, max_streams_per_client=None)  # passed on to every server
     up.set_defaults(func=_lazy("deploy.launch", "main"))
 
 

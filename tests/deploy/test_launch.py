@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 
 import grpc
 import pytest
 
+from common.settings import security_settings
 from decode_service.router import REPLICA_METADATA_KEY
 from deploy import launch
 from deploy.launch import Cluster, ClusterError, ClusterSpec, free_port, redis_reachable
@@ -135,3 +137,24 @@ def test_spec_validation():
         ClusterSpec(checkpoint="x", extra_args={"decoder": ["--x"]})
     with pytest.raises(ClusterError, match=">= 1 decoder"):
         ClusterSpec(checkpoint="x", decoders=0)
+
+
+def test_token_flags_reach_every_server_and_guard_the_router(fake_spec, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    args = argparse.Namespace(auth_token_file=str(token_file), auth_token=None, tls_cert=None, tls_key=None,
+                              tls_ca=None, tls_server_name=None)
+    spec = fake_spec(encoders=1, decoders=1, security_flags=launch.security_flags(args),
+                     security=security_settings(args))
+    with Cluster(spec) as cluster:
+        for name in ("encoder-0", "decode-0"):  # the fakes print their argv; the real router enforces below
+            assert f"--auth-token-file {token_file}" in (cluster.log_dir / f"{name}.log").read_text(), name
+        assert check(cluster.router_address) == "SERVING"  # health stays open
+        with grpc.insecure_channel(cluster.router_address) as channel:
+            stub = generator_pb2_grpc.GeneratorStub(channel)
+            with pytest.raises(grpc.RpcError) as denied:
+                list(stub.Generate(pb.GenerateRequest(request_id="anon"), timeout=10))
+            assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            out = list(stub.Generate(pb.GenerateRequest(request_id="authed"), timeout=10,
+                                     metadata=[("authorization", "Bearer s3cret-token")]))
+        assert out[-1].HasField("final")
