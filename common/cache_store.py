@@ -15,7 +15,6 @@ and after an error the tier is skipped for `retry_after_s` so requests do not ea
 from __future__ import annotations
 
 import logging
-import queue
 import struct
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import Protocol
 import redis
 
 from common.wire import BF16_BYTES, DTYPE_BF16, Span, checksum
+from common.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +221,12 @@ class LruCache:
 # Redis
 
 
+def connect_redis(url: str, timeout_s: float) -> redis.Redis:
+    """A client that fails fast: a slow or absent Redis must cost a cache miss, not a stalled request."""
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                retry_on_timeout=False)
+
+
 class RedisCache:
     """Shared embedding cache in Redis. Reads are synchronous with short timeouts; writes go through a bounded
     background queue (dropped when full) unless `async_writes=False`."""
@@ -237,16 +243,12 @@ class RedisCache:
         self.retry_after_s = retry_after_s
         self.observer = observer or NullObserver()
         self.stats = CacheStats()
-        self._client = client or redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False)
+        self._client = client or connect_redis(url, timeout_s)
         self._down_until = 0.0
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[bytes, bytes] | None] | None = None
-        self._writer: threading.Thread | None = None
+        self._writer: WriteBehind[tuple[bytes, bytes]] | None = None
         if async_writes:
-            self._queue = queue.Queue(maxsize=write_queue)
-            self._writer = threading.Thread(target=self._write_loop, name="redis-cache-writer", daemon=True)
-            self._writer.start()
+            self._writer = WriteBehind("redis-cache-writer", lambda job: self._write(*job), write_queue)
 
     def redis_key(self, key: bytes) -> str:
         return self.key_prefix + key.hex()
@@ -314,12 +316,9 @@ class RedisCache:
         value = serialize_entry(entry)
         if len(value) > self.max_value_bytes:
             return
-        if self._queue is None:
+        if self._writer is None:
             self._write(key, value)
-            return
-        try:
-            self._queue.put_nowait((key, value))
-        except queue.Full:
+        elif not self._writer.submit((key, value)):
             with self._lock:
                 self.stats.dropped_writes += 1
 
@@ -333,32 +332,14 @@ class RedisCache:
         except redis.RedisError as exc:
             self._failed("put", exc)
 
-    def _write_loop(self) -> None:
-        assert self._queue is not None
-        while (job := self._queue.get()) is not None:
-            try:
-                self._write(*job)
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
-
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until queued writes are done (tests, shutdown); False on timeout."""
-        if self._queue is None:
-            return True
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        return self._writer is None or self._writer.flush(timeout_s)
 
     def close(self) -> None:
-        if self._queue is not None and self._writer is not None:
-            self.flush()
-            self._queue.put(None)
-            self._writer.join(timeout=5.0)
-            self._queue = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         self._client.close()
 
 

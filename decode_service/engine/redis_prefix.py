@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -47,8 +46,10 @@ import redis
 import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from common.cache_store import connect_redis
 from common.settings import RedisSettings
 from common.wire import checksum
+from common.write_behind import WriteBehind
 from decode_service.engine.kv_cache import NUM_CONVS, CacheHandle, ConvSnapshot, KVCache
 from decode_service.engine.prefix_cache import PrefixCache
 from decode_service.engine.prefix_format import (
@@ -118,21 +119,13 @@ class PrefixStore:
         self.stats = PrefixTierStats()
         self._down_until = 0.0
         self._lock = threading.Lock()
-        self._pending_bytes = 0
-        self._queue: queue.Queue[tuple[list[str], Callable[[], list[bytes]], int] | None]
-        self._queue = queue.Queue(self.settings.write_queue)
-        self._writer = threading.Thread(target=self._write_loop, name="redis-prefix-writer", daemon=True)
-        self._writer.start()
+        self._writer: WriteBehind[tuple[list[str], Callable[[], list[bytes]]]] = WriteBehind(
+            "redis-prefix-writer", self._write, self.settings.write_queue, self.settings.max_pending_bytes
+        )
 
     @classmethod
     def connect(cls, redis_settings: RedisSettings, settings: RedisPrefixSettings | None = None) -> PrefixStore:
-        client = redis.Redis.from_url(
-            redis_settings.url,
-            socket_timeout=redis_settings.timeout_s,
-            socket_connect_timeout=redis_settings.timeout_s,
-            retry_on_timeout=False,
-        )
-        return cls(client, settings)
+        return cls(connect_redis(redis_settings.url, redis_settings.timeout_s), settings)
 
     @property
     def available(self) -> bool:
@@ -175,63 +168,38 @@ class PrefixStore:
 
     def put(self, keys: list[str], encode: Callable[[], list[bytes]], nbytes: int) -> bool:
         """Queue a write of one value per key (`encode` runs on the writer thread); False when dropped."""
+        if self.available and self._writer.submit((keys, encode), nbytes):
+            return True
         with self._lock:
-            if not self.available or self._pending_bytes + nbytes > self.settings.max_pending_bytes:
-                self.stats.dropped_writes += 1
-                return False
-            self._pending_bytes += nbytes
-        try:
-            self._queue.put_nowait((keys, encode, nbytes))
-        except queue.Full:
-            with self._lock:
-                self._pending_bytes -= nbytes
-                self.stats.dropped_writes += 1
-            return False
-        return True
+            self.stats.dropped_writes += 1
+        return False
 
-    def _write_loop(self) -> None:
-        while (job := self._queue.get()) is not None:
-            keys, encode, nbytes = job
-            try:
-                if self.available:
-                    values = encode()
-                    pipe = self.client.pipeline(transaction=False)
-                    for key, value in zip(keys, values, strict=True):
-                        pipe.set(key, value, ex=self.settings.ttl_s)
-                    pipe.execute()
-                    with self._lock:
-                        self.stats.published_values += len(values)
-                        self.stats.published_bytes += sum(len(v) for v in values)
-                else:
-                    with self._lock:
-                        self.stats.dropped_writes += 1
-            except redis.RedisError as exc:
-                self.failed("put", exc)
-            except Exception:  # a bug in encoding must not stop the writer; it is logged, the value dropped
-                log.exception("encoding prefix values for %s failed", keys[0])
-                with self._lock:
-                    self.stats.dropped_writes += 1
-            finally:
-                with self._lock:
-                    self._pending_bytes -= nbytes
-                self._queue.task_done()
-        self._queue.task_done()
+    def _write(self, job: tuple[list[str], Callable[[], list[bytes]]]) -> None:
+        keys, encode = job
+        if not self.available:
+            with self._lock:
+                self.stats.dropped_writes += 1
+            return
+        try:
+            values = encode()
+            pipe = self.client.pipeline(transaction=False)
+            for key, value in zip(keys, values, strict=True):
+                pipe.set(key, value, ex=self.settings.ttl_s)
+            pipe.execute()
+        except redis.RedisError as exc:
+            self.failed("put", exc)
+            return
+        with self._lock:
+            self.stats.published_values += len(values)
+            self.stats.published_bytes += sum(len(v) for v in values)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait for queued writes (tests, benchmarks, shutdown); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.002)
-        return True
+        return self._writer.flush(timeout_s)
 
     def close(self) -> None:
         """Finish queued writes and stop the writer; the client stays open (it may be shared)."""
-        if self._writer.is_alive():
-            self.flush()
-            self._queue.put(None)
-            self._writer.join(timeout=5.0)
+        self._writer.close()
 
     def measure(self, probe_key: str) -> tuple[float, float] | None:
         """(bytes/s of GET + checksum on a `probe_bytes` value, round-trip latency in s); None if Redis failed."""
