@@ -6,8 +6,10 @@ online softmax in fp32, and writes an unnormalised partial (acc, max, sum); ``at
 the splits. The relative bias ``L_j(p, p - s) = r_j(p) . P[:, p - s]`` is formed per key block from the
 small P bank (bias 0 at distances >= R), so no [T, nH, T] tensor exists.
 
-All KV addressing goes through ``_kv_offsets`` so a page table can replace the contiguous
-``[B, S_max, nKV, hd]`` layout in one place.
+All KV addressing goes through ``_kv_rows``: with ``PAGED`` off, K/V are contiguous per sequence
+(``[B, S_max, nKV, hd]``, row == position); with it on, K/V are one layer's pool ``[slots, nKV, hd]`` and key
+position s of sequence b lives at row ``table[b, s // PAGE_SIZE] * PAGE_SIZE + s % PAGE_SIZE``. Only table
+entries of visible keys are loaded, so pages outside the window (released to a scratch page) are never read.
 """
 
 import triton
@@ -15,9 +17,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _kv_offsets(b, slots, kv_head, stride_b, stride_s, stride_h):
-    # Contiguous per-sequence layout: key ``slots`` of sequence b lives at row ``slots`` (position == slot).
-    return b.to(tl.int64) * stride_b + slots.to(tl.int64) * stride_s + kv_head * stride_h
+def _kv_rows(Table, b, slots, s_mask, stride_tb, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    # Row (int64) of key positions ``slots`` of sequence b in its K/V tensor (whose batch offset, for the
+    # contiguous layout, is added by the caller). Masked-out positions get row 0 and their table entry is not read.
+    if PAGED:
+        page = tl.load(Table + b.to(tl.int64) * stride_tb + slots // PAGE_SIZE, mask=s_mask, other=0)
+        rows = page.to(tl.int64) * PAGE_SIZE + slots % PAGE_SIZE
+    else:
+        rows = slots.to(tl.int64)
+    return rows
 
 
 @triton.jit
@@ -28,12 +36,12 @@ def attn_decode_split_kernel(
     K,
     V,
     SeqLens,
+    Table,
     Acc,
     ML,
     n_heads,
     rel_extent,
     window,
-    chunk,
     tau_alpha,
     tau_inv_n_floor,
     sm_scale,
@@ -48,6 +56,7 @@ def attn_decode_split_kernel(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_tb,
     stride_ab,
     stride_ah,
     stride_as,
@@ -61,6 +70,8 @@ def attn_decode_split_kernel(
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     USE_TAU: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,6 +81,8 @@ def attn_decode_split_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(p - window + 1, 0)
+    # This sequence's visible keys split evenly over the grid's splits, in whole key blocks (idle splits exit).
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -94,14 +107,17 @@ def attn_decode_split_kernel(
         ratio = tl.maximum((p + 1).to(tl.float32) * tau_inv_n_floor, 1.0)
         logit_scale = logit_scale * (1.0 + tau_alpha * tl.log(ratio))
 
+    # Per-sequence K/V bases (the batch strides are 0 for a pool) and the head offset within a row.
+    K_b = K + b.to(tl.int64) * stride_kb + kv_head * stride_kh
+    V_b = V + b.to(tl.int64) * stride_vb + kv_head * stride_vh
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
     for s0 in range(start, end, BLOCK_N):
         slots = s0 + tl.arange(0, BLOCK_N)
         s_mask = slots < end
-        k_off = _kv_offsets(b, slots, kv_head, stride_kb, stride_ks, stride_kh)
-        k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        rows = _kv_rows(Table, b, slots, s_mask, stride_tb, PAGED, PAGE_SIZE)
+        k = tl.load(K_b + (rows * stride_ks)[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_H, BLOCK_N] fp32
         if p - s0 - BLOCK_N + 1 < rel_extent:  # some key of this block is within the bias extent
             delta = p - slots
@@ -116,8 +132,7 @@ def attn_decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         prob = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(prob, axis=1)
-        v_off = _kv_offsets(b, slots, kv_head, stride_vb, stride_vs, stride_vh)
-        v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        v = tl.load(V_b + (rows * stride_vs)[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
         m_i = m_new
     a_ptrs = Acc + b.to(tl.int64) * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]

@@ -10,8 +10,9 @@ over keys p - W + 1 <= s <= p (sliding, window W including self) or 0 <= s <= p 
 Inputs: q ``[B, nH, hd]`` (after q_norm, before tau), r ``[B, nH, d_rel]``, P ``[d_rel, R]``, k/v caches
 ``[B, S_max, nKV, hd]`` (contiguous per sequence, position == slot), seq_lens int ``[B]``.
 The kernel keeps logits in fp32 and does not round L or q*tau to bf16 in between (HF does): rounding-level
-differences. Excluded from this slice: paged KV (the kernel's ``_kv_offsets`` is where a page table goes),
-ring-buffer sliding caches, several queries per sequence (prefill / speculative verify).
+differences. ``paged_decode_attention`` is the same kernel over one layer's paged pool ``[slots, nKV, hd]``
+addressed through a block table (positions stay absolute; pages before a sliding window may point anywhere).
+Excluded from this slice: ring-buffer sliding caches, several queries per sequence (prefill / speculative verify).
 """
 
 from __future__ import annotations
@@ -24,25 +25,17 @@ _BLOCK_N = 64
 _TARGET_PROGRAMS = 264  # ~2 waves of the H200's 132 SMs
 
 
-def _check(q, r, rel_proj, k_cache, v_cache, seq_lens):
-    if q.dim() != 3 or r.dim() != 3 or k_cache.dim() != 4:
-        raise ValueError(
-            f"q [B,nH,hd], r [B,nH,d_rel], k_cache [B,S,nKV,hd] expected, got {tuple(q.shape)}, "
-            f"{tuple(r.shape)}, {tuple(k_cache.shape)}"
-        )
+def _check_common(q, r, rel_proj, k, v, seq_lens, n_kv):
     b, n_heads, hd = q.shape
-    if k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != hd:
-        raise ValueError(f"k/v caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
-    n_kv = k_cache.shape[2]
     if n_heads % n_kv:
         raise ValueError(f"nH={n_heads} is not a multiple of nKV={n_kv}")
     if r.shape[:2] != (b, n_heads) or rel_proj.dim() != 2 or rel_proj.shape[0] != r.shape[2]:
         raise ValueError(f"r {tuple(r.shape)} / P {tuple(rel_proj.shape)} do not match q {tuple(q.shape)}")
     if seq_lens.shape != (b,) or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"seq_lens must be int32/int64 [B]={b}, got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"q and the caches must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    for name, t in (("q", q), ("r", r), ("P", rel_proj), ("k_cache", k_cache), ("v_cache", v_cache)):
+    if q.dtype != k.dtype or v.dtype != k.dtype:
+        raise ValueError(f"q and the caches must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("q", q), ("r", r), ("P", rel_proj), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
     for name, n in (("head_dim", hd), ("d_rel", r.shape[2])):
@@ -51,56 +44,80 @@ def _check(q, r, rel_proj, k_cache, v_cache, seq_lens):
     return b, n_heads, hd, n_kv
 
 
-def decode_attention(
-    q: torch.Tensor,
-    r: torch.Tensor,
-    rel_proj: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    window: int | None = None,
-    log_scaling: tuple[float, float] | None = None,
-    max_seq_len: int | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """Decode attention with the Inkling relative bias; returns ``[B, nH, hd]`` in q's dtype.
+def _check(q, r, rel_proj, k_cache, v_cache, seq_lens):
+    if q.dim() != 3 or r.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(
+            f"q [B,nH,hd], r [B,nH,d_rel], k_cache [B,S,nKV,hd] expected, got {tuple(q.shape)}, "
+            f"{tuple(r.shape)}, {tuple(k_cache.shape)}"
+        )
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] != q.shape[0] or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"k/v caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    return _check_common(q, r, rel_proj, k_cache, v_cache, seq_lens, k_cache.shape[2])
 
-    ``window``: sliding window W (keys p-W+1..p) or None for a global layer. ``log_scaling``:
-    ``(alpha, n_floor)`` for tau on global layers, or None. ``max_seq_len``: an upper bound on seq_lens
-    (default S_max; never read from the device, so the call is CUDA-graph safe) used to size the splits.
-    """
-    from kernels import _triton_attention as tk
 
-    b, n_heads, hd, n_kv = _check(q, r, rel_proj, k_cache, v_cache, seq_lens)
-    group = n_heads // n_kv
-    d_rel, rel_extent = rel_proj.shape
-    max_keys = max_seq_len if max_seq_len is not None else k_cache.shape[1]
+def _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_size):
+    if q.dim() != 3 or r.dim() != 3 or k_pool.dim() != 3:
+        raise ValueError(
+            f"q [B,nH,hd], r [B,nH,d_rel], k_pool [slots,nKV,hd] expected, got {tuple(q.shape)}, "
+            f"{tuple(r.shape)}, {tuple(k_pool.shape)}"
+        )
+    if k_pool.shape != v_pool.shape or k_pool.shape[2] != q.shape[2]:
+        raise ValueError(f"k/v pools {tuple(k_pool.shape)}, {tuple(v_pool.shape)} do not match q {tuple(q.shape)}")
+    if page_size < 1 or k_pool.shape[0] % page_size:
+        raise ValueError(f"page_size={page_size} must be >= 1 and divide the pool's {k_pool.shape[0]} slots")
+    if (
+        block_table.dim() != 2
+        or block_table.shape[0] != q.shape[0]
+        or block_table.dtype not in (torch.int32, torch.int64)
+        or (block_table.shape[1] > 1 and block_table.stride(1) != 1)
+    ):
+        raise ValueError(
+            f"block_table must be int32/int64 [B={q.shape[0]}, max_pages] with unit last stride, got "
+            f"{block_table.dtype} {tuple(block_table.shape)} strides {block_table.stride()}"
+        )
+    return _check_common(q, r, rel_proj, k_pool, v_pool, seq_lens, k_pool.shape[1])
+
+
+def _split_plan(b: int, n_kv: int, max_keys: int, window: int | None, num_splits: int | None) -> int:
+    """Splits per (sequence, KV head): enough programs to fill the GPU at the longest visible range; each
+    sequence's own visible keys are divided over them in whole key blocks in-kernel (short ones leave some idle)."""
     if window is not None:
         max_keys = min(max_keys, window)
     max_blocks = max(1, -(-max_keys // _BLOCK_N))
     if num_splits is None:
-        num_splits = min(max_blocks, max(1, -(-_TARGET_PROGRAMS // (b * n_kv))))
-    chunk = -(-max_blocks // num_splits) * _BLOCK_N
-    num_splits = -(-max_keys // chunk)
+        num_splits = max(1, -(-_TARGET_PROGRAMS // max(1, b * n_kv)))
+    return min(max_blocks, num_splits)
+
+
+def _launch(q, r, rel_proj, k, v, seq_lens, block_table, page_size, kv_strides, window, log_scaling, num_splits):
+    """Split kernel + combine. ``kv_strides``: (batch, row, head) strides of k then v (batch 0 for a pool);
+    ``block_table`` None for the contiguous layout."""
+    from kernels import _triton_attention as tk
+
+    b, n_heads, hd = q.shape
+    n_kv = k.shape[-2]
+    group = n_heads // n_kv
+    d_rel, rel_extent = rel_proj.shape
     acc = torch.empty((b, n_heads, num_splits, hd), dtype=torch.float32, device=q.device)
     ml = torch.empty((b, n_heads, num_splits, 2), dtype=torch.float32, device=q.device)
     out = torch.empty((b, n_heads, hd), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
+    paged = block_table is not None
     alpha, n_floor = log_scaling if log_scaling is not None else (0.0, 1.0)
     tk.attn_decode_split_kernel[(b, n_kv, num_splits)](
         q,
         r,
         rel_proj,
-        k_cache,
-        v_cache,
+        k,
+        v,
         seq_lens,
+        block_table if paged else seq_lens,  # dummy pointer, never read without PAGED
         acc,
         ml,
         n_heads,
         rel_extent,
         window or 0,
-        chunk,
         float(alpha),
         1.0 / float(n_floor),
         1.0 / hd,
@@ -109,12 +126,8 @@ def decode_attention(
         r.stride(0),
         r.stride(1),
         rel_proj.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *kv_strides,
+        block_table.stride(0) if paged else 0,
         acc.stride(0),
         acc.stride(1),
         acc.stride(2),
@@ -128,6 +141,8 @@ def decode_attention(
         BLOCK_N=_BLOCK_N,
         HAS_WINDOW=window is not None,
         USE_TAU=log_scaling is not None,
+        PAGED=paged,
+        PAGE_SIZE=page_size if paged else 1,
         num_warps=4,
         num_stages=2,
     )
@@ -149,6 +164,62 @@ def decode_attention(
         num_warps=4,
     )
     return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    r: torch.Tensor,
+    rel_proj: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int | None = None,
+    log_scaling: tuple[float, float] | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention with the Inkling relative bias; returns ``[B, nH, hd]`` in q's dtype.
+
+    ``window``: sliding window W (keys p-W+1..p) or None for a global layer. ``log_scaling``:
+    ``(alpha, n_floor)`` for tau on global layers, or None. ``max_seq_len``: an upper bound on seq_lens
+    (default S_max; never read from the device, so the call is CUDA-graph safe) used to size the splits.
+    """
+    b, _, _, n_kv = _check(q, r, rel_proj, k_cache, v_cache, seq_lens)
+    max_keys = max_seq_len if max_seq_len is not None else k_cache.shape[1]
+    kv_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+    num_splits = _split_plan(b, n_kv, max_keys, window, num_splits)
+    return _launch(q, r, rel_proj, k_cache, v_cache, seq_lens, None, 1, kv_strides, window, log_scaling, num_splits)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    r: torch.Tensor,
+    rel_proj: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    window: int | None = None,
+    log_scaling: tuple[float, float] | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``decode_attention`` over a paged KV pool; returns ``[B, nH, hd]`` in q's dtype.
+
+    ``k_pool``/``v_pool``: one layer's pool ``[num_pages * page_size, nKV, hd]`` (any strides, unit last).
+    ``block_table`` int ``[B, max_pages]``: key position s of sequence b lives at pool row
+    ``block_table[b, s // page_size] * page_size + s % page_size``; entries of pages holding no visible key
+    (beyond seq_lens, or before a sliding window) are never read. ``max_seq_len`` defaults to
+    ``max_pages * page_size``; like the other arguments it is a host int, so the call is CUDA-graph safe.
+    """
+    b, _, _, n_kv = _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_size)
+    max_keys = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
+    kv_strides = (0, *k_pool.stride()[:2], 0, *v_pool.stride()[:2])
+    num_splits = _split_plan(b, n_kv, max_keys, window, num_splits)
+    return _launch(
+        q, r, rel_proj, k_pool, v_pool, seq_lens, block_table, page_size, kv_strides, window, log_scaling, num_splits
+    )
 
 
 def attention_reference(
@@ -182,4 +253,28 @@ def attention_reference(
             alpha, n_floor = log_scaling
             scores = scores * (1.0 + alpha * math.log(max((p + 1) / n_floor, 1.0)))
         out[i] = torch.einsum("hs,shd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+    return out
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    r: torch.Tensor,
+    rel_proj: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    window: int | None = None,
+    log_scaling: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """fp32 reference of ``paged_decode_attention``: gathers each sequence's keys, then ``attention_reference``."""
+    out = torch.empty_like(q)
+    for i, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n, device=q.device)
+        rows = block_table[i].long()[pos // page_size] * page_size + pos % page_size  # [S]
+        one = slice(i, i + 1)
+        out[one] = attention_reference(
+            q[one], r[one], rel_proj, k_pool[rows][None], v_pool[rows][None], seq_lens[one], window, log_scaling
+        )
     return out

@@ -1,6 +1,18 @@
-"""Root test options: `--run-slow` enables the soak/load tests marked `@pytest.mark.slow` (skipped by default)."""
+"""Root test options: `--run-slow` enables the soak/load tests marked `@pytest.mark.slow` (skipped by default).
+
+Without CUDA, Triton kernels run in its CPU interpreter: TRITON_INTERPRET is set here, at configuration time,
+before any test imports a private `kernels._triton_*` module (the public kernel functions import them lazily).
+"""
+
+import os
 
 import pytest
+import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

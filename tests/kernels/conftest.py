@@ -1,18 +1,10 @@
-"""Kernel tests: Triton runs in its CPU interpreter when no CUDA device is present.
-
-TRITON_INTERPRET must be set before the private ``kernels._triton_*`` modules are imported (the public
-functions import them lazily), so it is set here, at collection time.
-"""
+"""Kernel tests: Triton runs in its CPU interpreter when no CUDA device is present (the root conftest sets
+TRITON_INTERPRET)."""
 
 import os
 
 import pytest
 import torch
-
-
-def pytest_configure(config):
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def interpreted() -> bool:

@@ -1,7 +1,12 @@
 import pytest
 import torch
 
-from kernels.attention import attention_reference, decode_attention
+from kernels.attention import (
+    attention_reference,
+    decode_attention,
+    paged_attention_reference,
+    paged_decode_attention,
+)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -15,6 +20,36 @@ def inputs(b, nh, nkv, hd, d_rel, extent, s_max, gen, dtype, device="cpu"):
     kc = torch.randn(b, s_max, nkv, hd, generator=gen).to(dtype)
     vc = torch.randn(b, s_max, nkv, hd, generator=gen).to(dtype)
     return [t.to(device) for t in (q, r, rel_proj, kc, vc)]
+
+
+def paged_layout(kc, vc, lens, page_size, window, gen, padding=(), spare_pages=2):
+    """Scatter the visible keys of contiguous caches ``[B, S, nKV, hd]`` into one layer of a paged pool.
+
+    Returns (k_pool, v_pool, block_table): the pools are layer 1 of ``[2, slots, nKV, hd]`` tensors (first-dim
+    stride nKV*hd, as in the engine), NaN except at visible keys, with page ids shuffled. Table entries of pages
+    holding no visible key (wholly before the window or beyond the length, one spare column) and every entry of
+    the ``padding`` rows point at a scratch page whose only finite row is its first (a padding row's own key).
+    """
+    b, s_max, nkv, hd = kc.shape
+    max_pages = -(-s_max // page_size) + 1
+    n = torch.tensor(lens)[:, None]
+    lo = (n - window).clamp(min=0) if window is not None else torch.zeros_like(n)
+    real = torch.ones(b, 1, dtype=torch.bool)
+    real[list(padding)] = False
+    page = torch.arange(max_pages)[None, :]
+    needed = real & ((page + 1) * page_size > lo) & (page * page_size < n)  # [B, max_pages]
+    num_pages = int(needed.sum()) + 1 + spare_pages
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.full((b, max_pages), int(perm[0]), dtype=torch.int32)
+    table[needed] = perm[1 : 1 + int(needed.sum())].int()
+    pos = torch.arange(s_max)[None, :]
+    visible = real & (pos >= lo) & (pos < n)  # [B, S]
+    rows = table.long()[torch.arange(b)[:, None], pos // page_size] * page_size + pos % page_size
+    pools = torch.full((2, 2, num_pages * page_size, nkv, hd), float("nan"), dtype=kc.dtype, device=kc.device)
+    pools[0, 1, rows[visible].to(kc.device)] = kc[visible.to(kc.device)]
+    pools[1, 1, rows[visible].to(kc.device)] = vc[visible.to(kc.device)]
+    pools[:, 1, int(perm[0]) * page_size] = torch.randn(2, nkv, hd, generator=gen).to(kc.dtype).to(kc.device)
+    return pools[0, 1], pools[1, 1], table.to(kc.device)
 
 
 @pytest.mark.parametrize(
@@ -44,6 +79,72 @@ def test_decode_attention_rejects_mismatched_heads():
         decode_attention(q, r, rel_proj, kc, vc, torch.tensor([3]))
 
 
+@pytest.mark.parametrize(
+    "page_size,window,log_scaling,lens,num_splits,max_seq_len,dtype",
+    [
+        (16, None, (0.5, 20.0), [1, 77, 150], None, None, torch.float32),  # global + tau, several splits
+        (4, None, None, [33, 150], 3, 150, torch.float32),  # bias beyond R cut off, tight max_seq_len
+        (5, 40, None, [1, 39, 40, 41, 130], None, None, torch.float32),  # window, early pages released
+        (5, 40, None, [60, 130], 1, None, torch.float16),
+        (4, 40, None, [41, 97], 3, 100, torch.float16),
+        (16, None, (0.5, 20.0), [5, 100], 3, None, torch.float16),
+    ],
+)
+def test_paged_decode_attention_matches_reference(
+    cpu_interpreter, page_size, window, log_scaling, lens, num_splits, max_seq_len, dtype
+):
+    gen = torch.Generator().manual_seed(page_size + len(lens))
+    q, r, rel_proj, kc, vc = inputs(len(lens), 8, 2, 32, 16, window or 48, max(lens), gen, dtype)
+    kp, vp, table = paged_layout(kc, vc, lens, page_size, window, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_decode_attention(
+        q, r, rel_proj, kp, vp, table, seq_lens, page_size, window, log_scaling, max_seq_len, num_splits
+    )
+    ref = paged_attention_reference(q, r, rel_proj, kp, vp, table, seq_lens, page_size, window, log_scaling)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.isfinite(ref).all()  # the reference, too, never sees the NaN rows
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+def test_paged_decode_attention_padding_rows(cpu_interpreter):
+    """CUDA-graph padding rows (seq_len 1, whole table on the scratch page) next to real ones."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [1, 70, 1, 45]
+    q, r, rel_proj, kc, vc = inputs(len(lens), 8, 2, 32, 16, 48, 70, gen, torch.float32)
+    kp, vp, table = paged_layout(kc, vc, lens, 16, 40, gen, padding=(0, 2))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_decode_attention(q, r, rel_proj, kp, vp, table, seq_lens, 16, 40)
+    ref = paged_attention_reference(q, r, rel_proj, kp, vp, table, seq_lens, 16, 40)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-5
+    # A padding row attends to its own (scratch) key only: the output is that value row.
+    scratch_row = table[0, 0].item() * 16
+    torch.testing.assert_close(out[0], vp[scratch_row].repeat_interleave(4, dim=0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("page_size,window,dtype", [(16, None, torch.float32), (5, 40, torch.float16)])
+def test_paged_decode_attention_equals_contiguous(cpu_interpreter, page_size, window, dtype):
+    gen = torch.Generator().manual_seed(11)
+    lens = [1, 38, 41, 64, 129]
+    q, r, rel_proj, kc, vc = inputs(len(lens), 8, 2, 32, 16, 48, 130, gen, dtype)
+    kp, vp, table = paged_layout(kc, vc, lens, page_size, window, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ls = None if window else (0.5, 20.0)
+    paged = paged_decode_attention(q, r, rel_proj, kp, vp, table, seq_lens, page_size, window, ls, max_seq_len=130)
+    contiguous = decode_attention(q, r, rel_proj, kc, vc, seq_lens, window, ls, max_seq_len=130)
+    torch.testing.assert_close(paged, contiguous, rtol=0, atol=0)  # same blocks, same order: bitwise
+
+
+def test_paged_decode_attention_rejects_bad_layout():
+    gen = torch.Generator().manual_seed(0)
+    q, r, rel_proj, kc, vc = inputs(1, 8, 2, 32, 16, 16, 8, gen, torch.float32)
+    pool = kc.reshape(8, 2, 32)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="page_size"):
+        paged_decode_attention(q, r, rel_proj, pool, pool, table, torch.tensor([3]), 3)
+    with pytest.raises(ValueError, match="block_table"):
+        paged_decode_attention(q, r, rel_proj, pool, pool, table.float(), torch.tensor([3]), 4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "window,log_scaling,lens",
@@ -64,4 +165,24 @@ def test_decode_attention_gpu_full_heads(cuda_device, window, log_scaling, lens)
         f"decode_attention window={window} tau={log_scaling}: rel {err:.2e}, "
         f"max_abs {(out.float() - ref.float()).abs().max().item():.3e}"
     )
+    assert torch.isfinite(out).all() and err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 8, 64])
+@pytest.mark.parametrize("window,log_scaling", [(512, None), (None, (0.1, 100.0))])
+def test_paged_decode_attention_gpu_full_heads(cuda_device, b, window, log_scaling):
+    gen = torch.Generator().manual_seed(b)
+    s_max = 8192
+    fixed = [8192, 1, 511, 512, 513, 1024, 1025, 4096]
+    lens = (fixed + torch.randint(1, s_max + 1, (b,), generator=gen).tolist())[:b] if b > 1 else [s_max]
+    extent = window or 1024
+    q, r, rel_proj, kc, vc = inputs(b, 32, 8, 128, 16, extent, s_max, gen, torch.bfloat16, cuda_device)
+    kp, vp, table = paged_layout(kc, vc, lens, 16, window, gen)
+    del kc, vc
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=cuda_device)
+    out = paged_decode_attention(q, r, rel_proj, kp, vp, table, seq_lens, 16, window, log_scaling, s_max)
+    ref = paged_attention_reference(q, r, rel_proj, kp, vp, table, seq_lens, 16, window, log_scaling)
+    err = rel_err(out, ref)
+    print(f"paged_decode_attention B={b} window={window} tau={log_scaling}: rel {err:.2e}")
     assert torch.isfinite(out).all() and err < 1e-2

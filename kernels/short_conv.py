@@ -1,0 +1,255 @@
+"""Decode step of the depthwise causal short convs (spec inkling-text 4.2), one new token per sequence.
+
+For sequence b with state ``S = states[slots[b]]`` ``[K-1, C]`` (oldest first) and new input ``x = x[b]`` ``[C]``,
+exactly as ``ShortConv.step`` of decode_service/model/layers.py:
+
+    window = cat(S.to(x.dtype), x).float()                  [K, C]
+    y = (x.float() + sum_j window[j] * w[:, j]).to(x.dtype)  (fp32, terms added in order j = 0..K-1)
+    states[slots[b]] = window[1:]  (in place, in the state dtype)
+
+* ``conv_decode`` returns ``out = y`` (or ``residual + y``, rounded like torch's add) and, given ``norm_weight``,
+  ``rms_norm(out)`` as in kernels/rms_norm.py: "h = h + sconv(delta); next = norm(h)" in one launch.
+* ``kv_prologue`` is the attention prologue of a decode step: the k and v convs, the per-head k RMSNorm (of the
+  conv output rounded to k0's dtype) and the write of k, v into the layer's KV pool at ``kv_rows``, in one launch.
+
+Slots are distinct, except that the padding rows of a CUDA-graph bucket may share one scratch slot (any of their
+writes wins). Grids come from shapes alone and nothing is read back to the host, so the kernels and the torch
+references (the non-Triton fallback) can be captured in a CUDA graph. Excluded: several tokens per sequence
+(prefill runs ``ShortConv.forward``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.rms_norm import rms_norm_reference
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_BLOCK_C = 1024  # channels per program without the norm
+_NORM_BLOCK_C = 4096  # channels per loop step of a normalising program (one program per row)
+
+
+def _check_conv(name: str, x: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor) -> int:
+    """Validate one conv's operands; returns the kernel size K."""
+    if x.dim() != 2 or states.dim() != 3 or weight.dim() != 2:
+        raise ValueError(
+            f"{name}: x [B, C], states [slots, K-1, C], weight [C, K] expected, got {tuple(x.shape)}, "
+            f"{tuple(states.shape)}, {tuple(weight.shape)}"
+        )
+    b, c = x.shape
+    k = weight.shape[1]
+    if not 2 <= k <= 8 or weight.shape[0] != c or states.shape[1:] != (k - 1, c):
+        raise ValueError(
+            f"{name}: weight {tuple(weight.shape)} and states {tuple(states.shape)} do not fit x {tuple(x.shape)} "
+            f"with a kernel size 2..8"
+        )
+    if slots.shape != (b,) or slots.dtype != torch.int64:
+        raise ValueError(f"{name}: slots must be int64 [B]={b}, got {slots.dtype} {tuple(slots.shape)}")
+    for t_name, t in (("x", x), ("states", states), ("weight", weight)):
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"{name}: {t_name} must be fp32/fp16/bf16, got {t.dtype}")
+    if x.stride(-1) != 1 or states.stride(-1) != 1:
+        raise ValueError(f"{name}: x and states need a unit last stride, got {x.stride()} and {states.stride()}")
+    if len({t.device for t in (x, states, slots, weight)}) != 1:
+        raise ValueError(f"{name}: operands on several devices")
+    return k
+
+
+def conv_decode(
+    x: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x ``[B, C]``, states ``[num_slots, K-1, C]`` (updated in place at ``slots``), slots int64 ``[B]``, weight
+    ``[C, K]`` -> (``y`` or ``residual + y`` in x's dtype ``[B, C]``, its RMSNorm by ``norm_weight`` or None)."""
+    import triton
+
+    from kernels import _triton_short_conv as tk
+
+    k = _check_conv("conv_decode", x, states, slots, weight)
+    b, c = x.shape
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+        raise ValueError(
+            f"residual must match x {tuple(x.shape)} {x.dtype} with a unit last stride, got "
+            f"{tuple(residual.shape)} {residual.dtype} strides {residual.stride()}"
+        )
+    if norm_weight is not None and (
+        norm_weight.shape != (c,) or norm_weight.dtype not in _FLOATS or norm_weight.stride(0) != 1
+    ):
+        raise ValueError(
+            f"norm_weight must be a contiguous float [C]={c}, got {norm_weight.dtype} {tuple(norm_weight.shape)}"
+        )
+    out = torch.empty((b, c), dtype=x.dtype, device=x.device)
+    normed = None
+    if norm_weight is not None:
+        normed = torch.empty((b, c), dtype=torch.promote_types(norm_weight.dtype, x.dtype), device=x.device)
+    if b == 0:
+        return out, normed
+    block_c = min(triton.next_power_of_2(c), _NORM_BLOCK_C if normed is not None else _BLOCK_C)
+    num_blocks = triton.cdiv(c, block_c)
+    # Grid: (row, channel block); a normalising program needs the whole row, so then one program per row.
+    # enable_fp_fusion=False: no product is fused into an add, so the sums round like ShortConv.step's.
+    tk.conv_decode_kernel[(b, 1 if normed is not None else num_blocks)](
+        x,
+        states,
+        slots,
+        weight,
+        residual if residual is not None else x,
+        out,
+        norm_weight if norm_weight is not None else weight,
+        normed if normed is not None else out,
+        c,
+        float(eps),
+        x.stride(0),
+        states.stride(0),
+        states.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        normed.stride(0) if normed is not None else 0,
+        KERNEL_SIZE=k,
+        STATE_ROWS=triton.next_power_of_2(k - 1),
+        BLOCK_C=block_c,
+        NUM_BLOCKS=num_blocks,
+        HAS_RESIDUAL=residual is not None,
+        HAS_NORM=normed is not None,
+        num_warps=min(16, max(1, block_c // 256)),
+        enable_fp_fusion=False,
+    )
+    return out, normed
+
+
+def conv_decode_reference(
+    x: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Torch reference of ``conv_decode`` (same arguments and results, states updated in place)."""
+    k = weight.shape[1]
+    window = torch.cat([states.index_select(0, slots).to(x.dtype), x[:, None]], dim=1).float()  # [B, K, C]
+    w = weight.float()  # [C, K]
+    conv = sum(window[:, j] * w[:, j] for j in range(k))  # [B, C]
+    y = (x.float() + conv).to(x.dtype)
+    states.index_copy_(0, slots, window[:, 1:].to(states.dtype))
+    out = y if residual is None else residual + y
+    return out, None if norm_weight is None else rms_norm_reference(out, norm_weight, eps)
+
+
+def _check_prologue(k0, v0, k_states, v_states, slots, k_weight, v_weight, k_norm_weight, k_pool, v_pool, kv_rows):
+    """Validate the prologue's operands; returns (K, nKV, hd)."""
+    k = _check_conv("kv_prologue k", k0, k_states, slots, k_weight)
+    if _check_conv("kv_prologue v", v0, v_states, slots, v_weight) != k or v0.shape != k0.shape:
+        raise ValueError(f"k and v convs differ: k0 {tuple(k0.shape)}, v0 {tuple(v0.shape)}, kernel sizes")
+    if k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
+        raise ValueError(f"k_pool/v_pool [rows, nKV, hd] expected, got {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
+    b, width = k0.shape
+    n_kv, hd = k_pool.shape[1:]
+    if n_kv * hd != width or hd < 16 or hd & (hd - 1):
+        raise ValueError(f"pools {tuple(k_pool.shape)} need a power-of-two hd >= 16 with nKV * hd = {width}")
+    if k_norm_weight.shape != (hd,) or k_norm_weight.dtype not in _FLOATS or k_norm_weight.stride(0) != 1:
+        raise ValueError(f"k_norm_weight must be a contiguous float [hd]={hd}, got {k_norm_weight.dtype} "
+                         f"{tuple(k_norm_weight.shape)}")  # fmt: skip
+    if k_pool.dtype not in _FLOATS or v_pool.dtype not in _FLOATS or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        raise ValueError(f"pools must be float with a unit last stride, got {k_pool.dtype} {k_pool.stride()}, "
+                         f"{v_pool.dtype} {v_pool.stride()}")  # fmt: skip
+    if kv_rows.shape != (b,) or kv_rows.dtype != torch.int64 or kv_rows.device != k0.device:
+        raise ValueError(
+            f"kv_rows must be int64 [B]={b}, got {kv_rows.dtype} {tuple(kv_rows.shape)} on {kv_rows.device}"
+        )
+    return k, n_kv, hd
+
+
+def kv_prologue(
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    k_states: torch.Tensor,
+    v_states: torch.Tensor,
+    slots: torch.Tensor,
+    k_weight: torch.Tensor,
+    v_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    kv_rows: torch.Tensor,
+) -> None:
+    """k0, v0 ``[B, nKV*hd]`` -> ``k_pool[kv_rows] = k_norm(conv_k(k0))``, ``v_pool[kv_rows] = conv_v(v0)``
+    (pools ``[rows, nKV, hd]``), conv states ``[num_slots, K-1, nKV*hd]`` updated in place at ``slots``."""
+    import triton
+
+    from kernels import _triton_short_conv as tk
+
+    k, n_kv, hd = _check_prologue(
+        k0, v0, k_states, v_states, slots, k_weight, v_weight, k_norm_weight, k_pool, v_pool, kv_rows
+    )
+    b = k0.shape[0]
+    if b == 0:
+        return
+    # Grid: (row, kv head); a program holds one head of k and of v (hd channels), the span of the k-norm.
+    tk.kv_prologue_kernel[(b, n_kv)](
+        k0,
+        v0,
+        k_states,
+        v_states,
+        slots,
+        k_weight,
+        v_weight,
+        k_norm_weight,
+        k_pool,
+        v_pool,
+        kv_rows,
+        float(eps),
+        k0.stride(0),
+        v0.stride(0),
+        k_states.stride(0),
+        k_states.stride(1),
+        v_states.stride(0),
+        v_states.stride(1),
+        k_weight.stride(0),
+        k_weight.stride(1),
+        v_weight.stride(0),
+        v_weight.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        KERNEL_SIZE=k,
+        STATE_ROWS=triton.next_power_of_2(k - 1),
+        HEAD_DIM=hd,
+        NORM_DTYPE=tk.TL_DTYPES[torch.promote_types(k_norm_weight.dtype, k0.dtype)],
+        num_warps=max(1, hd // 128),
+        enable_fp_fusion=False,
+    )
+
+
+def kv_prologue_reference(
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    k_states: torch.Tensor,
+    v_states: torch.Tensor,
+    slots: torch.Tensor,
+    k_weight: torch.Tensor,
+    v_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    kv_rows: torch.Tensor,
+) -> None:
+    """Torch reference of ``kv_prologue`` (same arguments; writes the pools and states in place)."""
+    b = k0.shape[0]
+    n_kv, hd = k_pool.shape[1:]
+    k, _ = conv_decode_reference(k0, k_states, slots, k_weight)
+    v, _ = conv_decode_reference(v0, v_states, slots, v_weight)
+    k = rms_norm_reference(k.view(b * n_kv, hd), k_norm_weight, eps)  # [B*nKV, hd]
+    k_pool.index_copy_(0, kv_rows, k.view(b, n_kv, hd).to(k_pool.dtype))
+    v_pool.index_copy_(0, kv_rows, v.view(b, n_kv, hd).to(v_pool.dtype))
