@@ -34,6 +34,7 @@ import torch
 
 from bench.floors import measure_ceilings, time_eager_ms
 from common.config import TextConfig, parse_model_config
+from decode_service.engine.decode_graphs import DecodeGraphs
 from decode_service.engine.kv_cache import CacheSpec, KVCache
 from decode_service.model import fast_path
 from decode_service.model.batch import ForwardBatch, SequenceSlice
@@ -107,23 +108,27 @@ def random_proxy(config: TextConfig, nvfp4_layers: frozenset[int], device: str =
     return InklingDecoder.from_weights(config, weights, torch.bfloat16, device)
 
 
-def paged_decode_batch(config: TextConfig, batch: int, ctx: int, device: str = "cuda"):
+def paged_decode_batch(model: InklingDecoder, batch: int, ctx: int, max_model_len: int, device: str = "cuda"):
     """B sequences whose `ctx` committed tokens sit in the engine's paged cache (random K/V, zero conv
-    states); the returned batch decodes position `ctx` of each (re-running it rewrites the same slots)."""
+    states) -> the packed batch that decodes position `ctx` of each (re-running it rewrites the same slots), and
+    the engine's `DecodeGraphs` over the same cache with the sequences' handles."""
+    config = model.config
     window_pages = math.ceil(config.sliding_window / PAGE) + 2
     ctx_pages = math.ceil((ctx + 1) / PAGE)
     spec = CacheSpec(PAGE, batch * window_pages + ctx_pages, batch * ctx_pages, batch, torch.bfloat16, device)
     cache = KVCache(config, spec)
     for pool in (*cache.k.values(), *cache.v.values()):
         pool.normal_()
-    seqs = []
+    graphs = DecodeGraphs(model, cache, max_num_seqs=batch, max_model_len=max_model_len)  # tables before handles
+    seqs, handles = [], []
     for _ in range(batch):
         handle = cache.new_handle()
         handle.grow(ctx + 1)
         handle.commit(ctx)  # drops the sliding pages before the window
         seqs.append(SequenceSlice(ctx, 1, handle.layers))
+        handles.append(handle)
     tokens = torch.randint(0, config.unpadded_vocab_size, (batch,), device=device)
-    return ForwardBatch(tokens, seqs), cache
+    return ForwardBatch(tokens, seqs), graphs, handles
 
 
 def touched_experts(model: InklingDecoder, fb: ForwardBatch) -> dict[int, int]:
@@ -220,7 +225,7 @@ def module_errors(model: InklingDecoder, prompts: list[list[int]]) -> None:
         for mode in ("reference", "fast"):
             seqs = [SequenceSlice(len(p), 1, s.clone().layers) for p, s in zip(prompts, states, strict=True)]
             with fast_path.mode(mode):
-                outs.append(layer.attn(u, seqs))
+                outs.append(layer.attn(u, ForwardBatch(torch.zeros(len(seqs), dtype=torch.long), seqs)))
         parts.append(f"attn{i} {rel(outs[1], outs[0]):.1e}")
         experts = getattr(layer.mlp, "experts", None)
         if experts is None:
@@ -334,32 +339,45 @@ def main() -> None:
         return
 
     rows = []
+    max_model_len = max(args.contexts) + 1
     for ctx in args.contexts:
         for b in args.batches:
-            fb, cache = paged_decode_batch(config, b, ctx)
+            fb, graphs, handles = paged_decode_batch(model, b, ctx, max_model_len)
+            tokens = fb.token_ids.tolist()
+            eager = DecodeGraphs(model, graphs.cache, max_num_seqs=b, max_model_len=max_model_len, use_graphs=False)
 
-            def step(fb=fb):
+            def packed(fb=fb):
                 with torch.inference_mode():
                     return model.logits(model(fb))
+
+            def batched(graphs=graphs, tokens=tokens, handles=handles):
+                with torch.inference_mode():
+                    return model.logits(graphs.run(tokens, handles))
+
+            def batched_eager(eager=eager, tokens=tokens, handles=handles):
+                with torch.inference_mode():
+                    return model.logits(eager.run(tokens, handles))
 
             touched = touched_experts(model, fb)
             floor = ceil.floor_us(step_bytes(model, b, ctx, touched)) / 1e3
             with fast_path.mode("fast"):
-                fast = time_eager_ms(step, reps=10, warmup=2)
-                launches = count_launches(step)
+                fast = time_eager_ms(packed, reps=3, warmup=1)
+                graphed = time_eager_ms(batched, reps=30, warmup=3)  # the first run captures B's graph
+                launches = count_launches(batched_eager)
             ref = "skipped"
             if b <= args.ref_max_batch:
                 with fast_path.mode("reference"):
-                    ref = f"{time_eager_ms(step, reps=3, warmup=1):.2f}"
+                    ref = f"{time_eager_ms(packed, reps=3, warmup=1):.2f}"
             experts = "/".join(str(touched[i]) for i in sorted(touched))
-            rows.append([ctx, b, experts, floor, ref, fast, launches])
+            rows.append([ctx, b, experts, floor, ref, fast, graphed, launches])
             print(
-                f"# ctx={ctx} B={b}: experts {experts}, floor {floor:.2f} ms, reference {ref} ms, fast {fast:.2f} ms"
-                f" ({floor / fast:.0%} of floor), kernels {launches[0]} + {launches[1]} copies per step, GPU busy "
-                f"{launches[2]:.2f} ms",
+                f"# ctx={ctx} B={b}: experts {experts}, floor {floor:.2f} ms, reference {ref} ms, packed fast "
+                f"{fast:.2f} ms, graphs {graphed:.2f} ms ({graphed / floor:.2f}x floor), kernels {launches[0]} + "
+                f"{launches[1]} copies per step, GPU busy {launches[2]:.2f} ms",
                 flush=True,
             )
-            del fb, cache
+            del fb, graphs, eager, handles
+            gc.collect()
             torch.cuda.empty_cache()
 
     hf = {}
@@ -374,16 +392,17 @@ def main() -> None:
 
     print()
     print(ceil.line())
+    layers = config.num_layers
     print(
-        "| ctx | B | experts touched (L2-L5) | floor ms | reference ms | fast ms | fast % of floor | "
-        "kernels + copies / step | GPU busy ms | transformers ms |"
+        "| ctx | B | experts touched (L2-L5) | floor ms | reference ms | packed fast ms | graphs ms | graphs / floor |"
+        " kernels + copies / step (per layer) | GPU busy ms | transformers ms |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    for ctx, b, experts, floor, ref, fast, (kern, copies, busy) in rows:
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for ctx, b, experts, floor, ref, fast, graphed, (kern, copies, busy) in rows:
         hf_cell = hf.get(b, "-") if ctx == args.contexts[0] else "-"
         print(
-            f"| {ctx} | {b} | {experts} | {floor:.2f} | {ref} | {fast:.2f} | {floor / fast:.0%} | "
-            f"{kern} + {copies} | {busy:.2f} | {hf_cell} |"
+            f"| {ctx} | {b} | {experts} | {floor:.2f} | {ref} | {fast:.2f} | {graphed:.2f} | {graphed / floor:.2f}x | "
+            f"{kern} + {copies} ({kern / layers:.0f}) | {busy:.2f} | {hf_cell} |"
         )
 
 

@@ -21,6 +21,7 @@ import torch
 
 from common.config import ModelConfig
 from common.errors import InvalidInputError, ResourceExhaustedError
+from decode_service.engine.decode_graphs import DecodeGraphs
 from decode_service.engine.kv_cache import CacheSpec, KVCache
 from decode_service.engine.prefix_cache import PrefixCache
 from decode_service.engine.redis_prefix import PrefixStore, RedisPrefixTier, measure_prefill_rate
@@ -28,6 +29,8 @@ from decode_service.engine.request import FinishReason, Request, TokenLogprobs
 from decode_service.engine.runner import DecoderModel, ModelRunner
 from decode_service.engine.sampler import Sampler, check_stop
 from decode_service.engine.scheduler import Scheduler, SchedulerConfig
+from decode_service.model import fast_path
+from decode_service.model.inkling import InklingDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class EngineSettings:
     device: str = "cpu"
     seed: int = 0  # seeds the generators of requests without their own seed
     model_fingerprint: bytes | None = None  # default: a hash of the model config and cache dtype
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (fast path on CUDA); False: the same path eagerly
 
 
 @dataclass
@@ -103,13 +107,19 @@ class Engine:
             self.prefix_cache,
             self.redis_prefix,
         )
-        self.runner = ModelRunner(model, Sampler(settings.seed), settings.device)
-        if self.redis_prefix is not None:
-            chunk = min(settings.max_num_batched_tokens, 256)
-            self.redis_prefix.calibrate(measure_prefill_rate(self.cache, self.runner, chunk))
         self.max_model_len = min(
             settings.max_model_len or text.max_position_embeddings, self.cache.max_tokens_per_sequence()
         )
+        decode_graphs = None
+        if isinstance(model, InklingDecoder) and fast_path.supports_batched_decode(model):
+            decode_graphs = DecodeGraphs(
+                model, self.cache, settings.max_num_seqs, self.max_model_len, use_graphs=settings.cuda_graphs
+            )
+            decode_graphs.capture_all()
+        self.runner = ModelRunner(model, Sampler(settings.seed), settings.device, decode_graphs)
+        if self.redis_prefix is not None:
+            chunk = min(settings.max_num_batched_tokens, 256)
+            self.redis_prefix.calibrate(measure_prefill_rate(self.cache, self.runner, chunk))
         self.requests: dict[str, Request] = {}
 
     @property

@@ -10,6 +10,10 @@ its whole life (stable addresses).
 Pages are ref-counted so the prefix cache can share full pages between sequences; a shared page is never
 written (sequences only write positions at or after their own computed prefix, which starts on a page
 boundary).
+
+For the batched decode path (`PagedDecode`) the cache also implements the model's `PagedPools` and keeps every
+slot's block tables on the device (`BlockTables`), and each pool has one scratch page and one scratch conv slot
+beyond the allocatable ones: the padding rows of a CUDA-graph batch read and write only those.
 """
 
 from __future__ import annotations
@@ -126,6 +130,39 @@ class ConvSnapshot:
     states: tuple[tuple[torch.Tensor, ...], ...]  # [layer][conv] -> [K-1, C]
 
 
+class BlockTables:
+    """Every conv slot's block table per layer kind, `[slots + 1, max_pages]` int32 on the device (the last row is
+    the scratch slot's), written through a host mirror and uploaded row by row when a table changed. Entries no
+    visible position uses (released sliding pages, pages past the end) hold the kind's scratch page."""
+
+    def __init__(self, num_slots: int, max_pages: int, scratch: dict[bool, int], device: str):
+        self.max_pages = max_pages
+        pin = torch.device(device).type == "cuda"
+        self.host = {
+            kind: torch.full((num_slots + 1, max_pages), page, dtype=torch.int32).pin_memory()
+            if pin else torch.full((num_slots + 1, max_pages), page, dtype=torch.int32)
+            for kind, page in scratch.items()
+        }  # fmt: skip
+        self.device = {kind: t.to(device) for kind, t in self.host.items()}
+        self._scratch = scratch
+        self._dirty: set[int] = set()
+
+    def write(self, slot: int, sliding: bool, first: int, pages: list[int | None]) -> None:
+        """Table entries `first..first+len(pages)-1` of `slot` (None = a released page)."""
+        assert first + len(pages) <= self.max_pages, f"block table of {first + len(pages)} pages > {self.max_pages}"
+        if pages:
+            row = [self._scratch[sliding] if p is None else p for p in pages]
+            self.host[sliding][slot, first : first + len(pages)] = torch.tensor(row, dtype=torch.int32)
+            self._dirty.add(slot)
+
+    def upload(self) -> None:
+        """Copy the rows written since the last upload to the device (before a step that reads them)."""
+        for slot in sorted(self._dirty):
+            for kind, table in self.device.items():
+                table[slot].copy_(self.host[kind][slot], non_blocking=True)
+        self._dirty.clear()
+
+
 class KVCache:
     """The pools. Handles borrow pages and a conv slot from here."""
 
@@ -148,9 +185,11 @@ class KVCache:
         }
         self.k: dict[bool, torch.Tensor] = {}
         self.v: dict[bool, torch.Tensor] = {}
+        self.scratch_page = {kind: pool.num_pages for kind, pool in self.pools.items()}  # the page past the last
+        self.scratch_slot = spec.num_conv_slots
         for sliding in (True, False):
             geo = config.geometry(sliding)
-            slots = self.pools[sliding].num_pages * spec.page_size
+            slots = (self.pools[sliding].num_pages + 1) * spec.page_size
             shape = (counts[sliding], slots, geo.num_kv_heads, geo.head_dim)
             self.k[sliding] = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
             self.v[sliding] = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
@@ -160,9 +199,26 @@ class KVCache:
             kv = config.layer_geometry(i).kv_width
             widths = (kv, kv, config.hidden_size, config.hidden_size)
             self.conv.append(
-                tuple(torch.zeros(spec.num_conv_slots, k1, c, dtype=spec.dtype, device=spec.device) for c in widths)
+                tuple(torch.zeros(spec.num_conv_slots + 1, k1, c, dtype=spec.dtype, device=spec.device) for c in widths)
             )
         self._free_slots: deque[int] = deque(range(spec.num_conv_slots))
+        self.block_tables: BlockTables | None = None
+
+    # -- the model's view (`PagedPools`) ---------------------------------------------------------------------
+
+    def kv_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        sliding, index = self.layer_kind[layer]
+        return self.k[sliding][index], self.v[sliding][index], sliding
+
+    def conv_pool(self, layer: int, index: int) -> torch.Tensor:
+        return self.conv[layer][index]
+
+    def enable_block_tables(self, max_tokens: int) -> BlockTables:
+        """Keep device block tables for sequences of up to `max_tokens` positions (the batched decode path)."""
+        if self.block_tables is None:
+            max_pages = math.ceil(max_tokens / self.page_size)
+            self.block_tables = BlockTables(self.spec.num_conv_slots, max_pages, self.scratch_page, self.spec.device)
+        return self.block_tables
 
     # -- capacity --------------------------------------------------------------------------------------------
 
@@ -231,7 +287,13 @@ class CacheHandle:
 
     def grow(self, total_tokens: int) -> None:
         for sliding, need in zip((True, False), self.pages_needed(total_tokens), strict=True):
-            self.tables[sliding].extend(self.cache.pools[sliding].allocate(need))
+            self.extend_table(sliding, self.cache.pools[sliding].allocate(need))
+
+    def extend_table(self, sliding: bool, pages: list[int | None]) -> None:
+        """Append already-referenced pages (None = a sliding page outside the window) to a block table."""
+        if self.cache.block_tables is not None:
+            self.cache.block_tables.write(self.slot, sliding, len(self.tables[sliding]), pages)
+        self.tables[sliding].extend(pages)
 
     def commit(self, num_tokens: int) -> None:
         """Positions `< num_tokens` are now computed; release sliding pages no future query can see."""
@@ -257,7 +319,7 @@ class CacheHandle:
             for p in pages:
                 if p is not None:
                     self.cache.pools[sliding].incref(p)
-            self.tables[sliding] = list(pages)
+            self.extend_table(sliding, list(pages))
         self.restore_conv(snapshot)
         self.num_tokens = num_tokens
 

@@ -505,7 +505,7 @@ class RedisPrefixTier:
         cache, p, g = self.cache, self.page_size, self.geometry
         if cache.has_global:
             pages = cache.pools[False].allocate(end - start)
-            handle.tables[False].extend(pages)
+            handle.extend_table(False, pages)
             shape = (len(pages), 2, g.global_layers, p, g.global_kv_heads, g.global_head_dim)
             kv, _ = self._tensor(b"".join(blocks), 0, shape)  # [blocks, k/v, Lg, P, nKV, hd]
             kv = kv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)  # [k/v, Lg, blocks * P, nKV, hd]
@@ -520,7 +520,7 @@ class RedisPrefixTier:
             k, offset = self._tensor(boundary, 0, shape)
             v, offset = self._tensor(boundary, offset, shape)
             pages = cache.pools[True].allocate(end - lo)
-            handle.tables[True].extend([None] * (lo - start) + pages)
+            handle.extend_table(True, [None] * (lo - start) + pages)
             rows = self._rows(pages)
             cache.k[True].index_copy_(1, rows, k[:, (lo - first) * p :])
             cache.v[True].index_copy_(1, rows, v[:, (lo - first) * p :])

@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from decode_service.engine.decode_graphs import DecodeGraphs
 from decode_service.engine.request import Request
 from decode_service.engine.sampler import Sampler, SampleResult
 from decode_service.engine.scheduler import SchedulerOutput
@@ -48,19 +49,36 @@ def build_batch(output: SchedulerOutput, device: torch.device | str = "cpu") -> 
     return batch, last_rows
 
 
+def is_uniform_decode(output: SchedulerOutput) -> bool:
+    """Every sequence brings one text token (a decode, or a one-token chunk outside any media span)."""
+    return all(
+        seq.num_tokens == 1 and not any(item.start <= seq.start_position < item.end for item in seq.request.mm_items)
+        for seq in output.sequences
+    )
+
+
 class ModelRunner:
-    def __init__(self, model: DecoderModel, sampler: Sampler, device: torch.device | str = "cpu"):
+    """`decode_graphs`: uniform decode steps go there (batched paged path, CUDA graphs); the rest is packed."""
+
+    def __init__(self, model: DecoderModel, sampler: Sampler, device: torch.device | str = "cpu",
+                 decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.sampler = sampler
         self.device = device
+        self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
         """Run one step; every scheduled sequence's cache advances; sampled tokens keyed by request id."""
         if not output.sequences:
             return {}
-        batch, last_rows = build_batch(output, self.device)
-        hidden = self.model.forward(batch)  # [T, H]
+        if self.decode_graphs is not None and is_uniform_decode(output):
+            seqs = output.sequences
+            hidden = self.decode_graphs.run([s.token_ids[0] for s in seqs], [s.handle for s in seqs])  # [B, H]
+            last_rows = list(range(len(seqs)))
+        else:
+            batch, last_rows = build_batch(output, self.device)
+            hidden = self.model.forward(batch)  # [T, H]
         sampling = [
             (seq.request, row) for seq, row in zip(output.sequences, last_rows, strict=True) if seq.needs_logits
         ]

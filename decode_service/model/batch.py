@@ -1,4 +1,10 @@
-"""The explicit batch description the decoder runs on: packed sequences, no padding, no prefill/decode branch."""
+"""The explicit batch description the decoder runs on.
+
+Two descriptions of the same thing: `sequences` (packed per-sequence slices with their `LayerCache`s; any mix of
+prefill chunks and decode tokens, the reference layout) or `decode` (one new token per sequence over the engine's
+paged pools, every field a device tensor of static shape so the step can be captured in a CUDA graph). When
+`decode` is set the layers read only it.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decode_service.model.state import LayerCache
+from decode_service.model.state import LayerCache, PagedPools
 
 
 @dataclass
@@ -19,11 +25,24 @@ class SequenceSlice:
 
 
 @dataclass
+class PagedDecode:
+    """B sequences each bringing one token, their caches in paged pools. Layer kinds are keyed True = sliding."""
+
+    pools: PagedPools
+    seq_lens: torch.Tensor  # [B] int32: the new token's absolute position + 1 (its own key is visible)
+    conv_slots: torch.Tensor  # [B] int64: each sequence's row in every conv-state pool
+    kv_rows: dict[bool, torch.Tensor]  # per kind [B] int64: the pool row receiving the new token's k/v
+    block_tables: dict[bool, torch.Tensor]  # per kind [B, max_pages] int32: physical page of each absolute page
+    max_seq_len: int  # static upper bound on seq_lens (sizes the attention grid)
+
+
+@dataclass
 class ForwardBatch:
     token_ids: torch.Tensor  # [T] int64, sequences packed back to back in `sequences` order
     sequences: list[SequenceSlice]
     mm_rows: torch.Tensor | None = None  # [M, H] encoder rows (already tower-normed), scattered after embed_norm
     mm_index: torch.Tensor | None = None  # [M] int64 positions inside the packed T that receive mm_rows
+    decode: PagedDecode | None = None  # set: a uniform decode step over paged pools (`sequences` unused)
 
     @property
     def num_tokens(self) -> int:

@@ -1,19 +1,20 @@
 """GPU fast path of the decoder: the same math as `layers.py`, with the hot ops on the Triton kernels of `kernels/`.
 
-`layers.py` asks two questions and otherwise runs its reference torch code:
+`layers.py` hands these ops over whenever `enabled(x)`:
 
-* `use_routed_experts(experts, x)` -> `routed_experts(...)`: the routed experts through `nvfp4_moe` (packed weights
-  as loaded, dequantised in registers) or `bf16_moe`, with tiles shrunk to divide H and I.
-* `use_decode_attention(attn, q, seqs, visible)` -> `decode_attention(...)`: scores, bias, softmax and P@V of a
-  batch in which every sequence brings exactly one new token, in one kernel call for all sequences.
+* `rms_norm`, `route` (the MoE gate in two launches), `routed_experts` (`nvfp4_moe` on the packed weights as
+  loaded, or `bf16_moe`, with tiles shrunk to divide H and I);
+* for a `PagedDecode` batch (one new token per sequence, caches in the engine's pools; always routed here, with
+  the kernels' torch references when the fast path is off): `conv_decode` (short conv + in-place state update)
+  and `paged_decode_attention` (the prologue: k/v convs, k-norm, KV write; then split-KV attention through the
+  block tables). Every op of that path is free of host syncs, so the engine captures it in CUDA graphs;
+* for packed batches in which every sequence brings one token (`use_decode_attention`): `decode_attention` over
+  the visible keys each `LayerCache` returns, padded into one `[B, S, nKV, hd]` buffer (two copies of the visible
+  KV per layer; the paged path above avoids them).
 
 `mode()` decides: "auto" (default) takes the fast path for CUDA tensors when Triton is installed, "reference" never
 does (benchmarks and parity checks on the GPU), "fast" always does (CPU tests under `TRITON_INTERPRET=1`).
-
-Costs this slice still pays (the paged kernel and CUDA graphs are later slices):
-* each sequence's cache returns its visible keys/values (an `index_select` gather in the paged cache) and this
-  module pads them into the kernel's `[B, S, nKV, hd]` layout: two copies of the visible KV per layer;
-* the short convs, `append_kv` and the per-sequence loops around them stay Python, which also blocks graph capture.
+Not yet here: prefill over the paged pools (packed batches with several tokens per sequence run per sequence).
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from decode_service.model.state import K_CONV, V_CONV
+
 if TYPE_CHECKING:  # layers.py imports this module
-    from decode_service.model.batch import SequenceSlice
-    from decode_service.model.layers import Attention, Experts
+    from decode_service.model.batch import PagedDecode, SequenceSlice
+    from decode_service.model.inkling import InklingDecoder
+    from decode_service.model.layers import Attention, Experts, RMSNorm, Router, ShortConv
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,99 @@ def enabled(x: torch.Tensor) -> bool:
     if _mode == "fast":
         return True
     return x.is_cuda and _triton_available()
+
+
+# -- norms and gate ----------------------------------------------------------------------------------------------
+
+
+def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`RMSNorm.forward` in one launch; x `[..., C]` (per-head norms pass `[T, nH, hd]`)."""
+    from kernels.rms_norm import rms_norm as kernel
+
+    rows = x.reshape(-1, x.shape[-1])  # a view for contiguous rows (and for T = 1 of a strided projection)
+    return kernel(rows, norm.weight, norm.eps).view(x.shape)
+
+
+def route(router: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`Router.forward` in two launches: fp32 logits GEMV, then sigmoid/top-k/sink renorm/scales."""
+    from kernels.router import route as kernel
+
+    return kernel(x, router.weight, router.bias, router.top_k, router.route_scale, router.global_scale)
+
+
+# -- batched decode over the paged pools -------------------------------------------------------------------------
+
+
+def supports_batched_decode(model: InklingDecoder) -> bool:
+    """Whether the engine may run this model's decode steps through `PagedDecode` (and capture them): the fast
+    path is on for its device and every op of such a step has its kernel (no host-syncing reference inside)."""
+    weight = model.embed.weight
+    if not enabled(weight):
+        return False
+    config = model.config
+    for i, layer in enumerate(model.layers):
+        hd = config.layer_geometry(i).head_dim
+        if hd < 16 or hd & (hd - 1):
+            return False
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and not use_routed_experts(experts, weight[:1]):
+            return False
+    return True
+
+
+def conv_decode(conv: ShortConv, x: torch.Tensor, decode: PagedDecode) -> torch.Tensor:
+    """`ShortConv.forward` for one token per sequence: x `[B, C]`, states read and written in their pool."""
+    from kernels.short_conv import conv_decode as kernel
+    from kernels.short_conv import conv_decode_reference
+
+    fn = kernel if enabled(x) else conv_decode_reference
+    y, _ = fn(x, decode.pools.conv_pool(conv.layer, conv.index), decode.conv_slots, conv.weight[:, 0, :])
+    return y
+
+
+def paged_decode_attention(
+    attn: Attention, q: torch.Tensor, r: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, decode: PagedDecode
+) -> torch.Tensor:
+    """q `[B, nH, hd]` (q-normed), r `[B, nH, d_rel]`, k0/v0 `[B, nKV*hd]` -> `[B, nH, hd]`: convolve, k-norm and
+    store the new keys/values in the layer's pool, then attend through the block tables."""
+    from kernels import attention, short_conv
+
+    fast = enabled(q)
+    pools, layer = decode.pools, attn.layer
+    k_pool, v_pool, sliding = pools.kv_pool(layer)
+    prologue = short_conv.kv_prologue if fast else short_conv.kv_prologue_reference
+    prologue(
+        k0, v0, pools.conv_pool(layer, K_CONV), pools.conv_pool(layer, V_CONV), decode.conv_slots,
+        attn.k_sconv.weight[:, 0, :], attn.v_sconv.weight[:, 0, :], attn.k_norm.weight, attn.k_norm.eps,
+        k_pool, v_pool, decode.kv_rows[sliding],
+    )  # fmt: skip
+    rel_proj, r = _rel_bank(attn, r)
+    kernel = attention.paged_decode_attention if fast else attention.paged_attention_reference
+    kwargs = {"max_seq_len": decode.max_seq_len} if fast else {}
+    return kernel(
+        q, r.contiguous(), rel_proj.to(q.dtype).contiguous(), k_pool, v_pool, decode.block_tables[sliding],
+        decode.seq_lens, pools.page_size, window=attn.geo.window, log_scaling=_log_scaling(attn), **kwargs,
+    )  # fmt: skip
+
+
+def _rel_bank(attn: Attention, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """P `[d_rel, R]` and r, zero-padded to the power-of-two d_rel >= 16 the attention kernels want (zero rows of
+    P against zero columns of r add nothing to the bias)."""
+    rel_proj = attn.rel_logits_proj.proj
+    d_rel = rel_proj.shape[0]
+    padded = max(_MIN_D_REL, 1 << (d_rel - 1).bit_length())
+    if padded != d_rel:
+        rel_proj = F.pad(rel_proj, (0, 0, 0, padded - d_rel))
+        r = F.pad(r, (0, padded - d_rel))
+    return rel_proj, r
+
+
+def _log_scaling(attn: Attention) -> tuple[float, float] | None:
+    """The kernels' `(alpha, n_floor)` for tau, or None on layers without log-scaling."""
+    if attn.log_scaling is None:
+        return None
+    n_floor, alpha = attn.log_scaling
+    return alpha, n_floor
 
 
 # -- routed experts ----------------------------------------------------------------------------------------------
@@ -155,17 +252,8 @@ def decode_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, visible:
     values = pad_sequence([v for _, v, _ in visible], batch_first=True).to(q.dtype)
     lengths = [k.shape[0] for k, _, _ in visible]
     seq_lens = torch.tensor(lengths, dtype=torch.int32).to(q.device, non_blocking=True)
-    rel_proj = attn.rel_logits_proj.proj  # [d_rel, R]
-    d_rel = rel_proj.shape[0]
-    padded = max(_MIN_D_REL, 1 << (d_rel - 1).bit_length())
-    if padded != d_rel:  # zero rows of P against zero columns of r add nothing to the bias
-        rel_proj = F.pad(rel_proj, (0, 0, 0, padded - d_rel))
-        r = F.pad(r, (0, padded - d_rel))
-    log_scaling = None
-    if attn.log_scaling is not None:
-        n_floor, alpha = attn.log_scaling
-        log_scaling = (alpha, n_floor)
+    rel_proj, r = _rel_bank(attn, r)
     return kernel(
         q.contiguous(), r.contiguous(), rel_proj.to(q.dtype).contiguous(), keys, values, seq_lens,
-        window=attn.geo.window, log_scaling=log_scaling, max_seq_len=max(lengths),
+        window=attn.geo.window, log_scaling=_log_scaling(attn), max_seq_len=max(lengths),
     )  # fmt: skip

@@ -39,6 +39,7 @@ class InklingDecoder(nn.Module):
         )
         with torch.device("meta"):
             model = cls(config, nvfp4)
+        weights = stack_attention_projections(weights, config.num_layers)
         keep = ("sconv.weight", "mlp.gate.bias", "mlp.gate.global_scale")  # fp32 by contract (spec 4.2, 5.2)
         weights = {
             name: t.to(device=device, dtype=dtype if t.is_floating_point() and t.element_size() > 1
@@ -61,10 +62,21 @@ class InklingDecoder(nn.Module):
         if batch.mm_rows is not None:
             h = h.index_copy(0, batch.mm_index, batch.mm_rows.to(h.dtype))  # encoder rows are not re-normed
         for layer in self.layers:
-            h = layer(h, batch.sequences)
+            h = layer(h, batch)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, H]` final-normed rows -> fp32 logits `[N, unpadded_vocab]`."""
         z = hidden / self.config.mup_multiplier  # a true division (spec 9.8)
         return self.unembed(z)[:, : self.config.unpadded_vocab_size].float()
+
+
+def stack_attention_projections(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's four attention input projections per layer -> the model's stacked `attn.qkvr` rows
+    (weights already named like the model's state dict pass through)."""
+    weights = dict(weights)
+    for i in range(num_layers):
+        names = [f"layers.{i}.attn.{p}.weight" for p in ("wq_du", "wk_dv", "wv_dv", "wr_du")]
+        if names[0] in weights:
+            weights[f"layers.{i}.attn.qkvr.weight"] = torch.cat([weights.pop(n) for n in names])
+    return weights

@@ -1,8 +1,9 @@
 """Inkling decoder building blocks, written like the math of spec/inkling-text.md sections 2-5 and 9.
 
 Packed batches: activations are `[T, H]` with the sequences of a `ForwardBatch` back to back. Everything that
-mixes tokens over time (the short convs and attention) runs per sequence against that sequence's `LayerCache`;
-everything else runs on all T rows at once.
+mixes tokens over time (the short convs and attention) runs per sequence against that sequence's `LayerCache`,
+or, for a `PagedDecode` batch (one token per sequence), on all rows at once against the paged pools through
+`fast_path`; everything else runs on all T rows at once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 from common.config import TextConfig
 from common.nvfp4 import dequant_nvfp4
 from decode_service.model import fast_path
-from decode_service.model.batch import SequenceSlice
+from decode_service.model.batch import ForwardBatch
 from decode_service.model.state import ATTN_CONV, K_CONV, MLP_CONV, V_CONV, LayerCache
 
 
@@ -29,6 +30,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fast_path.enabled(x):
+            return fast_path.rms_norm(self, x)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
@@ -52,10 +55,12 @@ class ShortConv(nn.Module):
         y = (x.float() + conv).to(x.dtype)
         return y, window[-(k - 1) :].to(x.dtype)
 
-    def forward(self, x: torch.Tensor, seqs: list[SequenceSlice]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Packed `[T, C]`: each sequence continues from (and updates) its own conv state."""
+        if batch.decode is not None:
+            return fast_path.conv_decode(self, x, batch.decode)
         outputs, offset = [], 0
-        for seq in seqs:
+        for seq in batch.sequences:
             cache = seq.layers[self.layer]
             y, state = self.step(x[offset : offset + seq.num_tokens], cache.conv_state(self.index))
             cache.set_conv_state(self.index, state)
@@ -89,10 +94,9 @@ class Attention(nn.Module):
         h, d = config.hidden_size, geo.head_dim
         self.geo, self.layer = geo, layer
         self.log_scaling = (config.log_scaling_n_floor, config.log_scaling_alpha) if geo.log_scaling else None
-        self.wq_du = nn.Linear(h, geo.q_width, bias=False)
-        self.wk_dv = nn.Linear(h, geo.kv_width, bias=False)
-        self.wv_dv = nn.Linear(h, geo.kv_width, bias=False)
-        self.wr_du = nn.Linear(h, geo.num_heads * config.d_rel, bias=False)
+        # q, k, v and r projections (wq_du, wk_dv, wv_dv, wr_du of the checkpoint) as one stack of rows
+        self.widths = (geo.q_width, geo.kv_width, geo.kv_width, geo.num_heads * config.d_rel)
+        self.qkvr = nn.Linear(h, sum(self.widths), bias=False)
         self.wo_ud = nn.Linear(geo.q_width, h, bias=False)
         self.k_sconv = ShortConv(geo.kv_width, config.conv_kernel_size, layer, K_CONV)
         self.v_sconv = ShortConv(geo.kv_width, config.conv_kernel_size, layer, V_CONV)
@@ -105,11 +109,20 @@ class Attention(nn.Module):
         n_floor, alpha = self.log_scaling
         return 1.0 + alpha * torch.log(((positions + 1).float() / n_floor).clamp(min=1.0))
 
-    def forward(self, u: torch.Tensor, seqs: list[SequenceSlice]) -> torch.Tensor:
+    def project(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """u `[T, H]` -> q `[T, nH, hd]`, r `[T, nH, d_rel]`, k0, v0 `[T, nKV*hd]` (one GEMM)."""
         geo, t = self.geo, u.shape[0]
-        q_all = self.q_norm(self.wq_du(u).view(t, geo.num_heads, geo.head_dim))  # [T, nH, hd]
-        r_all = self.wr_du(u).view(t, geo.num_heads, -1)  # [T, nH, d_rel]
-        k0_all, v0_all = self.wk_dv(u), self.wv_dv(u)  # [T, nKV*hd]
+        q, k0, v0, r = self.qkvr(u).split(self.widths, dim=-1)
+        return q.view(t, geo.num_heads, geo.head_dim), r.view(t, geo.num_heads, -1), k0, v0
+
+    def forward(self, u: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        geo, t = self.geo, u.shape[0]
+        q_raw, r_all, k0_all, v0_all = self.project(u)
+        q_all = self.q_norm(q_raw)  # [T, nH, hd]
+        if batch.decode is not None:
+            out = fast_path.paged_decode_attention(self, q_all, r_all, k0_all, v0_all, batch.decode)  # [T, nH, hd]
+            return self.wo_ud(out.reshape(t, geo.q_width))
+        seqs = batch.sequences
         rows, visible, offset = [], [], 0
         for seq in seqs:
             rows.append(slice(offset, offset + seq.num_tokens))
@@ -190,6 +203,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x `[T, H]` -> (expert ids `[T, k]`, routed weights `[T, k]`, shared gammas `[T, S]`), weights fp32."""
+        if fast_path.enabled(x):
+            return fast_path.route(self, x)
         logits = x.float() @ self.weight.float().T  # [T, E+S]
         routed, shared = logits[:, : self.num_routed], logits[:, self.num_routed :]
         choice = torch.sigmoid(routed) + self.bias.float()
@@ -281,7 +296,7 @@ class DecoderLayer(nn.Module):
             self.mlp = MoE(config, nvfp4)
         self.mlp_sconv = ShortConv(h, k, layer, MLP_CONV)
 
-    def forward(self, h: torch.Tensor, seqs: list[SequenceSlice]) -> torch.Tensor:
-        h = h + self.attn_sconv(self.attn(self.attn_norm(h), seqs), seqs)
-        h = h + self.mlp_sconv(self.mlp(self.mlp_norm(h)), seqs)
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.attn_sconv(self.attn(self.attn_norm(h), batch), batch)
+        h = h + self.mlp_sconv(self.mlp(self.mlp_norm(h)), batch)
         return h

@@ -18,6 +18,20 @@ from common.config import TextConfig
 K_CONV, V_CONV, ATTN_CONV, MLP_CONV = 0, 1, 2, 3
 
 
+class PagedPools(Protocol):
+    """The engine's paged pools as the batched decode path sees them (`decode_service.engine.kv_cache.KVCache`)."""
+
+    page_size: int
+
+    def kv_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Layer `layer`'s key and value rows `[pages * page_size, nKV, hd]` and whether it is a sliding layer."""
+        ...
+
+    def conv_pool(self, layer: int, index: int) -> torch.Tensor:
+        """Conv `index` of layer `layer` for every slot, `[slots, K-1, C]`."""
+        ...
+
+
 class LayerCache(Protocol):
     """What one decoder layer of one sequence needs from its cache."""
 

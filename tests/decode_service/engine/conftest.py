@@ -142,6 +142,21 @@ def inkling_model():
     return random_inkling(parse_model_config(dict(TINY_TEXT)).text)
 
 
+# The tiny model with head_dim 16 (the attention kernels' smallest), for the batched decode path.
+KERNEL_TEXT = {**TINY_TEXT, "hidden_size": 64, "head_dim": 16, "swa_head_dim": 16, "num_key_value_heads": 2,
+               "swa_num_key_value_heads": 1}
+
+
+@pytest.fixture(scope="module")
+def kernel_config() -> ModelConfig:
+    return parse_model_config(dict(KERNEL_TEXT))
+
+
+@pytest.fixture(scope="module")
+def kernel_model(kernel_config):
+    return random_inkling(kernel_config.text)
+
+
 @torch.inference_mode()
 def reference_greedy(
     model, config: TextConfig, prompt: list[int], max_tokens: int, eos: tuple[int, ...] = (), mm: tuple = ()
