@@ -172,8 +172,8 @@ def step_bytes(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, i
     return total
 
 
-def count_launches(fn) -> tuple[int, int, float]:
-    """(kernels, memcpy/memset, ms the GPU spent in them) during one call of fn."""
+def count_launches(fn) -> tuple[int, int, float, list[tuple[str, int, float]]]:
+    """(kernels, memcpy/memset, ms the GPU spent in them, [(kernel, launches, us)] by time) during one call."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -182,7 +182,12 @@ def count_launches(fn) -> tuple[int, int, float]:
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     copies = sum(1 for e in events if e.name.startswith(("Memcpy", "Memset")))
     busy_ms = sum(e.time_range.elapsed_us() for e in events) / 1e3
-    return len(events) - copies, copies, busy_ms
+    by_name: dict[str, tuple[int, float]] = {}
+    for e in events:
+        n, us = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (n + 1, us + e.time_range.elapsed_us())
+    top = sorted(((name, n, us) for name, (n, us) in by_name.items()), key=lambda row: -row[2])
+    return len(events) - copies, copies, busy_ms, top
 
 
 def greedy_logits(model: InklingDecoder, prompts: list[list[int]], steps: int, mode: str) -> list[torch.Tensor]:
@@ -272,6 +277,79 @@ def check(model: InklingDecoder, steps: int) -> None:
     )
 
 
+def prefill_flops(model: InklingDecoder, tokens: int) -> float:
+    """Model FLOPs of prefilling `tokens` tokens: 2 x active weights per token (top-k routed experts, every other
+    matrix but the embedding; the lm_head for the last token only) + QK and PV over the causal/windowed keys."""
+    config = model.config
+    h, i = config.hidden_size, config.moe_intermediate_size
+    active = 0
+    for name, t in model.named_parameters():
+        if name.startswith(("embed.", "unembed.")) or ".mlp.experts." in name or t.dim() < 2:
+            continue
+        active += t.numel()
+    for layer in model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            active += config.num_experts_per_tok * 3 * h * i
+    flops = 2.0 * active * tokens + 2.0 * h * config.vocab_size
+    for layer in range(config.num_layers):
+        geo = config.layer_geometry(layer)
+        keys = tokens * min(geo.window, tokens) if geo.window else tokens * (tokens + 1) / 2  # summed over queries
+        flops += 4.0 * geo.num_heads * geo.head_dim * keys
+    return flops
+
+
+def prefill_rate(model: InklingDecoder, tokens: int, chunk: int) -> float:
+    """Tokens/s of one `tokens`-token prompt prefilled in `chunk`-token steps on the packed path (fast kernels
+    where they apply), through a contiguous state; the median of two runs after a warm-up."""
+    dev = model.embed.weight.device
+    ids = torch.randint(0, model.config.unpadded_vocab_size, (tokens,), device=dev)
+
+    def run() -> None:
+        state = model.new_state()
+        with torch.inference_mode():
+            for start in range(0, tokens, chunk):
+                n = min(chunk, tokens - start)
+                hidden = model(ForwardBatch(ids[start : start + n], [SequenceSlice(start, n, state.layers)]))
+            model.logits(hidden[-1:])
+
+    ms = time_eager_ms(run, reps=2, warmup=1)
+    return tokens / ms * 1e3
+
+
+def engine_check(model: InklingDecoder, steps: int = 64) -> None:
+    """The engine on the proxy: greedy tokens of 3 sequences with decode steps from CUDA graphs, the same
+    static-buffer step eagerly, and the reference path; graphs and eager must agree exactly."""
+    from decode_service.engine.engine import Engine, EngineSettings
+    from decode_service.engine.request import Request, SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, 200000, (n,), generator=gen).tolist() for n in (600, 37, 5)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    config = parse_model_config(raw_config(**SMALL_L6))
+    tokens = {}
+    for name, mode, graphs in (("graphs", "auto", True), ("eager", "auto", False), ("reference", "reference", False)):
+        settings = EngineSettings(kv_cache_bytes=4 << 30, max_num_seqs=4, device="cuda", cuda_graphs=graphs,
+                                  enable_prefix_cache=False)  # fmt: skip
+        with fast_path.mode(mode):
+            engine = Engine(model, config, settings)
+            tokens[name] = [o.token_ids for o in engine.generate(Request(f"r{i}", p, greedy)
+                                                                 for i, p in enumerate(prompts))]  # fmt: skip
+        del engine
+        torch.cuda.empty_cache()
+    agree = [
+        next((i for i, (a, b) in enumerate(zip(ra, rb, strict=True)) if a != b), len(ra))
+        for ra, rb in zip(tokens["reference"], tokens["graphs"], strict=True)
+    ]
+    same = tokens["graphs"] == tokens["eager"]
+    print(
+        f"# engine check Small-L6 bf16, {steps} greedy steps x 3 sequences: graphs == eager step: {same}; "
+        f"graphs vs reference path equal for the first {agree} steps",
+        flush=True,
+    )
+    assert same, "CUDA-graph replay changed the tokens"
+
+
 def hf_decode_ms(raw_text: dict, batches: list[int], ctx: int, reps: int = 5) -> dict[int, str]:
     """transformers' InklingForCausalLM, bf16, random init: median decode-step ms after a ctx-token prefill."""
     import transformers
@@ -323,6 +401,8 @@ def main() -> None:
     parser.add_argument("--check-fp32", action="store_true", help="then repeat the check in fp32 and stop")
     parser.add_argument("--hf", action="store_true", help="also time transformers' Inkling (bf16, ctx = first)")
     parser.add_argument("--ref-max-batch", type=int, default=64, help="skip the reference path above this B")
+    parser.add_argument("--prefill", type=int, default=8192, help="prefill this many tokens (0: skip)")
+    parser.add_argument("--prefill-chunk", type=int, default=2048)
     args = parser.parse_args()
 
     ceil = measure_ceilings()
@@ -331,12 +411,24 @@ def main() -> None:
     model = random_proxy(config, NVFP4_LAYERS)
     print(f"# Small-L6 built: {torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU", flush=True)
     if args.check:
+        engine_check(model)
         check(model, args.check_steps)
     if args.check_fp32:  # the same weights with fp32 activations: separates kernel error from bf16 chaos
         for p in model.parameters():
             p.data = p.data.float() if p.dtype == torch.bfloat16 else p.data
         check(model, args.check_steps)
         return
+
+    if args.prefill:
+        with fast_path.mode("fast"):
+            rate = prefill_rate(model, args.prefill, args.prefill_chunk)
+        floor = prefill_flops(model, args.prefill) / (ceil.bf16_tflops * 1e12)
+        print(
+            f"# prefill {args.prefill} tokens in {args.prefill_chunk}-token chunks (packed path, fast kernels): "
+            f"{rate:.0f} tokens/s = {args.prefill / rate * 1e3:.1f} ms vs FLOP floor {floor * 1e3:.1f} ms at the "
+            f"measured bf16 peak ({floor / (args.prefill / rate):.0%} of peak in model FLOPs)",
+            flush=True,
+        )
 
     rows = []
     max_model_len = max(args.contexts) + 1
@@ -369,14 +461,18 @@ def main() -> None:
                 with fast_path.mode("reference"):
                     ref = f"{time_eager_ms(packed, reps=3, warmup=1):.2f}"
             experts = "/".join(str(touched[i]) for i in sorted(touched))
-            rows.append([ctx, b, experts, floor, ref, fast, graphed, launches])
+            rows.append([ctx, b, experts, floor, ref, fast, graphed, launches[:3]])
+            if ctx == args.contexts[0]:
+                print(f"# ctx={ctx} B={b} GPU time by kernel (launches, us): " + "; ".join(
+                    f"{name[:60]} x{n} {us:.0f}" for name, n, us in launches[3][:14]
+                ), flush=True)  # fmt: skip
             print(
                 f"# ctx={ctx} B={b}: experts {experts}, floor {floor:.2f} ms, reference {ref} ms, packed fast "
                 f"{fast:.2f} ms, graphs {graphed:.2f} ms ({graphed / floor:.2f}x floor), kernels {launches[0]} + "
                 f"{launches[1]} copies per step, GPU busy {launches[2]:.2f} ms",
                 flush=True,
             )
-            del fb, graphs, eager, handles
+            del fb, graphs, eager, handles, packed, batched, batched_eager
             gc.collect()
             torch.cuda.empty_cache()
 

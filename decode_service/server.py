@@ -389,7 +389,7 @@ async def _serve(args: argparse.Namespace) -> None:
         prefix_store = PrefixStore.connect(redis)
     engine = await asyncio.to_thread(
         build_engine, args.checkpoint, args.device, args.dtype, int(args.kv_budget_mb * (1 << 20)),
-        args.max_num_seqs, args.max_batch_tokens, True, prefix_store)
+        args.max_num_seqs, args.max_batch_tokens, True, prefix_store, getattr(args, "cuda_graphs", True))
     keys = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
     cache = RedisCache(redis.url, key_prefix=redis.key_prefix, timeout_s=redis.timeout_s,
                        async_writes=False) if redis is not None else None

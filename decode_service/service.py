@@ -526,9 +526,10 @@ def _which_stop(stops: Sequence[str], token_ids: Sequence[int]) -> str:
 
 def build_engine(checkpoint: str | Path, device: str = "cpu", dtype: str = "bfloat16",
                  kv_cache_bytes: int = 512 << 20, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_cache: bool = True, prefix_store: PrefixStore | None = None) -> Engine:
+                 enable_prefix_cache: bool = True, prefix_store: PrefixStore | None = None,
+                 cuda_graphs: bool = True) -> Engine:
     """Load the decoder weights of a checkpoint and wrap them in an `Engine` (`prefix_store`: the shared Redis
-    prefix tier)."""
+    prefix tier; `cuda_graphs`: replay decode steps from CUDA graphs where the fast path runs)."""
     if dtype not in DTYPES:
         raise InvalidInputError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     config = load_model_config(checkpoint)
@@ -536,7 +537,7 @@ def build_engine(checkpoint: str | Path, device: str = "cpu", dtype: str = "bflo
     model = InklingDecoder.from_weights(config.text, weights, DTYPES[dtype], device)
     settings = EngineSettings(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, device=device,
-                              enable_prefix_cache=enable_prefix_cache)
+                              enable_prefix_cache=enable_prefix_cache, cuda_graphs=cuda_graphs)
     return Engine(model, config, settings, prefix_store)
 
 

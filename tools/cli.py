@@ -222,6 +222,8 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     dec.add_argument("--max-num-seqs", type=int, default=64)
     dec.add_argument("--max-batch-tokens", type=int, default=2048)
     dec.add_argument("--kv-budget-mb", type=float, default=512.0)
+    dec.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run decode steps "
+                     "eagerly on CUDA (same kernels; for debugging)")
     dec.add_argument("--replica-id", default="", help="name published to the router's prefix directory")
     dec.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts: INVALID_ARGUMENT "
                      "(default: the context limit)")

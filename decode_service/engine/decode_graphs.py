@@ -73,24 +73,22 @@ class DecodeGraphs:
 
     def _fill(self, token_ids: list[int], handles: list[CacheHandle], size: int) -> None:
         """Metadata rows for the real sequences, then padding rows on the scratch slot and pages."""
-        page = self.cache.page_size
-        host = self._host
-        for b, (token, handle) in enumerate(zip(token_ids, handles, strict=True)):
+        page, scratch = self.cache.page_size, self.cache.scratch_page
+        rows: list[list[int]] = [[], [], [], [], []]
+        for token, handle in zip(token_ids, handles, strict=True):
             position = handle.num_tokens  # the new token's position: everything before it is committed
             assert position < self.max_model_len, f"decode at position {position} >= max_model_len"
-            host[_IDS, b] = token
-            host[_SEQ_LENS, b] = position + 1
-            host[_SLOTS, b] = handle.slot
+            rows[_IDS].append(token)
+            rows[_SEQ_LENS].append(position + 1)
+            rows[_SLOTS].append(handle.slot)
             for sliding, row in ((True, _ROWS_SLIDING), (False, _ROWS_GLOBAL)):
                 table = handle.tables[sliding]
-                physical = table[position // page] if table else self.cache.scratch_page[sliding]
-                host[row, b] = physical * page + position % page
-        n = len(token_ids)
-        host[_IDS, n:size] = 0
-        host[_SEQ_LENS, n:size] = 1
-        host[_SLOTS, n:size] = self.cache.scratch_slot
-        host[_ROWS_SLIDING, n:size] = self.cache.scratch_page[True] * page
-        host[_ROWS_GLOBAL, n:size] = self.cache.scratch_page[False] * page
+                physical = table[position // page] if table else scratch[sliding]
+                rows[row].append(physical * page + position % page)
+        padding = (0, 1, self.cache.scratch_slot, scratch[True] * page, scratch[False] * page)
+        for row, value in zip(rows, padding, strict=True):
+            row.extend([value] * (size - len(token_ids)))
+        self._host[:, :size] = torch.tensor(rows, dtype=torch.int64)
 
     def _forward(self, size: int) -> torch.Tensor:
         """The step over the first `size` rows of the static buffers (what a graph records)."""

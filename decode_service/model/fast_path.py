@@ -3,7 +3,8 @@
 `layers.py` hands these ops over whenever `enabled(x)`:
 
 * `rms_norm`, `route` (the MoE gate in two launches), `routed_experts` (`nvfp4_moe` on the packed weights as
-  loaded, or `bf16_moe`, with tiles shrunk to divide H and I);
+  loaded, or `bf16_moe`, with tiles shrunk to divide H and I), `shared_experts` (two GEMMs over the stacked
+  experts);
 * for a `PagedDecode` batch (one new token per sequence, caches in the engine's pools; always routed here, with
   the kernels' torch references when the fast path is off): `conv_decode` (short conv + in-place state update)
   and `paged_decode_attention` (the prologue: k/v convs, k-norm, KV write; then split-KV attention through the
@@ -34,7 +35,7 @@ from decode_service.model.state import K_CONV, V_CONV
 if TYPE_CHECKING:  # layers.py imports this module
     from decode_service.model.batch import PagedDecode, SequenceSlice
     from decode_service.model.inkling import InklingDecoder
-    from decode_service.model.layers import Attention, Experts, RMSNorm, Router, ShortConv
+    from decode_service.model.layers import Attention, Experts, RMSNorm, Router, SharedExperts, ShortConv
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def paged_decode_attention(
     kernel = attention.paged_decode_attention if fast else attention.paged_attention_reference
     kwargs = {"max_seq_len": decode.max_seq_len} if fast else {}
     return kernel(
-        q, r.contiguous(), rel_proj.to(q.dtype).contiguous(), k_pool, v_pool, decode.block_tables[sliding],
+        q, r, rel_proj.to(q.dtype).contiguous(), k_pool, v_pool, decode.block_tables[sliding],
         decode.seq_lens, pools.page_size, window=attn.geo.window, log_scaling=_log_scaling(attn), **kwargs,
     )  # fmt: skip
 
@@ -220,6 +221,25 @@ def routed_experts(experts: Experts, x: torch.Tensor, ids: torch.Tensor, weights
             config=config,
         )  # fmt: skip
     return bf16_moe(x, ids, weights, experts.w13_weight, experts.w2_weight, config=config)
+
+
+# -- shared experts ----------------------------------------------------------------------------------------------
+
+
+def use_shared_experts(shared: SharedExperts, x: torch.Tensor) -> bool:
+    """The linearised form needs the down weights stored K-concatenated (`InklingDecoder.from_weights` does)."""
+    return enabled(x) and shared.shared_w2_weight.permute(1, 0, 2).is_contiguous()
+
+
+def shared_experts(shared: SharedExperts, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+    """`SharedExperts.forward` as two GEMMs: every expert's [gate; up] rows stacked along N, then the gamma-scaled
+    activations against the down weights concatenated along K, whose reduction sums the experts (in fp32)."""
+    t, h = x.shape
+    s, i = gammas.shape[1], shared.width
+    gate_up = (x @ shared.shared_w13_weight.view(s * 2 * i, h).T).view(t, s, 2, i)
+    act = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * gammas.to(x.dtype)[:, :, None]  # [T, S, I]
+    w2 = shared.shared_w2_weight.permute(1, 0, 2).reshape(h, s * i)  # [H, S*I], a view
+    return act.reshape(t, s * i) @ w2.T
 
 
 # -- decode attention --------------------------------------------------------------------------------------------

@@ -46,6 +46,9 @@ class InklingDecoder(nn.Module):
                        and not name.endswith(keep) else t.dtype)
             for name, t in weights.items()
         }
+        for name, t in weights.items():
+            if name.endswith("shared_w2_weight"):  # [S, H, I] viewed from [H, S, I] storage: K-concatenated rows
+                weights[name] = t.permute(1, 0, 2).contiguous().permute(1, 0, 2)
         model.load_state_dict(weights, strict=True, assign=True)
         return model.eval()
 

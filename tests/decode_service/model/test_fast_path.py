@@ -17,6 +17,7 @@ from common.nvfp4 import pack_nvfp4
 from decode_service.model import fast_path
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
+from decode_service.model.layers import SharedExperts
 
 # Window 8 and rel_extent 12 below the decoded lengths, tau active (n_floor 6), d_rel 4 (zero-padded to 16 for the
 # kernel), bf16 experts in layer 1 and NVFP4 experts in layers 2-3, layer 3 global.
@@ -128,6 +129,27 @@ def test_decode_attention_only_for_one_token_per_sequence():
         global_attn = model.layers[3].attn  # tau needs absolute positions: caches must start at 0
         late = [(torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), 5)]
         assert not fast_path.use_decode_attention(global_attn, q[:1], [SequenceSlice(7, 1, [])], late)
+
+
+def test_linearised_shared_experts_match_the_per_expert_sum():
+    """Two shared experts, down weights stored K-concatenated as `from_weights` leaves them: one GEMM each way."""
+    config = parse_model_config({**TINY, "n_shared_experts": 2}).text
+    shared = SharedExperts(config)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        shared.shared_w13_weight.copy_(torch.randn(shared.shared_w13_weight.shape, generator=gen) / 8)
+        w2 = torch.randn(shared.shared_w2_weight.shape, generator=gen) / 6
+        shared.shared_w2_weight = torch.nn.Parameter(w2.permute(1, 0, 2).contiguous().permute(1, 0, 2))
+    x, gammas = torch.randn(5, 64, generator=gen), torch.rand(5, 2, generator=gen)
+    with fast_path.mode("fast"):
+        assert fast_path.use_shared_experts(shared, x)
+        fast = shared(x, gammas)
+    with fast_path.mode("reference"):
+        ref = shared(x, gammas)
+    assert rel_err(fast, ref) < 1e-6
+    shared.shared_w2_weight = torch.nn.Parameter(w2)  # [S, H, I] contiguous: the per-expert form stays
+    with fast_path.mode("fast"):
+        assert not fast_path.use_shared_experts(shared, x)
 
 
 def test_fast_path_matches_reference_in_the_interpreter():
@@ -245,3 +267,23 @@ def test_tiny_checkpoint_fp32_fast_matches_reference(cuda_kernels, tmp_path):
     assert errors[32] <= 1e-2 and (rows <= 1e-2).float().mean().item() >= 0.9
     assert same >= 0.95
     assert all(len(t) == 64 for t in tokens["auto"])
+
+
+@pytest.mark.gpu
+def test_tiny_checkpoint_graphs_on_and_off_give_the_same_tokens(cuda_kernels, tmp_path):
+    """bf16 through the Engine: 64 greedy steps of 4 sequences with the decode steps replayed from CUDA graphs and
+    with the same static-buffer step run eagerly (same kernels, so the same tokens)."""
+    from decode_service.engine.engine import Engine, EngineSettings
+    from decode_service.engine.request import Request, SamplingParams
+
+    model, config, prompts = tiny_checkpoint(tmp_path, torch.bfloat16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    tokens = {}
+    for graphs in (True, False):
+        settings = EngineSettings(device="cuda", kv_cache_bytes=64 << 20, max_num_seqs=4, cuda_graphs=graphs)
+        engine = Engine(model, config, settings)
+        assert engine.runner.decode_graphs is not None
+        outs = engine.generate(Request(f"r{i}", p, greedy) for i, p in enumerate(prompts))
+        tokens[graphs] = [o.token_ids for o in outs]
+    assert tokens[True] == tokens[False]
+    assert all(len(t) == 64 for t in tokens[True])
