@@ -115,13 +115,15 @@ def supports_batched_decode(model: InklingDecoder) -> bool:
     return True
 
 
-def conv_decode(conv: ShortConv, x: torch.Tensor, decode: PagedDecode) -> torch.Tensor:
+def conv_decode(
+    conv: ShortConv, x: torch.Tensor, decode: PagedDecode, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """`ShortConv.forward` for one token per sequence: x `[B, C]`, states read and written in their pool."""
     from kernels.short_conv import conv_decode as kernel
     from kernels.short_conv import conv_decode_reference
 
     fn = kernel if enabled(x) else conv_decode_reference
-    y, _ = fn(x, decode.pools.conv_pool(conv.layer, conv.index), decode.conv_slots, conv.weight[:, 0, :])
+    y, _ = fn(x, decode.pools.conv_pool(conv.layer, conv.index), decode.conv_slots, conv.weight[:, 0, :], residual)
     return y
 
 

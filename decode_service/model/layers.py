@@ -55,10 +55,11 @@ class ShortConv(nn.Module):
         y = (x.float() + conv).to(x.dtype)
         return y, window[-(k - 1) :].to(x.dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Packed `[T, C]`: each sequence continues from (and updates) its own conv state."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed `[T, C]`: each sequence continues from (and updates) its own conv state; `residual + y` when a
+        residual is given (one launch on the decode path)."""
         if batch.decode is not None:
-            return fast_path.conv_decode(self, x, batch.decode)
+            return fast_path.conv_decode(self, x, batch.decode, residual)
         outputs, offset = [], 0
         for seq in batch.sequences:
             cache = seq.layers[self.layer]
@@ -66,7 +67,8 @@ class ShortConv(nn.Module):
             cache.set_conv_state(self.index, state)
             outputs.append(y)
             offset += seq.num_tokens
-        return torch.cat(outputs)
+        y = torch.cat(outputs)
+        return y if residual is None else residual + y
 
 
 class RelativeLogits(nn.Module):
@@ -299,6 +301,6 @@ class DecoderLayer(nn.Module):
         self.mlp_sconv = ShortConv(h, k, layer, MLP_CONV)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.attn_sconv(self.attn(self.attn_norm(h), batch), batch)
-        h = h + self.mlp_sconv(self.mlp(self.mlp_norm(h)), batch)
+        h = self.attn_sconv(self.attn(self.attn_norm(h), batch), batch, residual=h)  # h + attn_sconv(...)
+        h = self.mlp_sconv(self.mlp(self.mlp_norm(h)), batch, residual=h)  # h + mlp_sconv(...)
         return h
