@@ -1,4 +1,5 @@
-"""Triton code for Inkling decode attention (one new query per sequence). Public entry: kernels/attention.py.
+"""Triton code for Inkling attention: decode (one new query per sequence) and prefill (a chunk of queries of one
+sequence). Public entry: kernels/attention.py.
 
 Split-KV ("flash-decoding"): program (b, kv head, split) walks its chunk of visible keys for the GROUP query
 heads that share the KV head (padded to BLOCK_H rows so the products run on the tensor cores), keeps an
@@ -10,6 +11,12 @@ All KV addressing goes through ``_kv_rows``: with ``PAGED`` off, K/V are contigu
 (``[B, S_max, nKV, hd]``, row == position); with it on, K/V are one layer's pool ``[slots, nKV, hd]`` and key
 position s of sequence b lives at row ``table[b, s // PAGE_SIZE] * PAGE_SIZE + s % PAGE_SIZE``. Only table
 entries of visible keys are loaded, so pages outside the window (released to a scratch page) are never read.
+
+Prefill (``attn_prefill_kernel``): program (query head, block of BLOCK_M queries) walks the key blocks of the
+causal/window band of its queries (blocks wholly outside it are never visited), online softmax in fp32. The bias
+of a (query, key) pair needs column ``p - s`` of P, a different column per pair: it is formed as D_REL rank-1
+updates ``r[:, d] x P[d, p - s]`` with P's row d gathered as a [BLOCK_M, BLOCK_N] tile (P is d_rel x R, so the
+gathers hit L1/L2), only on blocks that hold some pair closer than R.
 """
 
 import triton
@@ -177,3 +184,113 @@ def attn_combine_kernel(
     )
     o = tl.sum(a * w[:, None], axis=0) / denom
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(Out.dtype.element_ty))
+
+
+@triton.jit
+def attn_prefill_kernel(
+    Q,
+    R,
+    P,
+    K,
+    V,
+    Out,
+    n_queries,
+    n_keys,
+    q_start,
+    k_first,
+    rel_extent,
+    window,
+    tau_alpha,
+    tau_inv_n_floor,
+    sm_scale,
+    stride_qm,
+    stride_qh,
+    stride_rm,
+    stride_rh,
+    stride_pd,
+    stride_km,
+    stride_kh,
+    stride_vm,
+    stride_vh,
+    stride_om,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_REL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    USE_TAU: tl.constexpr,
+):
+    # Program (query head, query block): BLOCK_M queries of one sequence (absolute positions q_start + row) against
+    # key rows j (position k_first + j) of the head's KV head, online softmax in fp32. Heads vary fastest over the
+    # grid, so the GROUP heads of a KV head read the same K/V blocks at about the same time (L2 hits); query
+    # blocks run last-first, the longest key ranges first.
+    head = tl.program_id(0)
+    m_block = tl.num_programs(1) - 1 - tl.program_id(1)
+    kv_head = head // GROUP
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < n_queries
+    pos_q = q_start + offs_m
+    q = tl.load(
+        Q + offs_m.to(tl.int64)[:, None] * stride_qm + head * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None],
+        other=0.0,
+    )
+    r_rows = R + offs_m.to(tl.int64) * stride_rm + head * stride_rh  # [BLOCK_M] pointers to r_head(p)[0]
+    # Logits in log2 units: (q.k * sm_scale + bias) * tau(p) * log2(e), tau per query row.
+    row_scale = tl.full((BLOCK_M,), 1.4426950408889634, dtype=tl.float32)
+    if USE_TAU:
+        ratio = tl.maximum((pos_q + 1).to(tl.float32) * tau_inv_n_floor, 1.0)
+        row_scale = row_scale * (1.0 + tau_alpha * tl.log(ratio))
+
+    # Key rows visible to some query of this block: the causal/window band, nothing outside it.
+    p_first = q_start + m_block * BLOCK_M
+    p_last = q_start + tl.minimum((m_block + 1) * BLOCK_M, n_queries) - 1
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(p_first - window + 1 - k_first, 0)
+    hi = tl.minimum(p_last - k_first + 1, n_keys)
+
+    K_h = K + kv_head * stride_kh
+    V_h = V + kv_head * stride_vh
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    for s0 in range(lo, hi, BLOCK_N):
+        offs_s = s0 + offs_n
+        s_mask = offs_s < hi
+        k = tl.load(K_h + offs_s.to(tl.int64)[:, None] * stride_km + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_M, BLOCK_N] fp32
+        delta = pos_q[:, None] - (k_first + offs_s)[None, :]  # backward distance query - key
+        if p_first - (k_first + s0 + BLOCK_N - 1) < rel_extent:  # some pair of the block is within the bias extent
+            # L(p, delta) = sum_d r(p)[d] * P[d, delta]: one rank-1 update per d, P's columns gathered per pair
+            # (P is d_rel x R, cache resident); pairs at delta outside [0, R) get 0.
+            near = (delta >= 0) & (delta < rel_extent)
+            bias = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for d in tl.static_range(D_REL):
+                r_d = tl.load(r_rows + d, mask=m_mask, other=0.0).to(tl.float32)
+                p_d = tl.load(P + d * stride_pd + delta, mask=near, other=0.0).to(tl.float32)
+                bias += r_d[:, None] * p_d
+            s += bias
+        visible = (delta >= 0) & s_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (delta < window)
+        s = tl.where(visible, s * row_scale[:, None], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with no visible key yet (window start beyond this block) keeps m = -inf: shift by 0 instead.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        prob = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        v = tl.load(V_h + offs_s.to(tl.int64)[:, None] * stride_vm + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        Out + offs_m.to(tl.int64)[:, None] * stride_om + head * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_mask[:, None],
+    )

@@ -11,11 +11,15 @@
   block tables). Every op of that path is free of host syncs, so the engine captures it in CUDA graphs;
 * for packed batches in which every sequence brings one token (`use_decode_attention`): `decode_attention` over
   the visible keys each `LayerCache` returns, padded into one `[B, S, nKV, hd]` buffer (two copies of the visible
-  KV per layer; the paged path above avoids them).
+  KV per layer; the paged path above avoids them);
+* for the other packed batches (`use_prefill_attention`): `prefill_attention`, one flash-style launch per sequence
+  over the visible keys its `LayerCache` returns.
 
 `mode()` decides: "auto" (default) takes the fast path for CUDA tensors when Triton is installed, "reference" never
 does (benchmarks and parity checks on the GPU), "fast" always does (CPU tests under `TRITON_INTERPRET=1`).
-Not yet here: prefill over the paged pools (packed batches with several tokens per sequence run per sequence).
+
+Not yet here: prefill over the paged pools in place (the engine's cache gathers a chunk's visible keys first), and
+one launch for all the sequences of a packed batch.
 """
 
 from __future__ import annotations
@@ -278,4 +282,28 @@ def decode_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, visible:
     return kernel(
         q.contiguous(), r.contiguous(), rel_proj.to(q.dtype).contiguous(), keys, values, seq_lens,
         window=attn.geo.window, log_scaling=_log_scaling(attn), max_seq_len=max(lengths),
+    )  # fmt: skip
+
+
+# -- prefill attention -------------------------------------------------------------------------------------------
+
+
+def use_prefill_attention(attn: Attention, q: torch.Tensor) -> bool:
+    """The flash-style kernel for a sequence's chunk of queries: a power-of-two head_dim >= 16 (keys carry absolute
+    positions, so tau needs nothing more)."""
+    hd = attn.geo.head_dim
+    return enabled(q) and hd >= 16 and not hd & (hd - 1)
+
+
+def prefill_attention(
+    attn: Attention, q: torch.Tensor, r: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor, first: int
+) -> torch.Tensor:
+    """`Attention.attend` on the prefill kernel: q `[n, nH, hd]` (q-normed) and r `[n, nH, d_rel]` of the queries at
+    `start..`, the visible keys/values `[m, nKV, hd]` from position `first` (cast to q's dtype) -> `[n, nH, hd]`."""
+    from kernels.attention import prefill_attention as kernel
+
+    rel_proj, r = _rel_bank(attn, r)
+    return kernel(
+        q, r, rel_proj.to(q.dtype).contiguous(), keys.to(q.dtype), values.to(q.dtype), start, first,
+        window=attn.geo.window, log_scaling=_log_scaling(attn),
     )  # fmt: skip

@@ -9,6 +9,7 @@ or, for a `PagedDecode` batch (one token per sequence), on all rows at once agai
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -134,8 +135,10 @@ class Attention(nn.Module):
         if fast_path.use_decode_attention(self, q_all, seqs, visible):
             out = fast_path.decode_attention(self, q_all, r_all, visible)  # [T, nH, hd]
         else:
-            out = torch.cat([self.attend(q_all[rs], r_all[rs], seq.start_position, *kv)
-                             for rs, seq, kv in zip(rows, seqs, visible, strict=True)])
+            fast = fast_path.use_prefill_attention(self, q_all)
+            attend = partial(fast_path.prefill_attention, self) if fast else self.attend
+            out = torch.cat([attend(q_all[rs], r_all[rs], seq.start_position, *kv)
+                             for rs, seq, kv in zip(rows, seqs, visible, strict=True)])  # [T, nH, hd]
         return self.wo_ud(out.reshape(t, geo.q_width))  # [T, H]
 
     def store_kv(self, k0: torch.Tensor, v0: torch.Tensor, start: int,

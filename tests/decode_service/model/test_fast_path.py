@@ -165,6 +165,25 @@ def test_fast_path_matches_reference_in_the_interpreter():
         assert torch.equal(f.argmax(-1), r.argmax(-1))
 
 
+def test_chunked_prefill_matches_reference_in_the_interpreter():
+    """Prefill in chunks of 6 (later chunks start past the window of 8, the bias extent of 12 and tau's floor of
+    6): the prefill attention kernel against `Attention.attend`."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU check runs the kernels in Triton's interpreter")
+    model = tiny_model()
+    ids = torch.randint(4, 90, (20,), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for mode in ("reference", "fast"):
+        state, rows = model.new_state(), []
+        with torch.inference_mode(), fast_path.mode(mode):
+            for start in range(0, 20, 6):
+                chunk = ids[start : start + 6]
+                rows.append(model.logits(model(ForwardBatch(chunk, [SequenceSlice(start, len(chunk), state.layers)]))))
+        logits[mode] = torch.cat(rows)
+    assert rel_err(logits["fast"], logits["reference"]) < 1e-5
+
+
 @pytest.fixture
 def cuda_kernels():
     pytest.importorskip("triton")
