@@ -16,17 +16,19 @@ import torch
 import torch.nn.functional as F
 
 from bench.floors import Ceilings, measure_ceilings, row, time_eager_ms, time_graph_ms
-from kernels.moe import MoeConfig, bf16_moe, dequant_nvfp4, moe_reference, nvfp4_moe
+from kernels.moe import MoeConfig, bf16_moe, default_config, dequant_nvfp4, moe_reference, nvfp4_moe
 
 H, I, E, TOPK = 4096, 2048, 256, 6
 SETS = 8
 WIDTHS = [5, 10, 10, 8, 10, 10, 7, 8]
 CONFIGS = {
-    "n64k128": MoeConfig(block_n13=64, block_k13=128, block_n2=64, block_k2=128, num_warps=4, num_stages=3),
-    "n32k256": MoeConfig(block_n13=32, block_k13=256, block_n2=32, block_k2=256, num_warps=4, num_stages=4),
-    "n64k256": MoeConfig(block_n13=64, block_k13=256, block_n2=64, block_k2=256, num_warps=4, num_stages=3),
-    "n128k128w8": MoeConfig(block_n13=128, block_k13=128, block_n2=128, block_k2=128, num_warps=8, num_stages=3),
-    "n64k128r80": MoeConfig(block_n13=64, block_k13=128, block_n2=64, block_k2=128, num_stages=3, maxnreg=80),
+    "b8n64w4": MoeConfig(),  # the many-pairs default: 8-row blocks, swapped MMA, split intermediate
+    "n32w2": default_config(1),  # the few-pairs default
+    "b8mfast": MoeConfig(n_fast=False),  # row blocks of one N tile adjacent (T=64 vs n_fast: w13 -6%, w2 +18% time)
+    "b4n64w4": MoeConfig(block_m=4),
+    "n128w8": MoeConfig(block_n13=128, block_n2=128, num_warps=8),
+    # the previous default: 16-row blocks, tokens as the MMA's M, 128-wide K tiles (64 B of each weight row)
+    "old": MoeConfig(block_m=16, block_k13=128, block_k2=128, identity_block_m=16, swap_ab=False, presplit=False),
 }
 
 
@@ -132,7 +134,7 @@ def bench_bf16(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> None
     dev = "cuda"
     w13 = torch.randn(E, 2 * I, H, dtype=torch.bfloat16, device=dev) * 0.02
     w2 = torch.randn(E, H, I, dtype=torch.bfloat16, device=dev) * 0.02
-    cfg = MoeConfig(block_n13=32, block_k13=128, block_n2=64, block_k2=128, sorted_min_pairs=1 << 30)
+    cfg = MoeConfig(**{**default_config(1).__dict__, "sorted_min_pairs": 1 << 30})
     print("# bf16-weight MoE, CUDA graph, L2 rotated")
     print(row(["T", "config", "routing", "experts", "MB", "time_us", "floor", "ratio"], WIDTHS))
     for t in batches:
@@ -144,7 +146,7 @@ def bench_bf16(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> None
         mb = sum(must_bytes(i, False) for _, i, _ in sets) / SETS
         floor = ceil.floor_us(mb)
         us = 1e3 * time_graph_ms(lambda sets=sets: [bf16_moe(*s, w13, w2, config=cfg) for s in sets]) / SETS
-        cells = [str(t), "n32k128", "identity", "", f"{mb / 1e6:.1f}", f"{us:.1f}", f"{floor:.1f}"]
+        cells = [str(t), "n32w2", "identity", "", f"{mb / 1e6:.1f}", f"{us:.1f}", f"{floor:.1f}"]
         print(row([*cells, f"{us / floor:.2f}"], WIDTHS), flush=True)
 
 
@@ -170,8 +172,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     ceil = measure_ceilings()
     print(ceil.line(), flush=True)
-    batches = [1, 8, 32, 128] if not args.quick else [1, 32]
-    configs = CONFIGS if not args.quick else {"n64k128": CONFIGS["n64k128"]}
+    batches = [1, 8, 64, 256] if not args.quick else [1, 64]
+    configs = CONFIGS if not args.quick else {k: CONFIGS[k] for k in ("b8n64w4", "old")}
     bench_nvfp4(ceil, batches, configs, gen)
     torch.cuda.empty_cache()
     if not args.no_bf16:

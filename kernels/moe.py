@@ -11,14 +11,23 @@ accumulation; dequantised weights are never materialised) or plain bf16 stacks (
 
 Routing: with few (token, slot) pairs each pair is its own row block (no metadata, duplicates of an expert
 re-read its weights); with many, ``moe_align`` groups the pairs by expert into blocks of ``block_m`` rows,
-on the device and without a host sync (CUDA-graph safe). Excluded from this slice: expert parallelism
-(ids outside [0, E)), fp8 activations, split-K, fusing the slot sum / shared experts into the epilogue.
+on the device and without a host sync (CUDA-graph safe). Three launches (w13 + SwiGLU, w2 x routing weight
+into fp32 ``[pairs, H]``, slot sum) plus ``moe_align``'s torch ops for the sorted routing.
+
+Decode-size blocks hold 1-8 valid rows, so the kernels are grouped GEMVs whose cost is the in-register
+dequantisation (~2 instructions per weight) overlapping the weight stream. What the H200 measurements
+(bench_moe) chose: K tiles of 256 (128 contiguous bytes of each weight row per load; 64-byte rows reach
+only ~58% of the copy bandwidth even without any dequantisation), the weights as the MMA's M operand and
+the block's <= 8 rows as its N (``swap_ab``: no padded token rows through shared memory, half the MMAs),
+8-row sorted blocks, and the intermediate stored even/odd-split per w2 K block (``presplit``).
+Excluded from this slice: expert parallelism (ids outside [0, E)), fp8 activations, split-K, fusing the
+slot sum / shared experts into the w2 epilogue.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,29 +37,36 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Tile shape of one MoE launch pair. ``block_m`` only matters for the sorted routing.
+    """Tiles and code-shape choices of one MoE launch pair.
 
     The defaults are the best measured on an H200 for Inkling-Small shapes with many (token, slot) pairs
-    (bench/bench_moe.py); ``default_config`` picks narrower, deeper tiles for a handful of pairs.
+    (sorted routing); ``default_config`` picks the measured best for a handful of pairs (identity routing).
     """
 
-    block_m: int = 16
+    block_m: int = 8  # rows (pairs of one expert) per block of the sorted routing
     block_n13: int = 64
-    block_k13: int = 128
+    block_k13: int = 256
     block_n2: int = 64
-    block_k2: int = 128
+    block_k2: int = 256
     num_warps: int = 4
     num_stages: int = 3
     sorted_min_pairs: int = 64  # use the sorted routing from this many (token, slot) pairs on
     maxnreg: int | None = None  # register cap per thread (more CTAs per SM), None = compiler's choice
+    identity_block_m: int = 1  # rows of an identity-routing block (one pair; more rows only pad the MMA)
+    n_fast: bool = True  # grid order: the N tiles of one row block adjacent (else the row blocks of one N tile)
+    swap_ab: bool = True  # weights as the MMA's M operand, the block's rows as its N (keep the rows <= 8)
+    presplit: bool = True  # NVFP4: w13 stores each block_k2 slice of the intermediate as [even | odd] columns
+    split_acc: bool = False  # w13: separate accumulators for the even and the odd columns of a K block
 
 
 def default_config(n_pairs: int) -> MoeConfig:
-    """Measured choice (H200, H=4096, I=2048): few pairs need more CTAs (narrow N tiles), many pairs less
-    per-CTA overhead (wider N tiles)."""
-    if n_pairs <= 24:
-        return MoeConfig(block_n13=32, block_k13=256, block_n2=32, block_k2=256, num_stages=4)
-    return MoeConfig()
+    """Measured choice (H200, H=4096, I=2048, bench_moe): below ``sorted_min_pairs`` pairs (identity routing,
+    one block per pair) narrow N tiles of 2 warps, so that a batch-1 call still has ~6 CTAs per SM; from there
+    on the class defaults (sorted routing, 8-row blocks, 64-row tiles of 4 warps)."""
+    base = MoeConfig()
+    if n_pairs < base.sorted_min_pairs:
+        return MoeConfig(block_n13=32, block_n2=32, num_warps=2, n_fast=False, split_acc=True)
+    return base
 
 
 def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale2: torch.Tensor) -> torch.Tensor:
@@ -124,10 +140,14 @@ def _check(x, topk_ids, topk_weights, w13, w2, fp4, scales):
 
 
 def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: MoeConfig | None):
+    import triton
+
     from kernels import _triton_moe as tk
 
     cfg = config or default_config(topk_ids.numel())
     e, i = _check(x, topk_ids, topk_weights, w13, w2, fp4, scales)
+    if not fp4 and x.element_size() > 2:  # fp32 weight tiles: keep the pipeline within shared memory
+        cfg = replace(cfg, block_k13=min(cfg.block_k13, 128), block_k2=min(cfg.block_k2, 128))
     t, k = topk_ids.shape
     h = x.shape[1]
     for name, dim, blk in (
@@ -149,13 +169,44 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
         identity, block_m, n_blocks = False, cfg.block_m, block_expert.numel()
     else:
         sorted_pairs, block_expert = ids, ids  # unused
-        identity, block_m, n_blocks = True, 16, n_pairs
+        identity, block_m, n_blocks = True, cfg.identity_block_m, n_pairs
     if fp4:
         s13, s13b, s2, s2b = (s.view(torch.uint8) if s.dtype == torch.float8_e4m3fn else s for s in scales)
     else:
         s13, s13b, s2, s2b = w13, w13, w2, w2  # unused
+    asm = _SCALE_ASM if fp4 and x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1" else 0
+    routing = (ids, wts, sorted_pairs, block_expert, identity, block_m, n_blocks)
     inter = torch.empty((n_pairs, i), dtype=x.dtype, device=x.device)
-    tk.moe_w13_kernel[(n_blocks, i // cfg.block_n13)](
+    _launch_w13(x, routing, w13, s13, s13b, inter, cfg, fp4, asm)
+    part = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)
+    _launch_w2(inter, routing, w2, s2, s2b, part, cfg, fp4, asm)
+    block = min(1024, triton.next_power_of_2(h))
+    tk.moe_sum_kernel[(t, triton.cdiv(h, block))](part, out, h, TOPK=k, BLOCK=block, num_warps=4)
+    return out
+
+
+_SCALE_ASM = 2  # 2: block scales through the native e4m3 convert, 1: through fp32 bit arithmetic
+
+
+def _grid(cfg: MoeConfig, n_blocks: int, n_tiles: int) -> tuple[tuple[int, int], bool]:
+    """Launch grid and N_FAST (the row blocks go to grid dim 1 only while they fit its 65535 limit)."""
+    n_fast = cfg.n_fast and n_blocks < 65536
+    return ((n_tiles, n_blocks) if n_fast else (n_blocks, n_tiles)), n_fast
+
+
+def _launch_opts(cfg: MoeConfig) -> dict:
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return opts if cfg.maxnreg is None else {**opts, "maxnreg": cfg.maxnreg}
+
+
+def _launch_w13(x, routing, w13, s13, s13b, inter, cfg: MoeConfig, fp4: bool, asm: int) -> None:
+    """Gate/up projection + SwiGLU of every routed pair into ``inter`` ``[n_pairs, I]``."""
+    from kernels import _triton_moe as tk
+
+    ids, _, sorted_pairs, block_expert, identity, block_m, n_blocks = routing
+    i = inter.shape[1]
+    grid, n_fast = _grid(cfg, n_blocks, i // cfg.block_n13)
+    tk.moe_w13_kernel[grid](
         x,
         ids,
         sorted_pairs,
@@ -164,28 +215,38 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
         s13,
         s13b,
         inter,
-        n_pairs,
+        ids.numel(),
         i,
-        h,
+        x.shape[1],
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
         s13.stride(0),
         s13.stride(1),
         inter.stride(0),
-        TOPK=k,
+        TOPK=ids.numel() // x.shape[0],
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n13,
         BLOCK_K=cfg.block_k13,
         IDENTITY=identity,
         FP4=fp4,
-        ASM=fp4 and x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
+        ASM=asm,
+        N_FAST=n_fast,
+        SPLIT_ACC=cfg.split_acc,
+        PRESPLIT_K=cfg.block_k2 if fp4 and cfg.presplit else 0,
+        SWAP=cfg.swap_ab,
+        **_launch_opts(cfg),
     )
-    part = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)
-    tk.moe_w2_kernel[(n_blocks, h // cfg.block_n2)](
+
+
+def _launch_w2(inter, routing, w2, s2, s2b, part, cfg: MoeConfig, fp4: bool, asm: int) -> None:
+    """Down projection of every routed pair, times its routing weight, into fp32 ``part`` ``[n_pairs, H]``."""
+    from kernels import _triton_moe as tk
+
+    ids, wts, sorted_pairs, block_expert, identity, block_m, n_blocks = routing
+    h = part.shape[1]
+    grid, n_fast = _grid(cfg, n_blocks, h // cfg.block_n2)
+    tk.moe_w2_kernel[grid](
         inter,
         ids,
         wts,
@@ -195,8 +256,8 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
         s2,
         s2b,
         part,
-        n_pairs,
-        i,
+        ids.numel(),
+        inter.shape[1],
         inter.stride(0),
         w2.stride(0),
         w2.stride(1),
@@ -208,13 +269,12 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
         BLOCK_K=cfg.block_k2,
         IDENTITY=identity,
         FP4=fp4,
-        ASM=fp4 and x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
+        ASM=asm,
+        N_FAST=n_fast,
+        PRESPLIT=fp4 and cfg.presplit,
+        SWAP=cfg.swap_ab,
+        **_launch_opts(cfg),
     )
-    out.copy_(part.view(t, k, h).sum(dim=1))
-    return out
 
 
 def nvfp4_moe(

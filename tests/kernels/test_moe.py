@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.moe import MoeConfig, bf16_moe, dequant_nvfp4, moe_align, moe_reference, nvfp4_moe
+from kernels.moe import MoeConfig, bf16_moe, default_config, dequant_nvfp4, moe_align, moe_reference, nvfp4_moe
 
 SMALL = MoeConfig(block_m=16, block_n13=16, block_k13=32, block_n2=16, block_k2=32)
 
@@ -71,6 +71,42 @@ def test_nvfp4_moe_matches_reference(cpu_interpreter, t, k, sorted_min_pairs, dt
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"swap_ab": False, "presplit": False},
+        {"swap_ab": True, "presplit": False, "split_acc": True},
+        {"swap_ab": False, "presplit": True, "n_fast": True},
+        {"swap_ab": True, "presplit": True, "block_m": 4, "identity_block_m": 16},
+        {"swap_ab": True, "presplit": True, "block_n13": 32, "block_k13": 64, "block_k2": 32, "num_warps": 2},
+    ],
+)
+@pytest.mark.parametrize("sorted_min_pairs", [1, 64])
+def test_nvfp4_moe_code_shapes_match_reference(cpu_interpreter, variant, sorted_min_pairs):
+    """Every MoeConfig code-shape switch (operand swap, split intermediate, grid order, row counts) gives the
+    reference result, with the identity and the sorted routing."""
+    gen = torch.Generator().manual_seed(11)
+    e, h, i, t, k = 8, 64, 32, 6, 3
+    w13 = nvfp4_stack(e, 2 * i, h, gen)
+    w2 = nvfp4_stack(e, h, i, gen)
+    x = torch.randn(t, h, generator=gen)
+    ids, wts = routing(t, e, k, gen)
+    ids[1] = ids[0]  # one expert with several pairs (several rows in a sorted block)
+    cfg = MoeConfig(**{**SMALL.__dict__, "sorted_min_pairs": sorted_min_pairs, **variant})
+    out = nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg)
+    assert rel_err(out, moe_reference(x, ids, wts, *w13, *w2)) < 1e-5
+
+
+def test_default_config_tiles_fit_inkling_small():
+    h, i, k = 4096, 2048, 6
+    for t in (1, 8, 10, 11, 64, 256):
+        cfg = default_config(t * k)
+        assert (t * k >= cfg.sorted_min_pairs) == (t >= 11)
+        assert i % cfg.block_n13 == 0 and h % cfg.block_k13 == 0 and h % cfg.block_n2 == 0 and i % cfg.block_k2 == 0
+        if cfg.swap_ab:  # the swapped MMA keeps a block's rows as its N <= 8
+            assert (cfg.block_m if t * k >= cfg.sorted_min_pairs else cfg.identity_block_m) <= 8
+
+
 def test_bf16_weight_moe_matches_reference(cpu_interpreter):
     gen = torch.Generator().manual_seed(1)
     e, h, i, t, k = 4, 64, 32, 3, 2
@@ -78,9 +114,10 @@ def test_bf16_weight_moe_matches_reference(cpu_interpreter):
     w2 = torch.randn(e, h, i, generator=gen) * 0.2
     x = torch.randn(t, h, generator=gen)
     ids, wts = routing(t, e, k, gen)
-    out = bf16_moe(x, ids, wts, w13, w2, config=SMALL)
     ref = moe_reference(x, ids, wts, w13, None, None, w2, None, None)
-    assert rel_err(out, ref) < 1e-5
+    for swap in (False, True):
+        out = bf16_moe(x, ids, wts, w13, w2, config=MoeConfig(**{**SMALL.__dict__, "swap_ab": swap}))
+        assert rel_err(out, ref) < 1e-5
 
 
 def test_nvfp4_moe_rejects_bad_shapes():
@@ -95,8 +132,9 @@ def test_nvfp4_moe_rejects_bad_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,sorted_min_pairs", [(1, 64), (8, 64), (8, 1), (64, 1)])
+@pytest.mark.parametrize("t,sorted_min_pairs", [(1, 64), (8, 64), (8, 1), (64, 1), (1, None), (8, None), (64, None)])
 def test_nvfp4_moe_gpu_full_width(cuda_device, t, sorted_min_pairs):
+    """Full Inkling-Small widths on the GPU (inline-PTX dequant); ``sorted_min_pairs=None``: ``default_config``."""
     gen = torch.Generator().manual_seed(t)
     e, h, i, k = 16, 4096, 2048, 6
     w13 = nvfp4_stack(e, 2 * i, h, gen, cuda_device)
@@ -105,7 +143,8 @@ def test_nvfp4_moe_gpu_full_width(cuda_device, t, sorted_min_pairs):
     w2 = (w2[0], w2[1], w2[2] * 1e-3)
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
     ids, wts = routing(t, e, k, gen, cuda_device)
-    out = nvfp4_moe(x, ids, wts, *w13, *w2, config=MoeConfig(sorted_min_pairs=sorted_min_pairs))
+    cfg = None if sorted_min_pairs is None else MoeConfig(sorted_min_pairs=sorted_min_pairs)
+    out = nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg)
     ref = moe_reference(x, ids, wts, *w13, *w2)
     assert torch.isfinite(out).all()
     err = rel_err(out, ref)
@@ -117,9 +156,10 @@ def test_nvfp4_moe_gpu_full_width(cuda_device, t, sorted_min_pairs):
 
 
 @pytest.mark.gpu
-def test_bf16_moe_gpu(cuda_device):
+@pytest.mark.parametrize("t", [4, 16])
+def test_bf16_moe_gpu(cuda_device, t):
     gen = torch.Generator().manual_seed(3)
-    e, h, i, t, k = 8, 4096, 2048, 4, 6
+    e, h, i, k = 8, 4096, 2048, 6
     w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.02).to(torch.bfloat16).to(cuda_device)
     w2 = (torch.randn(e, h, i, generator=gen) * 0.02).to(torch.bfloat16).to(cuda_device)
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
