@@ -350,6 +350,14 @@ def engine_check(model: InklingDecoder, steps: int = 64) -> None:
     assert same, "CUDA-graph replay changed the tokens"
 
 
+def prefill_chunk(model: InklingDecoder, tokens: int) -> None:
+    """One fresh `tokens`-token chunk on the packed path (what the kernel breakdown profiles)."""
+    ids = torch.randint(0, model.config.unpadded_vocab_size, (tokens,), device=model.embed.weight.device)
+    state = model.new_state()
+    with torch.inference_mode():
+        model(ForwardBatch(ids, [SequenceSlice(0, tokens, state.layers)]))
+
+
 def hf_decode_ms(raw_text: dict, batches: list[int], ctx: int, reps: int = 5) -> dict[int, str]:
     """transformers' InklingForCausalLM, bf16, random init: median decode-step ms after a ctx-token prefill."""
     import transformers
@@ -422,6 +430,10 @@ def main() -> None:
     if args.prefill:
         with fast_path.mode("fast"):
             rate = prefill_rate(model, args.prefill, args.prefill_chunk)
+            chunk = min(args.prefill, args.prefill_chunk)
+            _, _, busy, top = count_launches(lambda: prefill_chunk(model, chunk))
+        kernels = "; ".join(f"{name[:50]} x{n} {us:.0f}" for name, n, us in top[:12])
+        print(f"# prefill of one {chunk}-token chunk, {busy:.1f} ms GPU busy; by kernel (launches, us): {kernels}")
         floor = prefill_flops(model, args.prefill) / (ceil.bf16_tflops * 1e12)
         print(
             f"# prefill {args.prefill} tokens in {args.prefill_chunk}-token chunks (packed path, fast kernels): "

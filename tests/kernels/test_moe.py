@@ -79,6 +79,7 @@ def test_nvfp4_moe_matches_reference(cpu_interpreter, t, k, sorted_min_pairs, dt
         {"swap_ab": False, "presplit": True, "n_fast": True},
         {"swap_ab": True, "presplit": True, "block_m": 4, "identity_block_m": 16},
         {"swap_ab": True, "presplit": True, "block_n13": 32, "block_k13": 64, "block_k2": 32, "num_warps": 2},
+        {"swap_ab": False, "block_m": 64},  # the prefill tiles: several experts' rows padded in 64-row blocks
     ],
 )
 @pytest.mark.parametrize("sorted_min_pairs", [1, 64])
@@ -99,7 +100,7 @@ def test_nvfp4_moe_code_shapes_match_reference(cpu_interpreter, variant, sorted_
 
 def test_default_config_tiles_fit_inkling_small():
     h, i, k = 4096, 2048, 6
-    for t in (1, 8, 10, 11, 64, 256):
+    for t in (1, 8, 10, 11, 64, 256, 2048):
         cfg = default_config(t * k)
         assert (t * k >= cfg.sorted_min_pairs) == (t >= 11)
         assert i % cfg.block_n13 == 0 and h % cfg.block_k13 == 0 and h % cfg.block_n2 == 0 and i % cfg.block_k2 == 0
