@@ -116,8 +116,8 @@ def test_bf16_weight_moe_matches_reference(cpu_interpreter):
     x = torch.randn(t, h, generator=gen)
     ids, wts = routing(t, e, k, gen)
     ref = moe_reference(x, ids, wts, w13, None, None, w2, None, None)
-    for swap in (False, True):
-        out = bf16_moe(x, ids, wts, w13, w2, config=MoeConfig(**{**SMALL.__dict__, "swap_ab": swap}))
+    for variant in ({"swap_ab": False}, {"swap_ab": True}, {"swap_ab": False, "block_m": 64, "sorted_min_pairs": 1}):
+        out = bf16_moe(x, ids, wts, w13, w2, config=MoeConfig(**{**SMALL.__dict__, **variant}))
         assert rel_err(out, ref) < 1e-5
 
 
