@@ -214,8 +214,10 @@ class KVCache:
         return self.conv[layer][index]
 
     def enable_block_tables(self, max_tokens: int) -> BlockTables:
-        """Keep device block tables for sequences of up to `max_tokens` positions (the batched decode path)."""
+        """Keep device block tables for sequences of up to `max_tokens` positions (the batched decode path); before
+        any sequence holds pages, since tables are written as pages are handed out."""
         if self.block_tables is None:
+            assert self.num_free_slots == self.spec.num_conv_slots, "block tables enabled with live sequences"
             max_pages = math.ceil(max_tokens / self.page_size)
             self.block_tables = BlockTables(self.spec.num_conv_slots, max_pages, self.scratch_page, self.spec.device)
         return self.block_tables
