@@ -6,7 +6,10 @@ rel_extent 1024, 256 routed experts of I=2048, top-6, 2 shared, full 201024 voca
 the NVFP4 stacks directly in their packed form.
 
 A step is what the runner does for B decoding sequences: the decoder forward (one new token each, at context
-`ctx`, through the engine's paged KV cache holding random history) and the lm_head of the B rows. Floor = bytes
+`ctx`, through the engine's paged KV cache holding random history) and the lm_head of the B rows, timed three ways:
+the packed reference path, the packed path with the fast kernels, and the engine's batched step replayed from its
+CUDA graph (`DecodeGraphs`, wall time including the metadata fill); kernels per step and GPU time by kernel come
+from the same batched step run eagerly. Floor = bytes
 that must move / copy bandwidth measured in the same run, bytes = every non-routed weight once (attention, dense
 MLP, shared experts, router, lm_head; B embedding rows) + the routed experts this step's routing touches (packed
 codes + block scales for NVFP4) + every visible K/V + conv states read and written + fp32 logits written.
@@ -15,7 +18,9 @@ Kernel launches are counted with the torch profiler (kernels, plus memcpy/memset
 transformers' Inkling (bf16 everywhere, sdpa, its own random init, same shapes) runs last: prefill `ctx` tokens,
 then the median of timed decode steps through its cache.
 
-`--check` first compares the two paths module by module on identical inputs (attention of every layer, routed
+`--prefill N` (default 8192) prefills one N-token prompt in `--prefill-chunk` steps and compares tokens/s with the
+FLOP floor at the measured bf16 peak. `--check` first runs the engine on the proxy (graph replay must give the
+eager step's tokens), then compares the two paths module by module on identical inputs (attention of every layer, routed
 experts at T=2 and 600) and over greedy decode runs, next to a control: the reference path against itself with
 2^-8 noise on embed_norm. On random weights that control already moves the logits by O(1) (router top-k flips),
 so only the per-module figures measure the kernels.

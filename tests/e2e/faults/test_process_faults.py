@@ -189,9 +189,23 @@ def wait_router_sees_all(cluster: Cluster, timeout_s: float = 10.0) -> None:
     assert check(cluster.router_address) == "SERVING"
 
 
+async def busiest_decoder(cluster: Cluster) -> ManagedProcess:
+    """The live decode replica running the most requests (the router's affinity may put every stream on one)."""
+    running = {}
+    for i, process in enumerate(cluster.decoders):
+        if process.exited():
+            continue
+        async with grpc.aio.insecure_channel(process.address) as channel:
+            load = await generator_pb2_grpc.GeneratorStub(channel).GetLoad(generator_pb2.LoadRequest(), timeout=2)
+            running[i] = load.running_requests
+    busiest = max(running, key=running.get)
+    assert running[busiest], f"no decode replica is running the streams: {running}"
+    return cluster.decoders[busiest]
+
+
 def test_decode_killed_after_first_token_gives_unavailable(e2e, cluster, record_property):
-    victim = cluster.decoders[0]
     count = 4
+    victims = []
 
     async def scenario():
         async with grpc.aio.insecure_channel(cluster.router_address) as channel:
@@ -202,7 +216,8 @@ def test_decode_killed_after_first_token_gives_unavailable(e2e, cluster, record_
                                                       on_first=first_tokens.release))
             for _ in range(count):
                 await asyncio.wait_for(first_tokens.acquire(), DEADLINE_S)
-            kill(victim)
+            victims.append(await busiest_decoder(cluster))
+            kill(victims[0])
             outcomes = await traffic
             idle = await replicas_idle(cluster)
             recovery = await e2e.recovery_time(stub, kind="text", prefix="kill-dec-late-after")
@@ -216,7 +231,7 @@ def test_decode_killed_after_first_token_gives_unavailable(e2e, cluster, record_
     assert all(o.tokens for o in failed)  # they failed after output had been forwarded: no replay
     assert all(len(o.tokens) == 300 for o in outcomes if o.status == "OK")
     assert all(not any(state.values()) for state in idle), idle
-    restart(victim)
+    restart(victims[0])
     wait_router_sees_all(cluster)
 
 
