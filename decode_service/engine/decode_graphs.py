@@ -8,7 +8,8 @@ sequence. Graphs are captured once per bucket (the buckets up to `max_num_seqs`,
 an eager warm-up run on padding rows (Triton compiles there), and share one memory pool.
 
 Without CUDA (CPU tests of this path under the kernels' interpreter), or with graphs off, the same buffers and
-padding run eagerly.
+padding run eagerly. The pinned host buffers (metadata, block-table mirror) are copied asynchronously and rewritten
+by the next step: the engine reads each step's sampled tokens back (a sync) before it schedules the next one.
 """
 
 from __future__ import annotations
