@@ -27,3 +27,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture
+def cpu_interpreter():
+    """Tests that run Triton kernels in the CPU interpreter (the default without CUDA)."""
+    pytest.importorskip("triton")
+    if not interpreted():
+        pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set automatically without CUDA)")
+
+
+@pytest.fixture
+def cuda_device():
+    """Tests of compiled kernels on a CUDA device."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() or interpreted():
+        pytest.skip("needs a CUDA device and compiled Triton")
+    return torch.device("cuda")

@@ -6,8 +6,6 @@ also captures the graphs and compares them with the same path run eagerly."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,13 +15,6 @@ from decode_service.engine.request import MultimodalItem, Request, SamplingParam
 from decode_service.model import fast_path
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture
-def interpreter():
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the CPU check runs the kernels in Triton's interpreter")
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -48,7 +39,7 @@ def test_reference_engine_keeps_the_packed_path(kernel_model, kernel_config):
     assert Engine(kernel_model, kernel_config, settings()).runner.decode_graphs is None  # CPU, mode auto
 
 
-def test_batched_decode_equals_each_sequence_alone(interpreter, kernel_model, kernel_config, reference):
+def test_batched_decode_equals_each_sequence_alone(cpu_interpreter, kernel_model, kernel_config, reference):
     """Three sequences in the bucket of four (one padding row), past the window (8), rel_extent (12) and the tau
     floor (10); a prefix-cache hit and a media span in the prompt; then a step of padding rows only writes the
     scratch pages and the scratch conv slot."""
@@ -91,11 +82,8 @@ def test_batched_decode_equals_each_sequence_alone(interpreter, kernel_model, ke
 
 
 @pytest.mark.gpu
-def test_graph_replay_equals_the_eager_step(kernel_model, kernel_config):
+def test_graph_replay_equals_the_eager_step(cuda_device, kernel_model, kernel_config):
     """On CUDA: the same requests with graphs captured and with the static-buffer step run eagerly."""
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("needs a CUDA device and compiled Triton")
     model = kernel_model.to("cuda")
     prompts = [prompt(n, i) for i, n in enumerate((3, 13, 21, 30, 5))]
     tokens = {}

@@ -7,7 +7,6 @@ checkpoint in bf16 through the Engine, fast path against reference.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -152,10 +151,7 @@ def test_linearised_shared_experts_match_the_per_expert_sum():
         assert not fast_path.use_shared_experts(shared, x)
 
 
-def test_fast_path_matches_reference_in_the_interpreter():
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the CPU check runs the kernels in Triton's interpreter")
+def test_fast_path_matches_reference_in_the_interpreter(cpu_interpreter):
     model = tiny_model()
     prompts = [[5, 9, 11, 20, 7, 33, 2, 41, 8, 17], [12, 30, 4]]  # past window 8 / rel_extent 12 / n_floor 6
     ref, _ = run(model, prompts, steps=4, mode="reference")
@@ -165,12 +161,9 @@ def test_fast_path_matches_reference_in_the_interpreter():
         assert torch.equal(f.argmax(-1), r.argmax(-1))
 
 
-def test_chunked_prefill_matches_reference_in_the_interpreter():
+def test_chunked_prefill_matches_reference_in_the_interpreter(cpu_interpreter):
     """Prefill in chunks of 6 (later chunks start past the window of 8, the bias extent of 12 and tau's floor of
     6): the prefill attention kernel against `Attention.attend`."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the CPU check runs the kernels in Triton's interpreter")
     model = tiny_model()
     ids = torch.randint(4, 90, (20,), generator=torch.Generator().manual_seed(2))
     logits = {}
@@ -182,13 +175,6 @@ def test_chunked_prefill_matches_reference_in_the_interpreter():
                 rows.append(model.logits(model(ForwardBatch(chunk, [SequenceSlice(start, len(chunk), state.layers)]))))
         logits[mode] = torch.cat(rows)
     assert rel_err(logits["fast"], logits["reference"]) < 1e-5
-
-
-@pytest.fixture
-def cuda_kernels():
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("needs a CUDA device and compiled Triton")
 
 
 def tiny_checkpoint(tmp_path, dtype: torch.dtype):
@@ -206,7 +192,7 @@ def tiny_checkpoint(tmp_path, dtype: torch.dtype):
 
 
 @pytest.mark.gpu
-def test_tiny_checkpoint_modules_match_reference_in_bf16(cuda_kernels, tmp_path):
+def test_tiny_checkpoint_modules_match_reference_in_bf16(cuda_device, tmp_path):
     """Each attention and routed-expert module of the bf16 checkpoint on identical inputs, fast vs reference.
 
     Whole-model bf16 logits are no test here: on random weights a 2^-8 perturbation of the reference path
@@ -249,7 +235,7 @@ def test_tiny_checkpoint_modules_match_reference_in_bf16(cuda_kernels, tmp_path)
 
 
 @pytest.mark.gpu
-def test_tiny_checkpoint_fp32_fast_matches_reference(cuda_kernels, tmp_path):
+def test_tiny_checkpoint_fp32_fast_matches_reference(cuda_device, tmp_path):
     """fp32 on CUDA, 64 decode steps of 4 sequences with the reference's greedy tokens fed to both paths:
     logits within 1e-2 (relative) and the same greedy choice almost everywhere; then both paths through the Engine.
 
@@ -289,7 +275,7 @@ def test_tiny_checkpoint_fp32_fast_matches_reference(cuda_kernels, tmp_path):
 
 
 @pytest.mark.gpu
-def test_tiny_checkpoint_graphs_on_and_off_give_the_same_tokens(cuda_kernels, tmp_path):
+def test_tiny_checkpoint_graphs_on_and_off_give_the_same_tokens(cuda_device, tmp_path):
     """bf16 through the Engine: 64 greedy steps of 4 sequences with the decode steps replayed from CUDA graphs and
     with the same static-buffer step run eagerly (same kernels, so the same tokens)."""
     from decode_service.engine.engine import Engine, EngineSettings
