@@ -23,9 +23,9 @@ proto: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
-test: $(STAMP)
-	$(VENV)/bin/ruff check .
+test: lint
 	$(PY) -m pytest -q -ra --timeout=900
 
 tiny: $(STAMP)

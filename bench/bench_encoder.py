@@ -29,10 +29,12 @@ from common.config import AudioConfig, VisionConfig
 from encoder_service.towers import AudioTower, VisionTower
 
 SPEC_FLOP_PER_PATCH = 189_890_560  # spec 8.1: both frames through every layer
-SMALL_VISION = VisionConfig(patch_size=40, temporal_patch_size=2, num_channels=3, num_layers=4, output_dim=4096,
-                            use_norm=True)
-SMALL_AUDIO = AudioConfig(n_mel_bins=80, mel_vocab_size=16, dmel_min_value=-7.0, dmel_max_value=2.0,
-                          output_dim=4096, use_norm=True)
+SMALL_VISION = VisionConfig(
+    patch_size=40, temporal_patch_size=2, num_channels=3, num_layers=4, output_dim=4096, use_norm=True
+)
+SMALL_AUDIO = AudioConfig(
+    n_mel_bins=80, mel_vocab_size=16, dmel_min_value=-7.0, dmel_max_value=2.0, output_dim=4096, use_norm=True
+)
 IMAGE_SIZES = ((640, 480), (1024, 768))
 TOWER_BATCHES = (256, 2048, 8192)
 AUDIO_SECONDS, AUDIO_RATE = 10.0, 44100
@@ -55,6 +57,7 @@ def _image_module() -> ModuleType | None:
 def _audio_module() -> ModuleType | None:
     try:
         from encoder_service.preprocess import audio
+
         return audio
     except ImportError:
         return None
@@ -132,7 +135,8 @@ def executed_flop_per_patch(tower: VisionTower) -> int:
     """FLOPs the tower really runs for a still image: layers before the temporal fold see one frame."""
     cfg, total, frames = tower.config, 0, 1
     for i, ((t_fold, hw_fold), (a, b)) in enumerate(
-            zip(tower.folds, zip(tower.plan[:-1], tower.plan[1:], strict=True), strict=True)):
+        zip(tower.folds, zip(tower.plan[:-1], tower.plan[1:], strict=True), strict=True)
+    ):
         if t_fold > 1:
             frames = cfg.temporal_patch_size
         width_in = a.c * t_fold * hw_fold * hw_fold
@@ -162,8 +166,9 @@ def table(header: list[str], rows: list[list[str]]) -> None:
 # Benchmarks
 
 
-def bench_vision_tower(device: torch.device, dtype: torch.dtype, batches: tuple[int, ...], peak: float,
-                       reps: int) -> dict[int, float]:
+def bench_vision_tower(
+    device: torch.device, dtype: torch.dtype, batches: tuple[int, ...], peak: float, reps: int
+) -> dict[int, float]:
     """Tower time per batch; returns patches/s per batch size."""
     torch.manual_seed(0)
     with torch.device(device):
@@ -179,20 +184,40 @@ def bench_vision_tower(device: torch.device, dtype: torch.dtype, batches: tuple[
             seconds = median_s(lambda x=pixels: tower(x), reps, device=device)
             copy_s = float("nan")
             if device.type == "cuda":  # the engine's path: float32 patches in, bf16 rows back to the host
-                copy_s = median_s(lambda x=host: tower(x.to(device)).to(torch.bfloat16).cpu(), reps,
-                                  device=device)
+                copy_s = median_s(lambda x=host: tower(x.to(device)).to(torch.bfloat16).cpu(), reps, device=device)
         rates[batch] = batch / seconds
         floor_s = batch * SPEC_FLOP_PER_PATCH / (peak * 1e12)
-        rows.append([str(batch), f"{seconds * 1e3:.2f}", fmt(batch / seconds),
-                     f"{batch * SPEC_FLOP_PER_PATCH / seconds / 1e12:.3f}", f"{floor_s * 1e3:.3f}",
-                     f"{seconds / floor_s:.2f}", f"{100 * batch * executed / seconds / 1e12 / peak:.0f}%",
-                     "-" if copy_s != copy_s else f"{copy_s * 1e3:.2f}"])
+        rows.append(
+            [
+                str(batch),
+                f"{seconds * 1e3:.2f}",
+                fmt(batch / seconds),
+                f"{batch * SPEC_FLOP_PER_PATCH / seconds / 1e12:.3f}",
+                f"{floor_s * 1e3:.3f}",
+                f"{seconds / floor_s:.2f}",
+                f"{100 * batch * executed / seconds / 1e12 / peak:.0f}%",
+                "-" if copy_s != copy_s else f"{copy_s * 1e3:.2f}",
+            ]
+        )
     print(f"## Vision tower (hMLP, Inkling-Small shapes, random weights, {dtype}, {device.type})\n")
-    print(f"spec FLOPs {SPEC_FLOP_PER_PATCH / 1e9:.3f} GFLOP/patch (T=2 through every layer); executed "
-          f"{executed / 1e9:.3f} GFLOP/patch (layers before the temporal fold run one frame); floor = spec FLOPs "
-          f"/ measured matmul peak {peak:.2f} TFLOP/s\n")
-    table(["batch (patches)", "ms", "patches/s", "TFLOP/s (spec FLOPs)", "floor ms", "measured/floor",
-           "executed FLOPs % of peak", "ms incl. H2D+D2H"], rows)
+    print(
+        f"spec FLOPs {SPEC_FLOP_PER_PATCH / 1e9:.3f} GFLOP/patch (T=2 through every layer); executed "
+        f"{executed / 1e9:.3f} GFLOP/patch (layers before the temporal fold run one frame); floor = spec FLOPs "
+        f"/ measured matmul peak {peak:.2f} TFLOP/s\n"
+    )
+    table(
+        [
+            "batch (patches)",
+            "ms",
+            "patches/s",
+            "TFLOP/s (spec FLOPs)",
+            "floor ms",
+            "measured/floor",
+            "executed FLOPs % of peak",
+            "ms incl. H2D+D2H",
+        ],
+        rows,
+    )
     return rates
 
 
@@ -219,20 +244,54 @@ def bench_images(pp: ModuleType, tower_rates: dict[int, float], reps: int) -> No
         t_patch = median_s(lambda rgb=rgb: pp.patchify(rgb, policy.patch_size), reps)
         t_tower = patches / tower_rate
         total = t_decode + t_patch + t_tower
-        rows.append([f"{width}x{height} -> {rgb.shape[1]}x{rgb.shape[0]}", str(patches),
-                     f"{t_decode * 1e3:.1f}", f"{t_patch * 1e3:.1f}", f"{t_tower * 1e3:.2f}", f"{total * 1e3:.1f}",
-                     fmt(patches / t_decode), fmt(patches / t_patch), fmt(tower_rate), fmt(patches / total)])
+        rows.append(
+            [
+                f"{width}x{height} -> {rgb.shape[1]}x{rgb.shape[0]}",
+                str(patches),
+                f"{t_decode * 1e3:.1f}",
+                f"{t_patch * 1e3:.1f}",
+                f"{t_tower * 1e3:.2f}",
+                f"{total * 1e3:.1f}",
+                fmt(patches / t_decode),
+                fmt(patches / t_patch),
+                fmt(tower_rate),
+                fmt(patches / total),
+            ]
+        )
         n_items = 2 * workers
         with ThreadPoolExecutor(workers) as pool:
+
             def run_all(data: bytes = data, n_items: int = n_items) -> None:
                 list(pool.map(lambda d: pp.preprocess_image(d, policy), [data] * n_items))
+
             t_all = median_s(run_all, max(1, reps // 2))
-        parallel.append([f"{width}x{height}", str(workers), fmt(n_items * patches / t_all),
-                         fmt(min(n_items * patches / t_all, tower_rate))])
-    print(f"## Images per replica (JPEG, f=2.0 cap 2048; preprocessing 1 CPU thread per item; tower at its "
-          f"batch-{tower_batch} rate)\n")
-    table(["image", "patches", "decode+resize ms", "patchify+norm ms", "tower ms", "total ms",
-           "decode+resize p/s", "patchify+norm p/s", "tower p/s", "total p/s (serial)"], rows)
+        parallel.append(
+            [
+                f"{width}x{height}",
+                str(workers),
+                fmt(n_items * patches / t_all),
+                fmt(min(n_items * patches / t_all, tower_rate)),
+            ]
+        )
+    print(
+        f"## Images per replica (JPEG, f=2.0 cap 2048; preprocessing 1 CPU thread per item; tower at its "
+        f"batch-{tower_batch} rate)\n"
+    )
+    table(
+        [
+            "image",
+            "patches",
+            "decode+resize ms",
+            "patchify+norm ms",
+            "tower ms",
+            "total ms",
+            "decode+resize p/s",
+            "patchify+norm p/s",
+            "tower p/s",
+            "total p/s (serial)",
+        ],
+        rows,
+    )
     print("All-core preprocessing (decode+resize+patchify, thread pool) and the replica's pipeline bound:\n")
     table(["image", "threads", "preprocess p/s", "replica p/s = min(preprocess, tower)"], parallel)
 
@@ -258,8 +317,9 @@ def bench_audio(pp: ModuleType | None, device: torch.device, dtype: torch.dtype,
         t_feat = median_s(lambda: pp.quantize_dmel(pp.log_mel(mono, policy), policy), reps)
         codes = torch.from_numpy(pp.quantize_dmel(pp.log_mel(mono, policy), policy))
         frames = codes.shape[0]
-        rows.append(["decode + mono + resample to 16 kHz (soxr_hq)", f"{t_decode * 1e3:.2f}",
-                     fmt(AUDIO_SECONDS / t_decode)])
+        rows.append(
+            ["decode + mono + resample to 16 kHz (soxr_hq)", f"{t_decode * 1e3:.2f}", fmt(AUDIO_SECONDS / t_decode)]
+        )
         rows.append(["STFT + log-mel + dMel", f"{t_feat * 1e3:.2f}", fmt(AUDIO_SECONDS / t_feat)])
     else:
         skipped.append("audio decode/resample/dMel (PyAV or librosa missing): tower on random codes")
@@ -272,13 +332,20 @@ def bench_audio(pp: ModuleType | None, device: torch.device, dtype: torch.dtype,
         t_big = median_s(lambda: tower(big), reps, device=device)
     rows.append([f"tower, one clip ({frames} frames)", f"{t_tower * 1e3:.2f}", fmt(AUDIO_SECONDS / t_tower)])
     big_seconds = AUDIO_BATCH_FRAMES / 20
-    rows.append([f"tower, batch of {AUDIO_BATCH_FRAMES} frames ({big_seconds:.0f} s)", f"{t_big * 1e3:.2f}",
-                 fmt(big_seconds / t_big)])
+    rows.append(
+        [
+            f"tower, batch of {AUDIO_BATCH_FRAMES} frames ({big_seconds:.0f} s)",
+            f"{t_big * 1e3:.2f}",
+            fmt(big_seconds / t_big),
+        ]
+    )
     total = t_decode + t_feat + t_tower
     label = "total (serial, one clip)" if pp is not None else "total (tower only: preprocessing skipped)"
     rows.append([label, f"{total * 1e3:.2f}", fmt(AUDIO_SECONDS / total)])
-    print(f"## Audio per replica ({AUDIO_SECONDS:.0f} s of {AUDIO_RATE / 1000:.1f} kHz stereo WAV; dMel tower "
-          f"{dtype}, {device.type}; 1 CPU thread)\n")
+    print(
+        f"## Audio per replica ({AUDIO_SECONDS:.0f} s of {AUDIO_RATE / 1000:.1f} kHz stereo WAV; dMel tower "
+        f"{dtype}, {device.type}; 1 CPU thread)\n"
+    )
     table(["stage", f"ms per {AUDIO_SECONDS:.0f} s clip", "audio-s/s"], rows)
     return skipped
 
@@ -286,8 +353,12 @@ def bench_audio(pp: ModuleType | None, device: torch.device, dtype: torch.dtype,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="tower device: cpu or cuda")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="tower dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="tower dtype (default: bfloat16 on CUDA, float32 on CPU)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions; CPU: tower batch 256 only")
     args = parser.parse_args()
     device = torch.device(args.device)

@@ -135,8 +135,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         make_tiny_checkpoint(tmp, nvfp4=True, seed=0)
         config = load_model_config(tmp)
-        print("| running requests | control plane ms/step | whole step ms (CPU, null model) | "
-              "Inkling-Small decode-step floor ms (H200) | control/floor |")
+        print(
+            "| running requests | control plane ms/step | whole step ms (CPU, null model) | "
+            "Inkling-Small decode-step floor ms (H200) | control/floor |"
+        )
         print("|---|---|---|---|---|")
         for running in sorted({1, 64, args.running}):
             control_ms, step_ms = scheduling_overhead(config, running, args.steps)

@@ -54,15 +54,15 @@ def _image(variant: int) -> bytes:
 def build_request(request_id: str, kind: str, variant: int, max_tokens: int, audio: bytes) -> pb.GenerateRequest:
     parts = []
     if "image" in kind:
-        parts.append(pb.ContentPart(media=media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE,
-                                                               data=_image(variant))))
+        parts.append(pb.ContentPart(media=media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=_image(variant))))
     if "audio" in kind:
         parts.append(pb.ContentPart(media=media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=audio)))
     parts.append(pb.ContentPart(text=f"Request {variant}: describe what you get in one sentence."))
     return pb.GenerateRequest(
         request_id=request_id,
         chat=pb.ChatPrompt(messages=[pb.Message(role=pb.ROLE_USER, content=parts)], reasoning_effort=0.0),
-        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 @dataclass
@@ -74,8 +74,7 @@ class Sample:
     tokens: int = 0
 
 
-async def one_request(stub: generator_pb2_grpc.GeneratorStub, request: pb.GenerateRequest,
-                      deadline_s: float) -> Sample:
+async def one_request(stub: generator_pb2_grpc.GeneratorStub, request: pb.GenerateRequest, deadline_s: float) -> Sample:
     started = time.monotonic()
     last: float | None = None
     sample = Sample("OK", 0.0)
@@ -118,8 +117,9 @@ class Requests:
         return build_request(f"load-{tag}-{self.count}", kind, self.base + self.count, self.max_tokens, self.audio)
 
 
-async def closed_loop(stub, requests: Requests, concurrency: int, total: int, deadline_s: float,
-                      duration_s: float) -> list[Sample]:
+async def closed_loop(
+    stub, requests: Requests, concurrency: int, total: int, deadline_s: float, duration_s: float
+) -> list[Sample]:
     samples: list[Sample] = []
     issued = 0
     stop_at = time.monotonic() + duration_s
@@ -134,8 +134,16 @@ async def closed_loop(stub, requests: Requests, concurrency: int, total: int, de
     return samples
 
 
-async def open_loop(stub, requests: Requests, rate: float, total: int, deadline_s: float, duration_s: float,
-                    max_outstanding: int, rng: random.Random) -> list[Sample]:
+async def open_loop(
+    stub,
+    requests: Requests,
+    rate: float,
+    total: int,
+    deadline_s: float,
+    duration_s: float,
+    max_outstanding: int,
+    rng: random.Random,
+) -> list[Sample]:
     slots = asyncio.Semaphore(max_outstanding)
     tasks: list[asyncio.Task] = []
     stop_at = time.monotonic() + duration_s
@@ -236,22 +244,46 @@ class LevelResult:
     rss_peak_mib: dict[str, float]
 
 
-def summarize(mode: str, level: float, samples: list[Sample], wall_s: float, slo_ttft_s: float, slo_itl_s: float,
-              rss_peak: dict[str, float]) -> LevelResult:
+def summarize(
+    mode: str,
+    level: float,
+    samples: list[Sample],
+    wall_s: float,
+    slo_ttft_s: float,
+    slo_itl_s: float,
+    rss_peak: dict[str, float],
+) -> LevelResult:
     ok = [s for s in samples if s.status == "OK"]
     errors: dict[str, int] = {}
     for s in samples:
         if s.status != "OK":
             errors[s.status] = errors.get(s.status, 0) + 1
-    good = [s for s in ok if s.ttft_s is not None and s.ttft_s <= slo_ttft_s
-            and (not s.itls_s or sum(s.itls_s) / len(s.itls_s) <= slo_itl_s)]
+    good = [
+        s
+        for s in ok
+        if s.ttft_s is not None
+        and s.ttft_s <= slo_ttft_s
+        and (not s.itls_s or sum(s.itls_s) / len(s.itls_s) <= slo_itl_s)
+    ]
     ttfts = [s.ttft_s for s in ok if s.ttft_s is not None]
     itls = [x for s in ok for x in s.itls_s]
     wall = max(wall_s, 1e-9)
-    return LevelResult(mode, level, len(samples), len(ok), errors, wall_s, len(good) / wall,
-                       sum(s.tokens for s in ok) / wall, percentile(ttfts, 50), percentile(ttfts, 99),
-                       percentile(itls, 50), percentile(itls, 99),
-                       percentile([s.latency_s for s in samples], 99), rss_peak)
+    return LevelResult(
+        mode,
+        level,
+        len(samples),
+        len(ok),
+        errors,
+        wall_s,
+        len(good) / wall,
+        sum(s.tokens for s in ok) / wall,
+        percentile(ttfts, 50),
+        percentile(ttfts, 99),
+        percentile(itls, 50),
+        percentile(itls, 99),
+        percentile([s.latency_s for s in samples], 99),
+        rss_peak,
+    )
 
 
 def _ms(value: float | None) -> str:
@@ -259,16 +291,19 @@ def _ms(value: float | None) -> str:
 
 
 def format_table(results: Sequence[LevelResult], floor: LevelResult | None) -> str:
-    header = (f"{'mode':<7}{'level':>7}{'sent':>6}{'ok':>5}{'err':>5}{'goodput/s':>10}{'tok/s':>9}"
-              f"{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}{'TTFT/floor':>11}  rss peak MiB")
+    header = (
+        f"{'mode':<7}{'level':>7}{'sent':>6}{'ok':>5}{'err':>5}{'goodput/s':>10}{'tok/s':>9}"
+        f"{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}{'TTFT/floor':>11}  rss peak MiB"
+    )
     lines = [header, "-" * len(header)]
     for r in ([floor] if floor else []) + list(results):
-        ratio = (f"{r.ttft_p50_s / floor.ttft_p50_s:.2f}x" if floor and floor.ttft_p50_s and r.ttft_p50_s
-                 else "-")
+        ratio = f"{r.ttft_p50_s / floor.ttft_p50_s:.2f}x" if floor and floor.ttft_p50_s and r.ttft_p50_s else "-"
         rss = " ".join(f"{k}={v:.0f}" for k, v in sorted(r.rss_peak_mib.items())) or "-"
-        lines.append(f"{r.mode:<7}{r.level:>7g}{r.sent:>6}{r.ok:>5}{sum(r.errors.values()):>5}"
-                     f"{r.goodput_rps:>10.2f}{r.throughput_tok_s:>9.1f}{_ms(r.ttft_p50_s):>10}{_ms(r.ttft_p99_s):>8}"
-                     f"{_ms(r.itl_p50_s):>9}{_ms(r.itl_p99_s):>8}{ratio:>11}  {rss}")
+        lines.append(
+            f"{r.mode:<7}{r.level:>7g}{r.sent:>6}{r.ok:>5}{sum(r.errors.values()):>5}"
+            f"{r.goodput_rps:>10.2f}{r.throughput_tok_s:>9.1f}{_ms(r.ttft_p50_s):>10}{_ms(r.ttft_p99_s):>8}"
+            f"{_ms(r.itl_p50_s):>9}{_ms(r.itl_p99_s):>8}{ratio:>11}  {rss}"
+        )
     for r in results:
         if r.errors:
             lines.append(f"errors at {r.mode} {r.level:g}: {r.errors}")
@@ -306,8 +341,13 @@ class LoadReport:
     rss_series: list[tuple[float, dict[str, float]]]
 
     def to_json(self) -> str:
-        return json.dumps({"floor": asdict(self.floor) if self.floor else None,
-                           "levels": [asdict(r) for r in self.levels], "rss_series": self.rss_series})
+        return json.dumps(
+            {
+                "floor": asdict(self.floor) if self.floor else None,
+                "levels": [asdict(r) for r in self.levels],
+                "rss_series": self.rss_series,
+            }
+        )
 
 
 async def run_load(config: LoadConfig) -> LoadReport:
@@ -320,22 +360,57 @@ async def run_load(config: LoadConfig) -> LoadReport:
             stub = generator_pb2_grpc.GeneratorStub(channel)
             if config.measure_floor:
                 t0, started = rss.now(), time.monotonic()
-                samples = await closed_loop(stub, requests, 1, min(8, config.requests), config.deadline_s,
-                                            config.duration_s)
-                floor = summarize("floor", 1, samples, time.monotonic() - started, config.slo_ttft_s,
-                                  config.slo_itl_s, rss.peak_since(t0))
+                samples = await closed_loop(
+                    stub, requests, 1, min(8, config.requests), config.deadline_s, config.duration_s
+                )
+                floor = summarize(
+                    "floor",
+                    1,
+                    samples,
+                    time.monotonic() - started,
+                    config.slo_ttft_s,
+                    config.slo_itl_s,
+                    rss.peak_since(t0),
+                )
             for concurrency in config.concurrency:
                 t0, started = rss.now(), time.monotonic()
-                samples = await closed_loop(stub, requests, concurrency, config.requests, config.deadline_s,
-                                            config.duration_s)
-                results.append(summarize("closed", concurrency, samples, time.monotonic() - started,
-                                         config.slo_ttft_s, config.slo_itl_s, rss.peak_since(t0)))
+                samples = await closed_loop(
+                    stub, requests, concurrency, config.requests, config.deadline_s, config.duration_s
+                )
+                results.append(
+                    summarize(
+                        "closed",
+                        concurrency,
+                        samples,
+                        time.monotonic() - started,
+                        config.slo_ttft_s,
+                        config.slo_itl_s,
+                        rss.peak_since(t0),
+                    )
+                )
             for rate in config.rates:
                 t0, started = rss.now(), time.monotonic()
-                samples = await open_loop(stub, requests, rate, config.requests, config.deadline_s,
-                                          config.duration_s, config.max_outstanding, rng)
-                results.append(summarize("open", rate, samples, time.monotonic() - started, config.slo_ttft_s,
-                                         config.slo_itl_s, rss.peak_since(t0)))
+                samples = await open_loop(
+                    stub,
+                    requests,
+                    rate,
+                    config.requests,
+                    config.deadline_s,
+                    config.duration_s,
+                    config.max_outstanding,
+                    rng,
+                )
+                results.append(
+                    summarize(
+                        "open",
+                        rate,
+                        samples,
+                        time.monotonic() - started,
+                        config.slo_ttft_s,
+                        config.slo_itl_s,
+                        rss.peak_since(t0),
+                    )
+                )
     return LoadReport(floor, results, rss.series)
 
 
@@ -383,19 +458,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     mix = tuple(m.strip() for m in args.mix.split(",") if m.strip())
     if not mix or set(mix) - set(MIXES):
         raise SystemExit(f"--mix: choose from {MIXES}")
-    config = LoadConfig(address=args.address or "", concurrency=_numbers(args.concurrency, int),
-                        rates=_numbers(args.rates, float), requests=args.requests, max_tokens=args.max_tokens,
-                        mix=mix, deadline_s=args.deadline_s, duration_s=args.duration_s,
-                        max_outstanding=args.max_outstanding, slo_ttft_s=args.slo_ttft_s,
-                        slo_itl_s=args.slo_itl_s, seed=args.seed, rss_interval_s=args.rss_interval_s,
-                        pids=_pids(args.pids), security=security_settings(args))
+    config = LoadConfig(
+        address=args.address or "",
+        concurrency=_numbers(args.concurrency, int),
+        rates=_numbers(args.rates, float),
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        mix=mix,
+        deadline_s=args.deadline_s,
+        duration_s=args.duration_s,
+        max_outstanding=args.max_outstanding,
+        slo_ttft_s=args.slo_ttft_s,
+        slo_itl_s=args.slo_itl_s,
+        seed=args.seed,
+        rss_interval_s=args.rss_interval_s,
+        pids=_pids(args.pids),
+        security=security_settings(args),
+    )
     with contextlib.ExitStack() as stack:
         if args.checkpoint:
             from deploy.launch import Cluster, ClusterSpec
 
-            cluster = stack.enter_context(Cluster(ClusterSpec(
-                checkpoint=args.checkpoint, encoders=args.encoders, decoders=args.decoders, redis=args.redis,
-                device=args.device, dtype=args.dtype)))
+            cluster = stack.enter_context(
+                Cluster(
+                    ClusterSpec(
+                        checkpoint=args.checkpoint,
+                        encoders=args.encoders,
+                        decoders=args.decoders,
+                        redis=args.redis,
+                        device=args.device,
+                        dtype=args.dtype,
+                    )
+                )
+            )
             config.address = cluster.router_address
             config.pids = {p.name: p.popen.pid for p in cluster.processes() if p.popen is not None}
             print(f"local cluster: router {cluster.router_address}, logs {cluster.log_dir}", flush=True)

@@ -42,7 +42,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def settings(device: str) -> EngineSettings:
     return EngineSettings(
-        kv_cache_bytes=256 << 20, page_size=16, max_num_batched_tokens=512, snapshot_interval_blocks=8,
+        kv_cache_bytes=256 << 20,
+        page_size=16,
+        max_num_batched_tokens=512,
+        snapshot_interval_blocks=8,
         device=device,
     )
 

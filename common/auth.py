@@ -51,26 +51,33 @@ def _exempt(method: str) -> bool:
     return method.startswith(_HEALTH_PREFIX)
 
 
-def _replace_behavior(handler: grpc.RpcMethodHandler,
-                      wrap: Callable[[Callable[..., Any], bool], Callable[..., Any]],
-                      request_deserializer: Callable[[bytes], Any] | None = None) -> grpc.RpcMethodHandler:
+def _replace_behavior(
+    handler: grpc.RpcMethodHandler,
+    wrap: Callable[[Callable[..., Any], bool], Callable[..., Any]],
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> grpc.RpcMethodHandler:
     """The same kind of handler (unary/stream in/out, same serializer) around a wrapped behaviour.
     `wrap(behavior, streaming_response)` returns the new behaviour."""
-    kinds = (("unary_unary", grpc.unary_unary_rpc_method_handler, False),
-             ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
-             ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
-             ("stream_stream", grpc.stream_stream_rpc_method_handler, True))
+    kinds = (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+    )
     for attribute, factory, streaming in kinds:
         behavior = getattr(handler, attribute)
         if behavior is not None:
-            return factory(wrap(behavior, streaming),
-                           request_deserializer=request_deserializer or handler.request_deserializer,
-                           response_serializer=handler.response_serializer)
+            return factory(
+                wrap(behavior, streaming),
+                request_deserializer=request_deserializer or handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
     raise AssertionError("method handler without behaviour")
 
 
 def _refusal(code: grpc.StatusCode, message: str, streaming: bool) -> Callable[..., Any]:
     if streaming:
+
         async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(code, message)
             yield  # pragma: no cover - makes this an async generator, as streaming handlers are
@@ -94,11 +101,16 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """Request bytes that do not parse as the method's message (truncated, garbage, invalid UTF-8 in a string
     field) get INVALID_ARGUMENT with the parser's message; grpc's default is UNKNOWN plus an error log."""
 
-    async def intercept_service(self, continuation: Continuation,
-                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
-        if (handler is None or handler.request_deserializer is None or handler.request_streaming
-                or _exempt(handler_call_details.method)):
+        if (
+            handler is None
+            or handler.request_deserializer is None
+            or handler.request_streaming
+            or _exempt(handler_call_details.method)
+        ):
             return handler
         parse = handler.request_deserializer
 
@@ -113,10 +125,13 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     @staticmethod
     def _guarded(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
         async def refuse(request: _Malformed, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request could not be parsed: {type(request.error).__name__}: {request.error}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request could not be parsed: {type(request.error).__name__}: {request.error}",
+            )
 
         if streaming and inspect.isasyncgenfunction(behavior):
+
             async def guarded_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if isinstance(request, _Malformed):
                     await refuse(request, context)
@@ -146,15 +161,20 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
                 return hmac.compare_digest(given, self._expected)
         return False
 
-    async def intercept_service(self, continuation: Continuation,
-                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or _exempt(method) or self.authorized(handler_call_details.invocation_metadata):
             return handler
         log.warning("refused %s: missing or wrong bearer token", method)
-        return _replace_behavior(handler, lambda _behavior, streaming: _refusal(
-            grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token", streaming))
+        return _replace_behavior(
+            handler,
+            lambda _behavior, streaming: _refusal(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token", streaming
+            ),
+        )
 
 
 def client_key(peer: str) -> str:
@@ -176,8 +196,9 @@ class StreamLimitInterceptor(grpc.aio.ServerInterceptor):
         self.max_per_client = max_per_client
         self.open: dict[str, int] = {}
 
-    async def intercept_service(self, continuation: Continuation,
-                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None or _exempt(handler_call_details.method):
             return handler
@@ -198,11 +219,14 @@ class StreamLimitInterceptor(grpc.aio.ServerInterceptor):
             del self.open[key]
 
     def _refuse_message(self, context: grpc.aio.ServicerContext) -> str:
-        return (f"client {client_key(context.peer() or '')} already has {self.max_per_client} concurrent calls "
-                "(the per-client limit); retry later")
+        return (
+            f"client {client_key(context.peer() or '')} already has {self.max_per_client} concurrent calls "
+            "(the per-client limit); retry later"
+        )
 
     def _limited(self, behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
         if streaming:
+
             async def limited_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 key = self._admit(context)
                 if key is None:
@@ -249,16 +273,18 @@ def server_credentials(security: SecuritySettings) -> grpc.ServerCredentials | N
             raise ConfigError("--tls-ca on a server needs --tls-cert and --tls-key")
         return None
     ca = _read(security.tls_ca) if security.tls_ca else None
-    return grpc.ssl_server_credentials([(_read(security.tls_key), _read(security.tls_cert))],
-                                       root_certificates=ca, require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(_read(security.tls_key), _read(security.tls_cert))], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 def bind_server(server: grpc.aio.Server, host: str, port: int, security: SecuritySettings) -> int:
     """Bind a TLS port when a certificate is configured, else a plaintext one; returns the bound port."""
     credentials = server_credentials(security)
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, credentials) if credentials is not None
-             else server.add_insecure_port(address))
+    bound = (
+        server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
+    )
     if bound == 0:
         raise ConfigError(f"cannot bind gRPC server to {address}")
     return bound
@@ -271,7 +297,8 @@ def channel_credentials(security: SecuritySettings) -> grpc.ChannelCredentials |
     return grpc.ssl_channel_credentials(
         root_certificates=_read(security.tls_ca) if security.tls_ca else None,
         private_key=_read(security.tls_key) if security.tls_key else None,
-        certificate_chain=_read(security.tls_cert) if security.tls_cert else None)
+        certificate_chain=_read(security.tls_cert) if security.tls_cert else None,
+    )
 
 
 def _with_token(details: Any, token: str, factory: Callable[..., Any]) -> Any:
@@ -300,33 +327,37 @@ class _AioTokenUnaryStream(_AioTokenBase, grpc.aio.UnaryStreamClientInterceptor)
 
 
 class _AioTokenStreamUnary(_AioTokenBase, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any,
-                                     request_iterator: Any) -> Any:
+    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
 
 
 class _AioTokenStreamStream(_AioTokenBase, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
-                                      request_iterator: Any) -> Any:
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
 
 
 def aio_token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
     """Client interceptors adding `authorization: Bearer <token>` to every call of an aio channel."""
-    return [kind(token) for kind in (_AioTokenUnaryUnary, _AioTokenUnaryStream, _AioTokenStreamUnary,
-                                     _AioTokenStreamStream)]
+    return [
+        kind(token) for kind in (_AioTokenUnaryUnary, _AioTokenUnaryStream, _AioTokenStreamUnary, _AioTokenStreamStream)
+    ]
 
 
 class _SyncCallDetails(grpc.ClientCallDetails):
-    def __init__(self, method: str, timeout: float | None, metadata: Any, credentials: Any,
-                 wait_for_ready: bool | None) -> None:
+    def __init__(
+        self, method: str, timeout: float | None, metadata: Any, credentials: Any, wait_for_ready: bool | None
+    ) -> None:
         self.method, self.timeout, self.metadata = method, timeout, metadata
         self.credentials, self.wait_for_ready = credentials, wait_for_ready
         self.compression = None
 
 
-class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                            grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _SyncTokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds the bearer token to every call of a blocking channel (CLI, benchmarks)."""
 
     def __init__(self, token: str) -> None:
@@ -355,25 +386,31 @@ def _options(security: SecuritySettings, options: Sequence[tuple[str, Any]]) -> 
     return out
 
 
-def aio_channel(address: str, security: SecuritySettings | None = None,
-                options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+def aio_channel(
+    address: str, security: SecuritySettings | None = None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
     """An asyncio channel to one of our servers (TLS and token as configured)."""
     security = security or SecuritySettings()
     interceptors = aio_token_interceptors(security.token) if security.token else None
     credentials = channel_credentials(security)
     if credentials is not None:
-        return grpc.aio.secure_channel(address, credentials, options=_options(security, options),
-                                       interceptors=interceptors)
+        return grpc.aio.secure_channel(
+            address, credentials, options=_options(security, options), interceptors=interceptors
+        )
     return grpc.aio.insecure_channel(address, options=_options(security, options), interceptors=interceptors)
 
 
-def sync_channel(address: str, security: SecuritySettings | None = None,
-                 options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+def sync_channel(
+    address: str, security: SecuritySettings | None = None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
     """A blocking channel to one of our servers (TLS and token as configured)."""
     security = security or SecuritySettings()
     credentials = channel_credentials(security)
-    channel = (grpc.secure_channel(address, credentials, options=_options(security, options))
-               if credentials is not None else grpc.insecure_channel(address, options=_options(security, options)))
+    channel = (
+        grpc.secure_channel(address, credentials, options=_options(security, options))
+        if credentials is not None
+        else grpc.insecure_channel(address, options=_options(security, options))
+    )
     if security.token:
         channel = grpc.intercept_channel(channel, _SyncTokenInterceptor(security.token))
     return channel

@@ -61,8 +61,16 @@ class CorruptEntryError(ValueError):
 
 
 def serialize_entry(entry: Entry) -> bytes:
-    header = _HEADER.pack(_MAGIC, FORMAT_VERSION, _DTYPE_CODES[entry.dtype], _MODALITY_CODES[entry.modality],
-                          entry.rows, entry.dim, checksum(entry.payload), len(entry.spans))
+    header = _HEADER.pack(
+        _MAGIC,
+        FORMAT_VERSION,
+        _DTYPE_CODES[entry.dtype],
+        _MODALITY_CODES[entry.modality],
+        entry.rows,
+        entry.dim,
+        checksum(entry.payload),
+        len(entry.spans),
+    )
     spans = b"".join(_SPAN.pack(_MODALITY_CODES[s.modality], s.rows) for s in entry.spans)
     return header + spans + entry.payload
 
@@ -162,8 +170,9 @@ class LruCache:
 
     tier = "l1"
 
-    def __init__(self, budget_bytes: int, max_entry_fraction: float = 0.25,
-                 observer: CacheObserver | None = None) -> None:
+    def __init__(
+        self, budget_bytes: int, max_entry_fraction: float = 0.25, observer: CacheObserver | None = None
+    ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
@@ -223,8 +232,7 @@ class LruCache:
 
 def connect_redis(url: str, timeout_s: float) -> redis.Redis:
     """A client that fails fast: a slow or absent Redis must cost a cache miss, not a stalled request."""
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                retry_on_timeout=False)
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False)
 
 
 class RedisCache:
@@ -233,10 +241,19 @@ class RedisCache:
 
     tier = "l2"
 
-    def __init__(self, url: str, key_prefix: str = "ink:emb:", timeout_s: float = 0.25,
-                 ttl_s: int | None = None, max_value_bytes: int = 64 << 20, async_writes: bool = True,
-                 write_queue: int = 64, retry_after_s: float = 1.0, observer: CacheObserver | None = None,
-                 client: redis.Redis | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        key_prefix: str = "ink:emb:",
+        timeout_s: float = 0.25,
+        ttl_s: int | None = None,
+        max_value_bytes: int = 64 << 20,
+        async_writes: bool = True,
+        write_queue: int = 64,
+        retry_after_s: float = 1.0,
+        observer: CacheObserver | None = None,
+        client: redis.Redis | None = None,
+    ) -> None:
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
         self.max_value_bytes = max_value_bytes
@@ -265,8 +282,13 @@ class RedisCache:
             self.stats.errors += 1
         self.observer.error(self.tier, op)
         if first:
-            log.warning("redis %s failed (%s: %s); treating as a miss for %.1fs", op, type(exc).__name__, exc,
-                        self.retry_after_s)
+            log.warning(
+                "redis %s failed (%s: %s); treating as a miss for %.1fs",
+                op,
+                type(exc).__name__,
+                exc,
+                self.retry_after_s,
+            )
 
     # -- reads ---------------------------------------------------------------------------------------------
 

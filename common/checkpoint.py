@@ -103,9 +103,7 @@ class _Loader:
         total = sum(self.view.nbytes(raw) for raw, _ in plan.values())
         show = total > (1 << 30) if self.progress is None else self.progress
         out: dict[str, torch.Tensor] = {}
-        with tqdm(
-            total=total, unit="B", unit_scale=True, desc=f"loading {self.what}", disable=not show
-        ) as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {self.what}", disable=not show) as bar:
             for key, (raw, transform) in plan.items():
                 out[key] = transform(self.view.get(raw).to(self.device))
                 bar.update(self.view.nbytes(raw))
@@ -134,9 +132,7 @@ class _Loader:
         return self.report
 
 
-def _float_transform(
-    raw: str, dtype: torch.dtype, interleaved: bool
-) -> Callable[[torch.Tensor], torch.Tensor]:
+def _float_transform(raw: str, dtype: torch.dtype, interleaved: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     target = torch.float32 if raw.endswith(FP32_SUFFIXES) else dtype
     dim = interleave_dim(raw) if interleaved else None
 
@@ -176,9 +172,7 @@ def _nvfp4_stack(loader: _Loader, raw: str, logical: tuple[int, ...], plan: dict
 
 
 def _is_nvfp4(view: RawView, raw: str) -> bool:
-    return raw in view and (
-        view.dtype(raw) == torch.uint8 or raw + ".scale" in view or raw + ".scale2" in view
-    )
+    return raw in view and (view.dtype(raw) == torch.uint8 or raw + ".scale" in view or raw + ".scale2" in view)
 
 
 def _plan_stack(
@@ -206,8 +200,7 @@ def _plan_stack(
             continue
         if key.endswith(ROUTED_STACKS) and quant is not None and not quant.excludes(raw):
             raise CheckpointError(
-                f"tensor {raw} is {view.dtype(raw)} but the quantization config does not exclude "
-                f"it (expected NVFP4)"
+                f"tensor {raw} is {view.dtype(raw)} but the quantization config does not exclude it (expected NVFP4)"
             )
         loader.check_dtype(raw)
         loader.check(raw, shape)
@@ -222,11 +215,7 @@ def _decoder_ignore(name: str) -> str | None:
         return "vision tower (encoder service)"
     if name.startswith(AUDIO):
         return "audio tower (encoder service)"
-    if (
-        name.startswith(LLM)
-        and name.endswith(".input_amax")
-        and name[: -len(".input_amax")].endswith(ROUTED_STACKS)
-    ):
+    if name.startswith(LLM) and name.endswith(".input_amax") and name[: -len(".input_amax")].endswith(ROUTED_STACKS):
         return "NVFP4 activation calibration (weight-only inference)"
     return None
 
@@ -290,9 +279,7 @@ def _tower_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]
         v = config.vision
         if v is None:
             return {}
-        shapes: dict[str, tuple[int, ...] | None] = {
-            f"layers.linear_{i}.weight": None for i in range(v.num_layers)
-        }
+        shapes: dict[str, tuple[int, ...] | None] = {f"layers.linear_{i}.weight": None for i in range(v.num_layers)}
         shapes |= {f"layers.norm_{i}.weight": None for i in range(v.num_layers - 1)}
         if v.use_norm:
             shapes["final_norm.weight"] = (v.output_dim,)
@@ -328,11 +315,7 @@ def load_tower_weights(
         else re.compile(r"^(encoder|final_norm)\.weight$")
     )
     present = {n[len(prefix) :] for n in view.names() if n.startswith(prefix)}
-    expected = (
-        _tower_shapes(config, prefix)
-        if config is not None
-        else {k: None for k in present if pattern.match(k)}
-    )
+    expected = _tower_shapes(config, prefix) if config is not None else {k: None for k in present if pattern.match(k)}
     if config is not None and not expected:
         raise CheckpointError(f"config has no {prefix.rstrip('.')} tower")
     plan: dict = {}
@@ -378,9 +361,7 @@ def inspect_checkpoint(directory: str | Path) -> str:
         lines.append(f"tensors missing from the index (found by scanning): {len(files.unindexed)}")
     by_dtype = Counter(str(files.dtype(n)).replace("torch.", "") for n in names)
     lines.append("dtypes: " + ", ".join(f"{d} {c}" for d, c in sorted(by_dtype.items())))
-    groups = Counter(
-        next((p for p in (LLM, VISUAL, AUDIO, MTP) if n.startswith(p)), "other") for n in view.names()
-    )
+    groups = Counter(next((p for p in (LLM, VISUAL, AUDIO, MTP) if n.startswith(p)), "other") for n in view.names())
     lines.append("groups: " + ", ".join(f"{g.rstrip('.')} {c}" for g, c in sorted(groups.items())))
     nvfp4 = sorted(
         {

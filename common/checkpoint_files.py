@@ -76,20 +76,14 @@ class CheckpointFiles:
         for path in files:
             for name, entry in _read_header(path).items():
                 if name in self._file:
-                    raise CheckpointError(
-                        f"tensor {name} is stored twice: {self._file[name].name} and {path.name}"
-                    )
+                    raise CheckpointError(f"tensor {name} is stored twice: {self._file[name].name} and {path.name}")
                 if name in indexed and indexed[name] != path:
-                    raise CheckpointError(
-                        f"tensor {name} is in {path.name} but the index says {indexed[name].name}"
-                    )
+                    raise CheckpointError(f"tensor {name} is in {path.name} but the index says {indexed[name].name}")
                 self._file[name] = path
                 self._entry[name] = entry
         absent = [n for n in indexed if n not in self._file]
         if absent:
-            raise CheckpointError(
-                f"{INDEX_FILE} lists tensors missing from their shard: {name_list(absent)}"
-            )
+            raise CheckpointError(f"{INDEX_FILE} lists tensors missing from their shard: {name_list(absent)}")
         self.unindexed = sorted(n for n in self._file if indexed and n not in indexed)
 
     def _read_index(self) -> dict[str, Path]:

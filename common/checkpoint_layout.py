@@ -95,9 +95,7 @@ def _hf_to_raw(name: str, text_prefix: str) -> tuple[str, int | None, int]:
     """(raw name, gate/up part index or None, concat dim) of one HF-saved tensor name."""
     if name == "lm_head.weight":
         return LLM + "unembed.weight", None, 0
-    if name.startswith(text_prefix) and not name.startswith(
-        ("model.vision_tower.", "model.audio_tower.", MTP)
-    ):
+    if name.startswith(text_prefix) and not name.startswith(("model.vision_tower.", "model.audio_tower.", MTP)):
         name = LLM + name[len(text_prefix) :]
     for pattern, fused, part, dim in _HF_PAIRS:
         if re.search(pattern, name):

@@ -79,11 +79,19 @@ class TextConfig:
     def geometry(self, sliding: bool) -> AttentionGeometry:
         if sliding:
             return AttentionGeometry(
-                self.swa_num_heads, self.swa_num_kv_heads, self.swa_head_dim, self.sliding_window,
-                self.sliding_window, False,
+                self.swa_num_heads,
+                self.swa_num_kv_heads,
+                self.swa_head_dim,
+                self.sliding_window,
+                self.sliding_window,
+                False,
             )
         return AttentionGeometry(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.rel_extent, None,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.rel_extent,
+            None,
             self.log_scaling_n_floor is not None,
         )
 
@@ -145,8 +153,15 @@ def _plain(obj: Any) -> Any:
 
 
 # Release flags that we assert instead of implementing other branches (spec 1.2).
-_REQUIRED_TRUE = ("use_embed_norm", "use_sconv", "use_gate_bias", "use_global_scale", "shared_expert_sink",
-                  "norm_after_topk", "inference_moe_w13_interleaved")
+_REQUIRED_TRUE = (
+    "use_embed_norm",
+    "use_sconv",
+    "use_gate_bias",
+    "use_global_scale",
+    "shared_expert_sink",
+    "norm_after_topk",
+    "inference_moe_w13_interleaved",
+)
 _REQUIRED_FALSE = ("q_bias", "o_bias")
 
 
@@ -294,8 +309,10 @@ def parse_text_config(block: dict, where: str = "text_config") -> TextConfig:
         conv_kernel_size=r.int("sconv_kernel_size", "conv_kernel_size", default=4),
         max_position_embeddings=r.int("model_max_length", "max_position_embeddings", default=1048576),
     )
-    for name, heads, kv in (("num_attention_heads", cfg.num_heads, cfg.num_kv_heads),
-                            ("swa_num_attention_heads", cfg.swa_num_heads, cfg.swa_num_kv_heads)):
+    for name, heads, kv in (
+        ("num_attention_heads", cfg.num_heads, cfg.num_kv_heads),
+        ("swa_num_attention_heads", cfg.swa_num_heads, cfg.swa_num_kv_heads),
+    ):
         if heads % kv:
             raise ConfigError(f"{where}.{name}={heads} is not a multiple of its key/value head count {kv}")
     if cfg.num_experts_per_tok > cfg.n_routed_experts:
@@ -371,8 +388,12 @@ def _parse_mtp(mtp_block: dict | None, text_block: dict, text: TextConfig) -> Mt
     bad = [i for i in local if not 0 <= i < n]
     if bad:
         raise ConfigError(f"mtp_config.local_layer_ids: out of range for {n} depths: {bad}")
-    return MtpConfig(num_layers=n, chain_hidden_post_norm=chain,
-                     sliding_layers=tuple(i in set(local) for i in range(n)), window=window)
+    return MtpConfig(
+        num_layers=n,
+        chain_hidden_post_norm=chain,
+        sliding_layers=tuple(i in set(local) for i in range(n)),
+        window=window,
+    )
 
 
 def _eos_ids(value: Any, where: str) -> tuple[int, ...]:
@@ -411,8 +432,16 @@ def parse_model_config(raw: dict) -> ModelConfig:
         raise ConfigError(f"config.json: model_type={model_type!r} is not an Inkling model")
     if model_type == "inkling2":
         raise ConfigError("config.json: model_type='inkling2' is a different architecture (not supported)")
-    return ModelConfig(text=text, vision=vision, audio=audio, mtp=mtp, eos_token_ids=eos,
-                       image_token_id=image_id, audio_token_id=audio_id, raw=raw)
+    return ModelConfig(
+        text=text,
+        vision=vision,
+        audio=audio,
+        mtp=mtp,
+        eos_token_ids=eos,
+        image_token_id=image_id,
+        audio_token_id=audio_id,
+        raw=raw,
+    )
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

@@ -28,8 +28,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                   max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> list[tuple[str, int]]:
+def server_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+) -> list[tuple[str, int]]:
     """Server side: sends at most `max_message_bytes` (streamed chunks), accepts requests up to
     `max_request_bytes` (media travels inline)."""
     return [
@@ -45,8 +46,9 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ]
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> list[tuple[str, int]]:
+def channel_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+) -> list[tuple[str, int]]:
     """Client-side counterpart (use for every channel to our servers): receives responses up to
     `max_message_bytes`, sends requests up to `max_request_bytes`."""
     return [
@@ -58,11 +60,14 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ]
 
 
-def create_server(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> grpc.aio.Server:
-    return grpc.aio.server(options=server_options(max_message_bytes, max_request_bytes),
-                           interceptors=list(interceptors))
+def create_server(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> grpc.aio.Server:
+    return grpc.aio.server(
+        options=server_options(max_message_bytes, max_request_bytes), interceptors=list(interceptors)
+    )
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
@@ -74,8 +79,7 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
 
 
 def enable_reflection(server: grpc.aio.Server, service_full_names: Sequence[str]) -> None:
-    names = (*service_full_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME)
+    names = (*service_full_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
 
 
@@ -90,15 +94,19 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         self._changed = asyncio.Condition()
         self._shutting_down = False
 
-    async def Check(self, request: health_pb2.HealthCheckRequest,
-                    context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
         status = self._status.get(request.service)
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=status)
 
-    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext,
-                    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+    async def Watch(
+        self,
+        request: health_pb2.HealthCheckRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         last = None
         while True:
             async with self._changed:
@@ -152,8 +160,9 @@ class ServerHealth:
         await self.servicer.enter_graceful_shutdown()
 
 
-async def graceful_stop(server: grpc.aio.Server, health_state: ServerHealth | None, grace_s: float,
-                        drain_notice_s: float = 0.0) -> None:
+async def graceful_stop(
+    server: grpc.aio.Server, health_state: ServerHealth | None, grace_s: float, drain_notice_s: float = 0.0
+) -> None:
     """Report NOT_SERVING (Watch streams see it), optionally give balancers `drain_notice_s` to react,
     then stop accepting calls and let running ones finish within `grace_s` before cancelling them."""
     if health_state is not None:

@@ -60,8 +60,12 @@ def _digest(parts: Iterable[Any]) -> bytes:
     return h.digest()
 
 
-def mm_key(modality: str, media_bytes: bytes | memoryview, preprocess_fingerprint: Mapping[str, Any],
-           encoder_fingerprint: bytes) -> bytes:
+def mm_key(
+    modality: str,
+    media_bytes: bytes | memoryview,
+    preprocess_fingerprint: Mapping[str, Any],
+    encoder_fingerprint: bytes,
+) -> bytes:
     """The 32-byte content key of one media item.
 
     `preprocess_fingerprint` holds every parameter that changes the tower input (resize policy, patch

@@ -41,14 +41,14 @@ class PrometheusCacheObserver:
     """`common.cache_store.CacheObserver` backed by Prometheus metrics with a service prefix."""
 
     def __init__(self, registry: CollectorRegistry, prefix: str = "inkling_encoder") -> None:
-        self.queries = Counter(f"{prefix}_cache_queries", "Embedding cache lookups", ["tier"],
-                               registry=registry)
-        self.hits = Counter(f"{prefix}_cache_hits", "Embedding cache hits", ["tier", "modality"],
-                            registry=registry)
-        self.errors = Counter(f"{prefix}_cache_errors", "Cache backend errors (counted as misses)",
-                              ["tier", "op"], registry=registry)
-        self.corrupted = Counter(f"{prefix}_cache_corrupt", "Cached values that failed verification",
-                                 ["tier"], registry=registry)
+        self.queries = Counter(f"{prefix}_cache_queries", "Embedding cache lookups", ["tier"], registry=registry)
+        self.hits = Counter(f"{prefix}_cache_hits", "Embedding cache hits", ["tier", "modality"], registry=registry)
+        self.errors = Counter(
+            f"{prefix}_cache_errors", "Cache backend errors (counted as misses)", ["tier", "op"], registry=registry
+        )
+        self.corrupted = Counter(
+            f"{prefix}_cache_corrupt", "Cached values that failed verification", ["tier"], registry=registry
+        )
         self.evictions = Counter(f"{prefix}_cache_evictions", "Entries evicted", ["tier"], registry=registry)
         self.bytes = Gauge(f"{prefix}_cache_bytes", "Payload bytes held", ["tier"], registry=registry)
         self.entries = Gauge(f"{prefix}_cache_entries", "Entries held", ["tier"], registry=registry)
@@ -77,18 +77,33 @@ class EncoderMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.requests = Counter("inkling_encoder_requests", "Encode calls by outcome", ["status"],
-                                registry=registry)
-        self.items = Counter("inkling_encoder_items", "Media items by modality and outcome",
-                             ["modality", "status"], registry=registry)
-        self.queue_wait = Histogram("inkling_encoder_queue_wait_seconds", "Wait for a tower batch",
-                                    buckets=_LATENCY_BUCKETS, registry=registry)
-        self.preprocess = Histogram("inkling_encoder_preprocess_seconds", "CPU preprocessing per item",
-                                    ["modality"], buckets=_LATENCY_BUCKETS, registry=registry)
-        self.forward = Histogram("inkling_encoder_forward_seconds", "Tower forward per batch", ["tower"],
-                                 buckets=_LATENCY_BUCKETS, registry=registry)
-        self.items_per_batch = Histogram("inkling_encoder_items_per_batch", "Items coalesced per tower batch",
-                                         ["tower"], buckets=_BATCH_BUCKETS, registry=registry)
-        self.inflight = Gauge("inkling_encoder_inflight_items", "Items accepted and not finished",
-                              registry=registry)
+        self.requests = Counter("inkling_encoder_requests", "Encode calls by outcome", ["status"], registry=registry)
+        self.items = Counter(
+            "inkling_encoder_items", "Media items by modality and outcome", ["modality", "status"], registry=registry
+        )
+        self.queue_wait = Histogram(
+            "inkling_encoder_queue_wait_seconds", "Wait for a tower batch", buckets=_LATENCY_BUCKETS, registry=registry
+        )
+        self.preprocess = Histogram(
+            "inkling_encoder_preprocess_seconds",
+            "CPU preprocessing per item",
+            ["modality"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.forward = Histogram(
+            "inkling_encoder_forward_seconds",
+            "Tower forward per batch",
+            ["tower"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.items_per_batch = Histogram(
+            "inkling_encoder_items_per_batch",
+            "Items coalesced per tower batch",
+            ["tower"],
+            buckets=_BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.inflight = Gauge("inkling_encoder_inflight_items", "Items accepted and not finished", registry=registry)
         self.cache = PrometheusCacheObserver(registry, "inkling_encoder")

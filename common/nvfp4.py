@@ -30,9 +30,7 @@ _MIDPOINTS = torch.tensor(
 
 def _check_last_dim(name: str, tensor: torch.Tensor, multiple: int) -> None:
     if tensor.dim() < 1 or tensor.shape[-1] % multiple:
-        raise ValueError(
-            f"{name}: last dimension must be a multiple of {multiple}, got shape {tuple(tensor.shape)}"
-        )
+        raise ValueError(f"{name}: last dimension must be a multiple of {multiple}, got shape {tuple(tensor.shape)}")
 
 
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -64,9 +62,7 @@ def pack_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     `block_amax / 6 / scale2` rounded to e4m3, codes the nearest E2M1 value of `w / (scale * scale2)`.
     """
     if w.dim() < 2 or not w.is_floating_point():
-        raise ValueError(
-            f"w: expected a floating tensor with at least 2 dims, got {w.dtype} {tuple(w.shape)}"
-        )
+        raise ValueError(f"w: expected a floating tensor with at least 2 dims, got {w.dtype} {tuple(w.shape)}")
     _check_last_dim("w", w, BLOCK_SIZE)
     w = w.float()
     amax = w.abs().amax(dim=(-2, -1))  # [...]

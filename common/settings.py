@@ -96,18 +96,25 @@ class SecuritySettings:
 def add_security_args(parser: argparse.ArgumentParser, max_streams_per_client: int | None = 0) -> None:
     """Flags of `SecuritySettings` (every serve command; clients that dial our servers too, with
     `max_streams_per_client=None`: no server-side flag)."""
-    parser.add_argument("--auth-token-file", default=None,
-                        help="file holding the shared bearer token required on every RPC except health")
-    parser.add_argument("--auth-token", default=None,
-                        help="the token itself (visible in the process list; prefer --auth-token-file)")
+    parser.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="file holding the shared bearer token required on every RPC except health",
+    )
+    parser.add_argument(
+        "--auth-token", default=None, help="the token itself (visible in the process list; prefer --auth-token-file)"
+    )
     parser.add_argument("--tls-cert", default=None, help="PEM certificate (enables TLS)")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--tls-ca", default=None, help="PEM CA bundle; servers then require client certs (mTLS)")
     parser.add_argument("--tls-server-name", default=None, help="expected server certificate name (clients)")
     if max_streams_per_client is not None:
-        parser.add_argument("--max-streams-per-client", type=int, default=max_streams_per_client,
-                            help="concurrent calls accepted per client address; more get RESOURCE_EXHAUSTED "
-                                 "(0 = unlimited)")
+        parser.add_argument(
+            "--max-streams-per-client",
+            type=int,
+            default=max_streams_per_client,
+            help="concurrent calls accepted per client address; more get RESOURCE_EXHAUSTED (0 = unlimited)",
+        )
 
 
 def read_token_file(path: str) -> str:
@@ -126,10 +133,14 @@ def security_settings(args: argparse.Namespace) -> SecuritySettings:
         raise ConfigError("give either --auth-token-file or --auth-token, not both")
     if token_file:
         token = read_token_file(token_file)
-    return SecuritySettings(token=token or None, tls_cert=getattr(args, "tls_cert", None),
-                            tls_key=getattr(args, "tls_key", None), tls_ca=getattr(args, "tls_ca", None),
-                            tls_server_name=getattr(args, "tls_server_name", None),
-                            max_streams_per_client=int(getattr(args, "max_streams_per_client", 0) or 0))
+    return SecuritySettings(
+        token=token or None,
+        tls_cert=getattr(args, "tls_cert", None),
+        tls_key=getattr(args, "tls_key", None),
+        tls_ca=getattr(args, "tls_ca", None),
+        tls_server_name=getattr(args, "tls_server_name", None),
+        max_streams_per_client=int(getattr(args, "max_streams_per_client", 0) or 0),
+    )
 
 
 @dataclass(frozen=True)
@@ -166,8 +177,15 @@ class EncoderLimits:
     max_inflight_items: int = 1024  # above this, new calls get RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:
-        for name in ("max_items_per_request", "max_item_bytes", "max_image_pixels", "max_image_patches",
-                     "max_audio_seconds", "max_video_frames", "max_inflight_items"):
+        for name in (
+            "max_items_per_request",
+            "max_item_bytes",
+            "max_image_pixels",
+            "max_image_patches",
+            "max_audio_seconds",
+            "max_video_frames",
+            "max_inflight_items",
+        ):
             _positive(f"encoder limit {name}", getattr(self, name))
 
 
@@ -216,10 +234,18 @@ def add_encoder_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-image-patches", type=int, default=limits.max_image_patches)
     parser.add_argument("--max-audio-seconds", type=float, default=limits.max_audio_seconds)
     parser.add_argument("--max-video-frames", type=int, default=limits.max_video_frames)
-    parser.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE_BYTES / _MIB,
-                        help="largest gRPC message sent (responses are chunked below it)")
-    parser.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_REQUEST_BYTES / _MIB,
-                        help="largest gRPC request accepted (media bytes travel inline)")
+    parser.add_argument(
+        "--max-message-mb",
+        type=float,
+        default=DEFAULT_MAX_MESSAGE_BYTES / _MIB,
+        help="largest gRPC message sent (responses are chunked below it)",
+    )
+    parser.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=DEFAULT_MAX_REQUEST_BYTES / _MIB,
+        help="largest gRPC request accepted (media bytes travel inline)",
+    )
 
 
 def redis_settings(url_flag: str | None) -> RedisSettings | None:
@@ -248,13 +274,20 @@ def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
         max_video_frames=int(_flag(args, "max_video_frames", d.max_video_frames)),
     )
     grpc = GrpcSettings(
-        host=args.host, port=args.port, grace_s=args.grace_seconds,
+        host=args.host,
+        port=args.port,
+        grace_s=args.grace_seconds,
         max_message_bytes=int(_flag(args, "max_message_mb", DEFAULT_MAX_MESSAGE_BYTES / _MIB) * _MIB),
         max_request_bytes=int(_flag(args, "max_request_mb", DEFAULT_MAX_REQUEST_BYTES / _MIB) * _MIB),
-        security=security_settings(args))
+        security=security_settings(args),
+    )
     return EncoderSettings(
-        checkpoint=args.checkpoint, grpc=grpc, metrics_port=args.metrics_port,
-        redis=redis_settings(args.redis_url), device=args.device, dtype=args.dtype,
+        checkpoint=args.checkpoint,
+        grpc=grpc,
+        metrics_port=args.metrics_port,
+        redis=redis_settings(args.redis_url),
+        device=args.device,
+        dtype=args.dtype,
         l1_cache_bytes=int(_flag(args, "l1_cache_mb", 1024.0) * _MIB),
         preprocess_workers=int(_flag(args, "preprocess_workers", 4)),
         limits=limits,

@@ -111,11 +111,14 @@ class EncodedItem:
 
     def __post_init__(self) -> None:
         if len(self.payload) != self.rows * self.dim * BF16_BYTES:
-            raise WireError(f"item {self.item_index}: payload has {len(self.payload)} bytes, expected "
-                            f"{self.rows * self.dim * BF16_BYTES} for [{self.rows}, {self.dim}] bf16")
+            raise WireError(
+                f"item {self.item_index}: payload has {len(self.payload)} bytes, expected "
+                f"{self.rows * self.dim * BF16_BYTES} for [{self.rows}, {self.dim}] bf16"
+            )
         if sum(s.rows for s in self.spans) != self.rows:
-            raise WireError(f"item {self.item_index}: spans cover {sum(s.rows for s in self.spans)} rows, "
-                            f"tensor has {self.rows}")
+            raise WireError(
+                f"item {self.item_index}: spans cover {sum(s.rows for s in self.spans)} rows, tensor has {self.rows}"
+            )
 
 
 def split_chunks(payload: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> list[memoryview]:
@@ -123,22 +126,30 @@ def split_chunks(payload: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) ->
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     view = memoryview(payload)
-    return [view[i:i + chunk_bytes] for i in range(0, len(view), chunk_bytes)]
+    return [view[i : i + chunk_bytes] for i in range(0, len(view), chunk_bytes)]
 
 
 def item_messages(item: EncodedItem, chunk_bytes: int = CHUNK_BYTES) -> Iterator[encoder_pb2.EncodeChunk]:
     """One `ItemHeader` then the `DataChunk`s of an item."""
     chunks = split_chunks(item.payload, chunk_bytes)
     header = encoder_pb2.ItemHeader(
-        item_index=item.item_index, mm_key=item.mm_key, modality=modality_to_proto(item.modality),
-        rows=item.rows, dim=item.dim, dtype=item.dtype, total_bytes=len(item.payload), num_chunks=len(chunks),
-        checksum=checksum(item.payload), cache_hit=item.cache_hit,
+        item_index=item.item_index,
+        mm_key=item.mm_key,
+        modality=modality_to_proto(item.modality),
+        rows=item.rows,
+        dim=item.dim,
+        dtype=item.dtype,
+        total_bytes=len(item.payload),
+        num_chunks=len(chunks),
+        checksum=checksum(item.payload),
+        cache_hit=item.cache_hit,
         spans=[encoder_pb2.Span(modality=modality_to_proto(s.modality), rows=s.rows) for s in item.spans],
     )
     yield encoder_pb2.EncodeChunk(header=header)
     for seq, chunk in enumerate(chunks):
-        yield encoder_pb2.EncodeChunk(data=encoder_pb2.DataChunk(item_index=item.item_index, seq=seq,
-                                                                 payload=bytes(chunk)))
+        yield encoder_pb2.EncodeChunk(
+            data=encoder_pb2.DataChunk(item_index=item.item_index, seq=seq, payload=bytes(chunk))
+        )
 
 
 @dataclass(frozen=True)
@@ -186,8 +197,10 @@ class StreamAssembler:
 
     def _expect_no_open_item(self, what: str) -> None:
         if self._header is not None:
-            raise WireError(f"{what} arrived while item {self._header.item_index} still misses data "
-                            f"({self._received} of {self._header.total_bytes} bytes)")
+            raise WireError(
+                f"{what} arrived while item {self._header.item_index} still misses data "
+                f"({self._received} of {self._header.total_bytes} bytes)"
+            )
 
     def _start(self, header: encoder_pb2.ItemHeader) -> EncodedItem | None:
         self._expect_no_open_item(f"header of item {header.item_index}")
@@ -196,11 +209,14 @@ class StreamAssembler:
             raise WireError(f"item {header.item_index}: unsupported dtype {header.dtype!r}")
         expected = header.rows * header.dim * BF16_BYTES
         if header.total_bytes != expected:
-            raise WireError(f"item {header.item_index}: total_bytes {header.total_bytes} does not match "
-                            f"[{header.rows}, {header.dim}] bf16 ({expected})")
+            raise WireError(
+                f"item {header.item_index}: total_bytes {header.total_bytes} does not match "
+                f"[{header.rows}, {header.dim}] bf16 ({expected})"
+            )
         if self.max_item_bytes is not None and header.total_bytes > self.max_item_bytes:
-            raise WireError(f"item {header.item_index}: {header.total_bytes} bytes exceeds the limit "
-                            f"{self.max_item_bytes}")
+            raise WireError(
+                f"item {header.item_index}: {header.total_bytes} bytes exceeds the limit {self.max_item_bytes}"
+            )
         if len(header.mm_key) != 32:
             raise WireError(f"item {header.item_index}: mm_key has {len(header.mm_key)} bytes, expected 32")
         self._header, self._parts, self._received = header, [], 0
@@ -213,14 +229,14 @@ class StreamAssembler:
         if chunk.item_index != header.item_index:
             raise WireError(f"data chunk of item {chunk.item_index} inside item {header.item_index}")
         if chunk.seq != len(self._parts):
-            raise WireError(f"item {header.item_index}: chunk {chunk.seq} arrived, "
-                            f"expected {len(self._parts)}")
+            raise WireError(f"item {header.item_index}: chunk {chunk.seq} arrived, expected {len(self._parts)}")
         if not chunk.payload or len(chunk.payload) > CHUNK_BYTES:
             raise WireError(f"item {header.item_index}: chunk {chunk.seq} has {len(chunk.payload)} bytes")
         self._received += len(chunk.payload)
         if self._received > header.total_bytes:
-            raise WireError(f"item {header.item_index}: {self._received} bytes received, header says "
-                            f"{header.total_bytes}")
+            raise WireError(
+                f"item {header.item_index}: {self._received} bytes received, header says {header.total_bytes}"
+            )
         self._parts.append(chunk.payload)
         return self._complete() if self._received == header.total_bytes else None
 
@@ -231,15 +247,22 @@ class StreamAssembler:
         num_parts = len(self._parts)
         self._header, self._parts, self._received = None, [], 0
         if num_parts != header.num_chunks:
-            raise WireError(f"item {header.item_index}: {num_parts} chunks received, header says "
-                            f"{header.num_chunks}")
+            raise WireError(f"item {header.item_index}: {num_parts} chunks received, header says {header.num_chunks}")
         if checksum(payload) != header.checksum:
             raise WireError(f"item {header.item_index}: checksum mismatch (payload garbled)")
         self._next_index += 1
         spans = tuple(Span(modality_from_proto(s.modality), s.rows) for s in header.spans)
-        return EncodedItem(item_index=header.item_index, mm_key=header.mm_key,
-                           modality=modality_from_proto(header.modality), rows=header.rows, dim=header.dim,
-                           payload=payload, spans=spans, cache_hit=header.cache_hit, dtype=header.dtype)
+        return EncodedItem(
+            item_index=header.item_index,
+            mm_key=header.mm_key,
+            modality=modality_from_proto(header.modality),
+            rows=header.rows,
+            dim=header.dim,
+            payload=payload,
+            spans=spans,
+            cache_hit=header.cache_hit,
+            dtype=header.dtype,
+        )
 
     def finish(self) -> None:
         """Call at end of stream: raises if an item was cut short or requested items are missing."""
@@ -248,8 +271,10 @@ class StreamAssembler:
             raise WireError(f"stream ended after {self._next_index} of {self.expected_items} items")
 
 
-def assemble(messages: Iterable[encoder_pb2.EncodeChunk], expected_items: int | None = None,
-             ) -> list[EncodedItem | ItemFailure]:
+def assemble(
+    messages: Iterable[encoder_pb2.EncodeChunk],
+    expected_items: int | None = None,
+) -> list[EncodedItem | ItemFailure]:
     """Assemble a complete (already received) stream."""
     assembler = StreamAssembler(expected_items)
     out = [item for item in (assembler.add(m) for m in messages) if item is not None]

@@ -144,8 +144,9 @@ class EngineFailure(InklingError):
 class MediaEncoder(Protocol):
     """What the service needs from the encoder client (or an in-process encoder)."""
 
-    async def encode(self, items: Sequence[MediaInput], request_id: str = "",
-                     timeout_s: float | None = None) -> list[EncodedItem]: ...
+    async def encode(
+        self, items: Sequence[MediaInput], request_id: str = "", timeout_s: float | None = None
+    ) -> list[EncodedItem]: ...
 
     @property
     def inflight_items(self) -> int: ...

@@ -232,9 +232,7 @@ def attach_media(
     items of each kind are consumed in prompt order and each run must match the item's count exactly.
     """
     if len(media_modalities) != len(media_token_counts):
-        raise InvalidInputError(
-            f"media: {len(media_modalities)} modalities but {len(media_token_counts)} token counts"
-        )
+        raise InvalidInputError(f"media: {len(media_modalities)} modalities but {len(media_token_counts)} token counts")
     visual: list[_Slot] = []
     audio: list[_Slot] = []
     for index, modality in enumerate(media_modalities):
@@ -310,13 +308,9 @@ def _check_messages(
     modality_of: dict[int, Modality] = {}
     for m, message in enumerate(messages):
         if message.role not in ROLES:
-            raise InvalidInputError(
-                f"messages[{m}].role: unknown role {message.role!r}; expected one of {ROLES}"
-            )
+            raise InvalidInputError(f"messages[{m}].role: unknown role {message.role!r}; expected one of {ROLES}")
         if message.name is not None and not isinstance(message.name, str):
-            raise InvalidInputError(
-                f"messages[{m}].name: expected a string, got {type(message.name).__name__}"
-            )
+            raise InvalidInputError(f"messages[{m}].name: expected a string, got {type(message.name).__name__}")
         for p, part in enumerate(message.parts):
             where = f"messages[{m}].parts[{p}]"
             if isinstance(part, TextPart):
@@ -466,9 +460,7 @@ def _splice(spans: Sequence[tml.TokenSpan], slots: Sequence[_Slot]) -> tuple[lis
         next_slot += 1
         if slot.modality == "audio":
             token_ids[-1] = CONTENT_AUDIO_INPUT
-        media_spans.append(
-            MediaSpan(slot.item_index, slot.modality, len(token_ids), slot.length, slot.row_offset)
-        )
+        media_spans.append(MediaSpan(slot.item_index, slot.modality, len(token_ids), slot.length, slot.row_offset))
         placeholder = AUDIO_PLACEHOLDER if slot.modality == "audio" else IMAGE_PLACEHOLDER
         token_ids.extend([placeholder] * slot.length)
         if slot.modality == "audio":

@@ -70,35 +70,66 @@ def load_messages(path: str | Path, no_rescale: bool = False) -> list[pb.Message
                 media_path = path.parent / part["path"]
                 message.content.append(pb.ContentPart(media=media_item(kind, media_path, no_rescale)))
             else:
-                raise InvalidInputError(f"{where}, part {p}: expected {{type: text, text}} or "
-                                        f"{{type: image|audio|video, path}}, got {part!r}")
+                raise InvalidInputError(
+                    f"{where}, part {p}: expected {{type: text, text}} or "
+                    f"{{type: image|audio|video, path}}, got {part!r}"
+                )
         messages.append(message)
     return messages
 
 
-def sampling_params(temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                    min_p: float | None = None, seed: int | None = None, max_tokens: int | None = None,
-                    stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                    repetition_penalty: float | None = None, presence_penalty: float | None = None,
-                    frequency_penalty: float | None = None, logprobs: int | None = None,
-                    ignore_eos: bool = False) -> pb.SamplingParams:
+def sampling_params(
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    max_tokens: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logprobs: int | None = None,
+    ignore_eos: bool = False,
+) -> pb.SamplingParams:
     """`SamplingParams` with only the given fields set (unset ones keep the server's neutral default)."""
-    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, max_tokens=max_tokens,
-                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                 frequency_penalty=frequency_penalty, logprobs=logprobs)
-    return pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                             **{k: v for k, v in given.items() if v is not None})
+    given = dict(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=seed,
+        max_tokens=max_tokens,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logprobs=logprobs,
+    )
+    return pb.SamplingParams(
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        **{k: v for k, v in given.items() if v is not None},
+    )
 
 
-def build_request(sampling: pb.SamplingParams, messages: Sequence[pb.Message] = (), prompt: str | None = None,
-                  media: Sequence[media_pb2.MediaItem] = (), prompt_ids: Sequence[int] | None = None,
-                  reasoning_effort: float | None = None, request_id: str = "") -> pb.GenerateRequest:
+def build_request(
+    sampling: pb.SamplingParams,
+    messages: Sequence[pb.Message] = (),
+    prompt: str | None = None,
+    media: Sequence[media_pb2.MediaItem] = (),
+    prompt_ids: Sequence[int] | None = None,
+    reasoning_effort: float | None = None,
+    request_id: str = "",
+) -> pb.GenerateRequest:
     """A chat request from `messages`, or from `prompt` with `media` before it in one user message, or a token
     prompt from `prompt_ids` (one placeholder token per media item)."""
     rid = request_id or f"cli-{uuid.uuid4().hex[:12]}"
     if prompt_ids is not None:
-        return pb.GenerateRequest(request_id=rid, sampling=sampling,
-                                  tokens=pb.TokenPrompt(token_ids=list(prompt_ids), media=list(media)))
+        return pb.GenerateRequest(
+            request_id=rid, sampling=sampling, tokens=pb.TokenPrompt(token_ids=list(prompt_ids), media=list(media))
+        )
     if not messages:
         parts = [pb.ContentPart(media=m) for m in media] + [pb.ContentPart(text=prompt or "")]
         messages = [pb.Message(role=pb.ROLE_USER, content=parts)]
@@ -112,8 +143,9 @@ class OutputPrinter:
     """Collects a Generate stream; with `stream`, writes text as it arrives, reasoning dimmed on a terminal
     and marked `[reasoning]` / `[answer]` at channel changes otherwise."""
 
-    def __init__(self, out: TextIO = sys.stdout, stream: bool = False,
-                 prompt_token_ids: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, out: TextIO = sys.stdout, stream: bool = False, prompt_token_ids: Sequence[int] | None = None
+    ) -> None:
         self.out = out
         self.prompt_token_ids = None if prompt_token_ids is None else list(prompt_token_ids)
         self.stream = stream
@@ -142,8 +174,9 @@ class OutputPrinter:
             self.out.write(f"{_DIM}{text}{_RESET}" if channel == "reasoning" else text)
         else:
             if channel != self._channel:
-                self.out.write(("\n" if self._channel else "") + ("[reasoning] " if channel == "reasoning"
-                                                                  else "[answer] "))
+                self.out.write(
+                    ("\n" if self._channel else "") + ("[reasoning] " if channel == "reasoning" else "[answer] ")
+                )
             self.out.write(text)
         self._channel = channel
         self.out.flush()
@@ -151,12 +184,17 @@ class OutputPrinter:
     def summary(self) -> dict:
         """The `generate` JSON contract (prompt_token_ids: the token prompt's ids, null for a chat; token_ids,
         text, finish_reason) plus reasoning, tool calls, usage and timings."""
-        result: dict = {"prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
-                        "text": self.text["content"],
-                        "reasoning": self.text["reasoning"], "tool_calls": self.tool_calls}
+        result: dict = {
+            "prompt_token_ids": self.prompt_token_ids,
+            "token_ids": self.token_ids,
+            "text": self.text["content"],
+            "reasoning": self.text["reasoning"],
+            "tool_calls": self.tool_calls,
+        }
         if self.final is not None:
-            final = MessageToDict(self.final, preserving_proto_field_name=True,
-                                  always_print_fields_with_no_presence=True)
+            final = MessageToDict(
+                self.final, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            )
             final["finish_reason"] = final.get("finish_reason", "").removeprefix("FINISH_REASON_").lower()
             result.update(final)
         return result

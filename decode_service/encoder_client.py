@@ -46,11 +46,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-              grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-              grpc.StatusCode.CANCELLED}
-_RESCALE = {"default": media_pb2.RESCALE_POLICY_SERVER_DEFAULT, "none": media_pb2.RESCALE_POLICY_NONE,
-            "long_edge": media_pb2.RESCALE_POLICY_LONG_EDGE}
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+}
+_RESCALE = {
+    "default": media_pb2.RESCALE_POLICY_SERVER_DEFAULT,
+    "none": media_pb2.RESCALE_POLICY_NONE,
+    "long_edge": media_pb2.RESCALE_POLICY_LONG_EDGE,
+}
 
 
 class LocalEncoder(Protocol):
@@ -145,6 +154,7 @@ def _resolve(target: str) -> list[str]:
 
 def rendezvous_order(key: bytes, addresses: Sequence[str]) -> list[str]:
     """Highest-random-weight order of `addresses` for `key` (stable; ~1/N keys move when N changes)."""
+
     def weight(address: str) -> bytes:
         return hashlib.sha256(key + b"\x00" + address.encode()).digest()
 
@@ -181,10 +191,16 @@ def _image_params(options: ImageOptions) -> media_pb2.ImageParams:
 class EncoderClient:
     """A pool of encoder replicas plus the embedding cache. Create, `await start()`, use, `await close()`."""
 
-    def __init__(self, targets: Sequence[str], fingerprint_fn: Callable[[MediaInput, str], dict[str, Any]],
-                 cache: EmbeddingCache | None = None, local: LocalEncoder | None = None,
-                 local_fingerprint: bytes | None = None, settings: ClientSettings | None = None,
-                 observer: ClientObserver | None = None) -> None:
+    def __init__(
+        self,
+        targets: Sequence[str],
+        fingerprint_fn: Callable[[MediaInput, str], dict[str, Any]],
+        cache: EmbeddingCache | None = None,
+        local: LocalEncoder | None = None,
+        local_fingerprint: bytes | None = None,
+        settings: ClientSettings | None = None,
+        observer: ClientObserver | None = None,
+    ) -> None:
         self.targets = list(targets)
         self.fingerprint_fn = fingerprint_fn
         self.cache = cache
@@ -246,8 +262,9 @@ class EncoderClient:
 
     # -- the public call -------------------------------------------------------------------------------------
 
-    async def encode(self, items: Sequence[MediaInput], request_id: str = "",
-                     timeout_s: float | None = None) -> list[EncodedItem]:
+    async def encode(
+        self, items: Sequence[MediaInput], request_id: str = "", timeout_s: float | None = None
+    ) -> list[EncodedItem]:
         """Rows for every item, in item order (`item_index` = position in `items`).
 
         Raises `InvalidInputError` naming the item (`media[i]`), `UnavailableError` when no encoder can serve
@@ -262,8 +279,10 @@ class EncoderClient:
         if not self.healthy():
             return await self._local_or_fail(items, request_id, "no healthy encoder replica")
         assert fingerprint is not None
-        keys = [mm_key(m.modality, m.data, self.fingerprint_fn(m, f"media[{i}] ({m.modality})"), fingerprint)
-                for i, m in enumerate(items)]
+        keys = [
+            mm_key(m.modality, m.data, self.fingerprint_fn(m, f"media[{i}] ({m.modality})"), fingerprint)
+            for i, m in enumerate(items)
+        ]
         results: list[EncodedItem | None] = await self._from_cache(items, keys)
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
@@ -289,11 +308,25 @@ class EncoderClient:
     @staticmethod
     def _cached_item(index: int, key: bytes, entry: Entry, modality: str, dim: int) -> EncodedItem | None:
         if entry.modality != modality or entry.rows == 0 or (dim and entry.dim != dim):
-            log.warning("cached entry %s does not fit media[%d] (%s, dim %d); ignoring it", key.hex()[:16], index,
-                        entry.modality, entry.dim)
+            log.warning(
+                "cached entry %s does not fit media[%d] (%s, dim %d); ignoring it",
+                key.hex()[:16],
+                index,
+                entry.modality,
+                entry.dim,
+            )
             return None
-        return EncodedItem(item_index=index, mm_key=key, modality=entry.modality, rows=entry.rows, dim=entry.dim,
-                           payload=entry.payload, spans=entry.spans, cache_hit=True, dtype=entry.dtype)
+        return EncodedItem(
+            item_index=index,
+            mm_key=key,
+            modality=entry.modality,
+            rows=entry.rows,
+            dim=entry.dim,
+            payload=entry.payload,
+            spans=entry.spans,
+            cache_hit=True,
+            dtype=entry.dtype,
+        )
 
     def _pool_dim(self) -> int:
         dims = [r.dim for r in self.healthy() if r.dim]
@@ -317,11 +350,13 @@ class EncoderClient:
             groups.setdefault(choice, _Group(replicas[choice])).indices.append(index)
         return list(groups.values())
 
-    async def _encode_remote(self, items: Sequence[MediaInput], keys: list[bytes], indices: list[int],
-                             request_id: str, deadline: float) -> dict[int, EncodedItem]:
+    async def _encode_remote(
+        self, items: Sequence[MediaInput], keys: list[bytes], indices: list[int], request_id: str, deadline: float
+    ) -> dict[int, EncodedItem]:
         groups = self._assign(keys, indices, exclude=set())
-        outcomes = await asyncio.gather(*(self._group_with_retry(g, items, keys, request_id, deadline)
-                                          for g in groups), return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(self._group_with_retry(g, items, keys, request_id, deadline) for g in groups), return_exceptions=True
+        )
         results: dict[int, EncodedItem] = {}
         fallback: list[int] = []
         for group, outcome in zip(groups, outcomes, strict=True):
@@ -332,14 +367,16 @@ class EncoderClient:
             else:
                 results.update(outcome)
         if fallback:
-            local = await self._local_or_fail([items[i] for i in fallback], request_id,
-                                              "encoder calls failed on every replica tried")
+            local = await self._local_or_fail(
+                [items[i] for i in fallback], request_id, "encoder calls failed on every replica tried"
+            )
             for index, item in zip(fallback, local, strict=True):
                 results[index] = _reindex(item, index)
         return results
 
-    async def _group_with_retry(self, group: _Group, items: Sequence[MediaInput], keys: list[bytes],
-                                request_id: str, deadline: float) -> dict[int, EncodedItem]:
+    async def _group_with_retry(
+        self, group: _Group, items: Sequence[MediaInput], keys: list[bytes], request_id: str, deadline: float
+    ) -> dict[int, EncodedItem]:
         try:
             return await self._call(group, items, keys, request_id, deadline)
         except EncoderCallError as first:
@@ -347,8 +384,13 @@ class EncoderClient:
             if retry_to is None or deadline - time.monotonic() <= 0:
                 raise
             self.observer.retry()
-            log.info("request %s: retrying %d item(s) on %s after: %s", request_id, len(group.indices),
-                     retry_to.address, first)
+            log.info(
+                "request %s: retrying %d item(s) on %s after: %s",
+                request_id,
+                len(group.indices),
+                retry_to.address,
+                first,
+            )
             return await self._call(_Group(retry_to, group.indices), items, keys, request_id, deadline)
 
     def _next_replica(self, key: bytes, exclude: set[str]) -> Replica | None:
@@ -356,15 +398,19 @@ class EncoderClient:
         order = rendezvous_order(key, list(candidates))
         return candidates[order[0]] if order else None
 
-    async def _call(self, group: _Group, items: Sequence[MediaInput], keys: list[bytes], request_id: str,
-                    deadline: float) -> dict[int, EncodedItem]:
+    async def _call(
+        self, group: _Group, items: Sequence[MediaInput], keys: list[bytes], request_id: str, deadline: float
+    ) -> dict[int, EncodedItem]:
         replica, indices = group.replica, group.indices
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"request {request_id}: deadline passed before encoding media")
         request = encoder_pb2.EncodeRequest(
-            request_id=request_id, items=[media_to_proto(items[i]) for i in indices],
-            expected_encoder_fingerprint=replica.fingerprint, continue_on_item_error=True)
+            request_id=request_id,
+            items=[media_to_proto(items[i]) for i in indices],
+            expected_encoder_fingerprint=replica.fingerprint,
+            continue_on_item_error=True,
+        )
         replica.inflight += len(indices)
         started = time.monotonic()
         code = "OK"
@@ -396,17 +442,24 @@ class EncoderClient:
                     raise InvalidInputError(f"media[{index}] ({items[index].modality}): {result.message}")
                 raise EncoderCallError(f"{replica.address}: media[{index}]: {result.code} {result.message}")
             if result.mm_key != keys[index]:
-                log.warning("request %s: media[%d] key from %s differs from ours (preprocessing fingerprints "
-                            "out of sync); cache lookups will miss", request_id, index, replica.address)
+                log.warning(
+                    "request %s: media[%d] key from %s differs from ours (preprocessing fingerprints "
+                    "out of sync); cache lookups will miss",
+                    request_id,
+                    index,
+                    replica.address,
+                )
             if result.modality != items[index].modality or (replica.dim and result.dim != replica.dim):
-                raise EncoderCallError(f"{replica.address}: media[{index}] came back as {result.modality} "
-                                       f"with dim {result.dim}")
+                raise EncoderCallError(
+                    f"{replica.address}: media[{index}] came back as {result.modality} with dim {result.dim}"
+                )
             out[index] = _reindex(result, index, keys[index])
         return out
 
     @staticmethod
-    async def _stream(replica: Replica, request: encoder_pb2.EncodeRequest, expected: int,
-                      timeout_s: float) -> list[EncodedItem | ItemFailure]:
+    async def _stream(
+        replica: Replica, request: encoder_pb2.EncodeRequest, expected: int, timeout_s: float
+    ) -> list[EncodedItem | ItemFailure]:
         assembler = StreamAssembler(expected_items=expected)
         out: list[EncodedItem | ItemFailure] = []
         call = replica.stub.Encode(request, timeout=timeout_s)
@@ -512,6 +565,14 @@ class EncoderClient:
 
 
 def _reindex(item: EncodedItem, index: int, key: bytes | None = None) -> EncodedItem:
-    return EncodedItem(item_index=index, mm_key=key or item.mm_key, modality=item.modality, rows=item.rows,
-                       dim=item.dim, payload=item.payload, spans=item.spans, cache_hit=item.cache_hit,
-                       dtype=item.dtype)
+    return EncodedItem(
+        item_index=index,
+        mm_key=key or item.mm_key,
+        modality=item.modality,
+        rows=item.rows,
+        dim=item.dim,
+        payload=item.payload,
+        spans=item.spans,
+        cache_hit=item.cache_hit,
+        dtype=item.dtype,
+    )

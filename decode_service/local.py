@@ -34,5 +34,9 @@ class LocalGenerator:
         sampling = sampling or SamplingParams(temperature=0.0, max_tokens=max_tokens)
         engine = Engine(self.model, self.config, EngineSettings(device=self.device, kv_cache_bytes=64 << 20))
         (out,) = engine.generate([Request("local", list(prompt_ids), sampling)])
-        return {"prompt_token_ids": list(prompt_ids), "token_ids": out.token_ids,
-                "text": decode_tokens(out.token_ids), "finish_reason": out.finish_reason}
+        return {
+            "prompt_token_ids": list(prompt_ids),
+            "token_ids": out.token_ids,
+            "text": decode_tokens(out.token_ids),
+            "finish_reason": out.finish_reason,
+        }

@@ -28,8 +28,9 @@ class LocalEncoder:
 
     @classmethod
     def load(cls, checkpoint: str | Path, device: str = "cpu", dtype: str = "bfloat16") -> LocalEncoder:
-        settings = EncoderSettings(checkpoint=str(checkpoint), device=device, dtype=dtype, l1_cache_bytes=0,
-                                   preprocess_workers=2)
+        settings = EncoderSettings(
+            checkpoint=str(checkpoint), device=device, dtype=dtype, l1_cache_bytes=0, preprocess_workers=2
+        )
         return cls(load_engine(settings))
 
     @property
@@ -51,8 +52,9 @@ class LocalEncoder:
     def inflight_items(self) -> int:
         return self.engine.inflight_items
 
-    async def encode(self, items: Sequence[MediaInput], request_id: str = "",
-                     timeout_s: float | None = None) -> list[EncodedItem]:
+    async def encode(
+        self, items: Sequence[MediaInput], request_id: str = "", timeout_s: float | None = None
+    ) -> list[EncodedItem]:
         """Encode every item; the first bad one raises `InvalidInputError` naming it as `media[i]`."""
         out: list[EncodedItem] = []
         async with contextlib.aclosing(self.engine.encode(items, request_id)) as results:

@@ -87,8 +87,7 @@ def _link(parent: bytes, payload: bytes) -> bytes:
     return hashlib.sha256(parent + struct.pack("<Q", len(payload)) + payload).digest()
 
 
-def request_prefix_hashes(request: generator_pb2.GenerateRequest,
-                          max_hashes: int = MAX_ROUTING_HASHES) -> list[bytes]:
+def request_prefix_hashes(request: generator_pb2.GenerateRequest, max_hashes: int = MAX_ROUTING_HASHES) -> list[bytes]:
     """Chained routing hashes of the request's leading messages (chat) or full token blocks (token prompt)."""
     root = _link(_ROUTING_ROOT_TAG, request.cache_salt.encode())
     kind = request.WhichOneof("prompt")
@@ -103,14 +102,13 @@ def request_prefix_hashes(request: generator_pb2.GenerateRequest,
             parent = _link(parent, message.SerializeToString(deterministic=True))
             hashes.append(parent)
     elif kind == "tokens":
-        media = b"".join(hashlib.sha256(m.SerializeToString(deterministic=True)).digest()
-                         for m in request.tokens.media)
+        media = b"".join(hashlib.sha256(m.SerializeToString(deterministic=True)).digest() for m in request.tokens.media)
         parent = _link(root, b"tokens" + media)
         ids = request.tokens.token_ids
-        for start in range(0, min(len(ids) // ROUTING_BLOCK_TOKENS, max_hashes) * ROUTING_BLOCK_TOKENS,
-                           ROUTING_BLOCK_TOKENS):
-            parent = _link(parent, struct.pack(f"<{ROUTING_BLOCK_TOKENS}I",
-                                               *ids[start:start + ROUTING_BLOCK_TOKENS]))
+        for start in range(
+            0, min(len(ids) // ROUTING_BLOCK_TOKENS, max_hashes) * ROUTING_BLOCK_TOKENS, ROUTING_BLOCK_TOKENS
+        ):
+            parent = _link(parent, struct.pack(f"<{ROUTING_BLOCK_TOKENS}I", *ids[start : start + ROUTING_BLOCK_TOKENS]))
             hashes.append(parent)
     return hashes
 
@@ -221,8 +219,7 @@ class Replica:
     @classmethod
     def connect(cls, address: str, security: SecuritySettings | None = None) -> Replica:
         channel = aio_channel(address, security, channel_options())
-        return cls(address, channel, generator_pb2_grpc.GeneratorStub(channel),
-                   health_pb2_grpc.HealthStub(channel))
+        return cls(address, channel, generator_pb2_grpc.GeneratorStub(channel), health_pb2_grpc.HealthStub(channel))
 
 
 @dataclass(frozen=True)
@@ -234,8 +231,14 @@ class Choice:
 class ReplicaPool:
     """The decode replicas: resolution, health + load polling, and the routing choice."""
 
-    def __init__(self, targets: Sequence[str], rpc_timeout_s: float, load_slack: int,
-                 load_slack_frac: float, security: SecuritySettings | None = None) -> None:
+    def __init__(
+        self,
+        targets: Sequence[str],
+        rpc_timeout_s: float,
+        load_slack: int,
+        load_slack_frac: float,
+        security: SecuritySettings | None = None,
+    ) -> None:
         self.targets = tuple(targets)
         self.security = security
         self.rpc_timeout_s = rpc_timeout_s
@@ -309,33 +312,52 @@ class ReplicaPool:
 # Servicer
 
 # Upstream codes meaning "this replica could not take the call": retried while nothing was forwarded yet.
-_REPLICA_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
+_REPLICA_FAILURES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
 
 
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.requests = Counter("inkling_router_requests", "Generate calls by final status code", ["code"],
-                                registry=registry)
-        self.routed = Counter("inkling_router_routed", "Upstream attempts by replica and reason",
-                              ["replica", "reason"], registry=registry)
-        self.retries = Counter("inkling_router_retries", "Attempts retried on another replica",
-                               registry=registry)
-        self.failed_after_first = Counter("inkling_router_failed_after_first_message",
-                                          "Calls that failed after output was forwarded", registry=registry)
-        self.directory_errors = Counter("inkling_router_prefix_directory_errors",
-                                        "Prefix directory lookups that failed (routed least-loaded)",
-                                        registry=registry)
-        self.ttft = Histogram("inkling_router_first_message_seconds", "Router-side time to the first message",
-                              registry=registry)
-        self.healthy_replicas = Gauge("inkling_router_healthy_replicas", "Decode replicas SERVING",
-                                      registry=registry)
+        self.requests = Counter(
+            "inkling_router_requests", "Generate calls by final status code", ["code"], registry=registry
+        )
+        self.routed = Counter(
+            "inkling_router_routed", "Upstream attempts by replica and reason", ["replica", "reason"], registry=registry
+        )
+        self.retries = Counter("inkling_router_retries", "Attempts retried on another replica", registry=registry)
+        self.failed_after_first = Counter(
+            "inkling_router_failed_after_first_message",
+            "Calls that failed after output was forwarded",
+            registry=registry,
+        )
+        self.directory_errors = Counter(
+            "inkling_router_prefix_directory_errors",
+            "Prefix directory lookups that failed (routed least-loaded)",
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "inkling_router_first_message_seconds", "Router-side time to the first message", registry=registry
+        )
+        self.healthy_replicas = Gauge("inkling_router_healthy_replicas", "Decode replicas SERVING", registry=registry)
 
 
 class RouterServicer(generator_pb2_grpc.GeneratorServicer):
-    def __init__(self, pool: ReplicaPool, directory: PrefixDirectory | None, metrics: RouterMetrics,
-                 max_attempts: int, rpc_timeout_s: float, directory_timeout_s: float) -> None:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        directory: PrefixDirectory | None,
+        metrics: RouterMetrics,
+        max_attempts: int,
+        rpc_timeout_s: float,
+        directory_timeout_s: float,
+    ) -> None:
         self.pool = pool
         self.directory = directory
         self.metrics = metrics
@@ -356,8 +378,9 @@ class RouterServicer(generator_pb2_grpc.GeneratorServicer):
             log.debug("prefix directory lookup failed: %r", exc)
             return {}
 
-    async def Generate(self, request: generator_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[generator_pb2.GenerateResponse]:
+    async def Generate(
+        self, request: generator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generator_pb2.GenerateResponse]:
         start = time.monotonic()
         try:
             check_request_id(request.request_id)
@@ -388,15 +411,21 @@ class RouterServicer(generator_pb2_grpc.GeneratorServicer):
                     yield response
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                log.log(logging.WARNING if code in _REPLICA_FAILURES else logging.INFO,
-                        "request %s: decode replica %s ended the call with %s after %d messages",
-                        request.request_id, replica.address, code.name, forwarded)
+                log.log(
+                    logging.WARNING if code in _REPLICA_FAILURES else logging.INFO,
+                    "request %s: decode replica %s ended the call with %s after %d messages",
+                    request.request_id,
+                    replica.address,
+                    code.name,
+                    forwarded,
+                )
                 if forwarded:
                     self.metrics.failed_after_first.inc()
                     surfaced = grpc.StatusCode.UNAVAILABLE if code in _REPLICA_FAILURES else code
                     self.metrics.requests.labels(surfaced.name).inc()
-                    await context.abort(surfaced, f"decode replica {replica.address} failed after "
-                                                  f"{forwarded} messages: {exc.details()}")
+                    await context.abort(
+                        surfaced, f"decode replica {replica.address} failed after {forwarded} messages: {exc.details()}"
+                    )
                 if code not in _REPLICA_FAILURES:
                     self.metrics.requests.labels(code.name).inc()
                     await context.abort(code, exc.details() or code.name)
@@ -415,13 +444,15 @@ class RouterServicer(generator_pb2_grpc.GeneratorServicer):
         self.metrics.requests.labels(last_code.name).inc()
         await context.abort(last_code, last_error)
 
-    async def Abort(self, request: generator_pb2.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> generator_pb2.AbortResponse:
+    async def Abort(
+        self, request: generator_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> generator_pb2.AbortResponse:
         if not request.request_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_ids: at least one id is required")
         replicas = list(self.pool.replicas.values())
-        results = await asyncio.gather(*(r.stub.Abort(request, timeout=self.rpc_timeout_s) for r in replicas),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(r.stub.Abort(request, timeout=self.rpc_timeout_s) for r in replicas), return_exceptions=True
+        )
         aborted: dict[str, None] = {}
         for replica, result in zip(replicas, results, strict=True):
             if isinstance(result, grpc.aio.AioRpcError) and result.code() == grpc.StatusCode.NOT_FOUND:
@@ -431,12 +462,15 @@ class RouterServicer(generator_pb2_grpc.GeneratorServicer):
                 continue
             aborted.update(dict.fromkeys(result.aborted_request_ids))
         if not aborted:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_ids: none of {list(request.request_ids)[:8]} "
-                                "is running or queued on any replica")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"request_ids: none of {list(request.request_ids)[:8]} is running or queued on any replica",
+            )
         return generator_pb2.AbortResponse(aborted_request_ids=list(aborted))
 
-    async def GetLoad(self, request: generator_pb2.LoadRequest,
-                      context: grpc.aio.ServicerContext) -> generator_pb2.Load:
+    async def GetLoad(
+        self, request: generator_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> generator_pb2.Load:
         loads = [r.last_load for r in self.pool.healthy() if r.last_load is not None]
         if not loads:
             return generator_pb2.Load()
@@ -449,8 +483,9 @@ class RouterServicer(generator_pb2_grpc.GeneratorServicer):
             inflight_encode_items=sum(x.inflight_encode_items for x in loads),
         )
 
-    async def GetModelInfo(self, request: generator_pb2.ModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> generator_pb2.ModelInfo:
+    async def GetModelInfo(
+        self, request: generator_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generator_pb2.ModelInfo:
         for replica in self.pool.healthy():
             try:
                 return await replica.stub.GetModelInfo(request, timeout=self.rpc_timeout_s)
@@ -491,8 +526,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     """Config from the `inkling-epd router` flags."""
     return RouterConfig(
         decoders=parse_targets(args.decoders),
-        grpc=GrpcSettings(host=args.host, port=args.port, grace_s=args.grace_seconds,
-                          security=security_settings(args)),
+        grpc=GrpcSettings(host=args.host, port=args.port, grace_s=args.grace_seconds, security=security_settings(args)),
         metrics_port=args.metrics_port,
         redis=redis_settings(args.redis_url),
         log_level=(getattr(args, "log_level", None) or env_log_level()).upper(),
@@ -505,20 +539,26 @@ class Router:
     def __init__(self, config: RouterConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.metrics = RouterMetrics(registry or new_registry())
-        self.pool = ReplicaPool(config.decoders, config.rpc_timeout_s, config.load_slack,
-                                config.load_slack_frac, config.grpc.security)
+        self.pool = ReplicaPool(
+            config.decoders, config.rpc_timeout_s, config.load_slack, config.load_slack_frac, config.grpc.security
+        )
         self._redis = None
         directory = None
         if config.redis is not None:
             import redis.asyncio as aioredis
 
-            self._redis = aioredis.from_url(config.redis.url, socket_timeout=config.redis.timeout_s,
-                                            socket_connect_timeout=config.redis.timeout_s)
+            self._redis = aioredis.from_url(
+                config.redis.url, socket_timeout=config.redis.timeout_s, socket_connect_timeout=config.redis.timeout_s
+            )
             directory = PrefixDirectory(self._redis, config.prefix_namespace)
-        self.server = create_server(config.grpc.max_message_bytes, server_interceptors(config.grpc.security),
-                                    max_request_bytes=config.grpc.max_request_bytes)
-        self.servicer = RouterServicer(self.pool, directory, self.metrics, config.max_attempts,
-                                       config.rpc_timeout_s, config.directory_timeout_s)
+        self.server = create_server(
+            config.grpc.max_message_bytes,
+            server_interceptors(config.grpc.security),
+            max_request_bytes=config.grpc.max_request_bytes,
+        )
+        self.servicer = RouterServicer(
+            self.pool, directory, self.metrics, config.max_attempts, config.rpc_timeout_s, config.directory_timeout_s
+        )
         generator_pb2_grpc.add_GeneratorServicer_to_server(self.servicer, self.server)
         self.health = ServerHealth(self.server, [GENERATOR_SERVICE])
         enable_reflection(self.server, [GENERATOR_SERVICE])
@@ -532,8 +572,7 @@ class Router:
         return f"{self.config.grpc.host}:{self.port}"
 
     async def start(self) -> int:
-        self.port = bind_server(self.server, self.config.grpc.host, self.config.grpc.port,
-                                self.config.grpc.security)
+        self.port = bind_server(self.server, self.config.grpc.host, self.config.grpc.port, self.config.grpc.security)
         await self.health.not_serving()
         await self.pool.resolve()
         await self.pool.poll()
@@ -596,7 +635,6 @@ async def _serve(config: RouterConfig) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     config = router_config(args)
-    logging.basicConfig(level=config.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(_serve(config))
     return 0

@@ -47,8 +47,12 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ROLES = {pb.ROLE_SYSTEM: "system", pb.ROLE_USER: "user", pb.ROLE_ASSISTANT: "assistant", pb.ROLE_TOOL: "tool"}
 _CHANNELS = {"reasoning": pb.CHANNEL_REASONING, "content": pb.CHANNEL_CONTENT, "tool_call": pb.CHANNEL_TOOL_CALL}
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
-           "tool_calls": pb.FINISH_REASON_TOOL_CALLS, "abort": pb.FINISH_REASON_ABORT}
+_FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
+    "abort": pb.FINISH_REASON_ABORT,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -61,28 +65,36 @@ class DecodeMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.requests = Counter("inkling_decode_requests", "Generate calls by outcome", ["status"],
-                                registry=registry)
-        self.ttft = Histogram("inkling_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
-                              registry=registry)
-        self.itl = Histogram("inkling_itl_seconds", "Inter-token latency", buckets=_LATENCY_BUCKETS,
-                             registry=registry)
+        self.requests = Counter("inkling_decode_requests", "Generate calls by outcome", ["status"], registry=registry)
+        self.ttft = Histogram(
+            "inkling_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=registry
+        )
+        self.itl = Histogram("inkling_itl_seconds", "Inter-token latency", buckets=_LATENCY_BUCKETS, registry=registry)
         self.running = Gauge("inkling_requests_running", "Requests in the running batch", registry=registry)
         self.waiting = Gauge("inkling_requests_waiting", "Requests queued for admission", registry=registry)
-        self.prefix_queries = Counter("inkling_prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                                      "cache", registry=registry)
-        self.prefix_hits = Counter("inkling_prefix_cache_hits", "Prompt tokens served by the prefix cache",
-                                   registry=registry)
-        self.mm_queries = Counter("inkling_embedding_cache_queries", "Media items looked up in the shared "
-                                  "embedding cache", registry=registry)
-        self.mm_hits = Counter("inkling_embedding_cache_hits", "Media items served by the shared embedding "
-                               "cache", registry=registry)
-        self.encode_rpc = Histogram("inkling_encode_rpc_seconds", "Encode call latency", ["encoder", "code"],
-                                    buckets=_LATENCY_BUCKETS, registry=registry)
-        self.encode_retries = Counter("inkling_encode_retries", "Encode calls retried on another replica",
-                                      registry=registry)
-        self.fallbacks = Counter("inkling_encode_fallback_local", "Requests encoded in-process",
-                                      registry=registry)
+        self.prefix_queries = Counter(
+            "inkling_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=registry
+        )
+        self.prefix_hits = Counter(
+            "inkling_prefix_cache_hits", "Prompt tokens served by the prefix cache", registry=registry
+        )
+        self.mm_queries = Counter(
+            "inkling_embedding_cache_queries", "Media items looked up in the shared embedding cache", registry=registry
+        )
+        self.mm_hits = Counter(
+            "inkling_embedding_cache_hits", "Media items served by the shared embedding cache", registry=registry
+        )
+        self.encode_rpc = Histogram(
+            "inkling_encode_rpc_seconds",
+            "Encode call latency",
+            ["encoder", "code"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.encode_retries = Counter(
+            "inkling_encode_retries", "Encode calls retried on another replica", registry=registry
+        )
+        self.fallbacks = Counter("inkling_encode_fallback_local", "Requests encoded in-process", registry=registry)
 
     def watch_load(self, service: DecodeService) -> None:
         self.running.set_function(lambda: service.load().running)
@@ -125,17 +137,32 @@ def sampling_input(s: pb.SamplingParams) -> SamplingInput:
         return getattr(s, name) if s.HasField(name) else default
 
     return SamplingInput(
-        temperature=opt("temperature", 1.0), top_k=opt("top_k", 0), top_p=opt("top_p", 1.0),
-        min_p=opt("min_p", 0.0), seed=opt("seed", None), repetition_penalty=opt("repetition_penalty", 1.0),
-        presence_penalty=opt("presence_penalty", 0.0), frequency_penalty=opt("frequency_penalty", 0.0),
-        logprobs=opt("logprobs", None), stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-        max_tokens=opt("max_tokens", None), ignore_eos=s.ignore_eos, min_tokens=opt("min_tokens", 0))
+        temperature=opt("temperature", 1.0),
+        top_k=opt("top_k", 0),
+        top_p=opt("top_p", 1.0),
+        min_p=opt("min_p", 0.0),
+        seed=opt("seed", None),
+        repetition_penalty=opt("repetition_penalty", 1.0),
+        presence_penalty=opt("presence_penalty", 0.0),
+        frequency_penalty=opt("frequency_penalty", 0.0),
+        logprobs=opt("logprobs", None),
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        max_tokens=opt("max_tokens", None),
+        ignore_eos=s.ignore_eos,
+        min_tokens=opt("min_tokens", 0),
+    )
 
 
 def generate_input(request: pb.GenerateRequest, timeout_s: float | None) -> GenerateInput:
     """A `GenerateRequest` -> the service's native input; malformed fields raise `InvalidInputError`."""
-    common = dict(request_id=request.request_id, sampling=sampling_input(request.sampling),
-                  cache_salt=request.cache_salt, priority=request.priority, timeout_s=timeout_s)
+    common = dict(
+        request_id=request.request_id,
+        sampling=sampling_input(request.sampling),
+        cache_salt=request.cache_salt,
+        priority=request.priority,
+        timeout_s=timeout_s,
+    )
     kind = request.WhichOneof("prompt")
     if kind == "tokens":
         media = tuple(media_from_proto(i, m) for i, m in enumerate(request.tokens.media))
@@ -155,19 +182,29 @@ def generate_input(request: pb.GenerateRequest, timeout_s: float | None) -> Gene
             if which == "text":
                 parts.append(TextPart(part.text))
             elif which == "media":
-                parts.append(MediaPart(_media_kind(part.media.modality, f"chat.messages[{m}].content[{p}]"),
-                                       len(media)))
+                parts.append(
+                    MediaPart(_media_kind(part.media.modality, f"chat.messages[{m}].content[{p}]"), len(media))
+                )
                 media.append(media_from_proto(len(media), part.media))
             else:
                 raise InvalidInputError(f"chat.messages[{m}].content[{p}]: empty content part")
         calls = [ToolCall(c.name, c.arguments_json or "{}", c.id or None) for c in message.tool_calls]
-        messages.append(ChatMessage(role, parts, name=message.name or None, tool_calls=calls,
-                                    tool_call_id=message.tool_call_id or None, reasoning=message.reasoning or None))
-    tools = tuple(ToolSpec(t.name, t.description, _json_object(t.parameters_json, f"chat.tools[{i}].parameters_json"))
-                  for i, t in enumerate(chat.tools))
+        messages.append(
+            ChatMessage(
+                role,
+                parts,
+                name=message.name or None,
+                tool_calls=calls,
+                tool_call_id=message.tool_call_id or None,
+                reasoning=message.reasoning or None,
+            )
+        )
+    tools = tuple(
+        ToolSpec(t.name, t.description, _json_object(t.parameters_json, f"chat.tools[{i}].parameters_json"))
+        for i, t in enumerate(chat.tools)
+    )
     effort = chat.reasoning_effort if chat.HasField("reasoning_effort") else None
-    return GenerateInput(messages=tuple(messages), tools=tools, reasoning_effort=effort, media=tuple(media),
-                         **common)
+    return GenerateInput(messages=tuple(messages), tools=tools, reasoning_effort=effort, media=tuple(media), **common)
 
 
 def _media_kind(modality: int, where: str) -> str:
@@ -178,14 +215,18 @@ def _media_kind(modality: int, where: str) -> str:
 
 
 def delta_message(event: DeltaEvent) -> pb.GenerateResponse:
-    delta = pb.Delta(token_ids=event.token_ids, text=event.text,
-                     channel=_CHANNELS.get(event.channel or "", pb.CHANNEL_UNSPECIFIED))
+    delta = pb.Delta(
+        token_ids=event.token_ids, text=event.text, channel=_CHANNELS.get(event.channel or "", pb.CHANNEL_UNSPECIFIED)
+    )
     if event.tool_call is not None:
         call = event.tool_call
         delta.tool_call.CopyFrom(pb.ToolCall(id=call.id, name=call.name, arguments_json=call.arguments))
     for lp in event.logprobs:
-        delta.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                              top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+        delta.logprobs.append(
+            pb.TokenLogprob(
+                token_id=lp.token_id, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+            )
+        )
     return pb.GenerateResponse(delta=delta)
 
 
@@ -193,14 +234,23 @@ def final_message(event: FinalEvent) -> pb.GenerateResponse:
     u, t = event.usage, event.timings
     final = pb.Final(
         finish_reason=_FINISH.get(event.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-        usage=pb.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
-                       cached_tokens_gpu=u.cached_tokens_gpu, cached_tokens_redis=u.cached_tokens_redis,
-                       image_tokens=u.image_tokens, audio_tokens=u.audio_tokens,
-                       completion_tokens=u.completion_tokens, reasoning_tokens=u.reasoning_tokens,
-                       mm_items_cached=u.mm_items_cached, mm_items_encoded=u.mm_items_encoded),
-        timings=pb.Timings(queue_s=t.queue_s, encode_s=t.encode_s, prefill_s=t.prefill_s, ttft_s=t.ttft_s,
-                           decode_s=t.decode_s),
-        matched_stop=event.matched_stop)
+        usage=pb.Usage(
+            prompt_tokens=u.prompt_tokens,
+            cached_tokens=u.cached_tokens,
+            cached_tokens_gpu=u.cached_tokens_gpu,
+            cached_tokens_redis=u.cached_tokens_redis,
+            image_tokens=u.image_tokens,
+            audio_tokens=u.audio_tokens,
+            completion_tokens=u.completion_tokens,
+            reasoning_tokens=u.reasoning_tokens,
+            mm_items_cached=u.mm_items_cached,
+            mm_items_encoded=u.mm_items_encoded,
+        ),
+        timings=pb.Timings(
+            queue_s=t.queue_s, encode_s=t.encode_s, prefill_s=t.prefill_s, ttft_s=t.ttft_s, decode_s=t.decode_s
+        ),
+        matched_stop=event.matched_stop,
+    )
     if event.matched_stop_token_id is not None:
         final.matched_stop_token_id = event.matched_stop_token_id
     return pb.GenerateResponse(final=final)
@@ -211,16 +261,24 @@ def final_message(event: FinalEvent) -> pb.GenerateResponse:
 
 
 class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
-    def __init__(self, service: DecodeService, metrics: DecodeMetrics | None = None,
-                 directory: PrefixDirectory | None = None, replica_id: str = "") -> None:
+    def __init__(
+        self,
+        service: DecodeService,
+        metrics: DecodeMetrics | None = None,
+        directory: PrefixDirectory | None = None,
+        replica_id: str = "",
+    ) -> None:
         self.service = service
         self.metrics = metrics
         self.directory = directory if replica_id else None
         self.replica_id = replica_id
         self._publishing: set[asyncio.Task] = set()
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                       ) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self,
+        request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.GenerateResponse]:
         failure: BaseException | None = None
         rid = request.request_id
         try:
@@ -255,24 +313,40 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_ids: at least one id is required")
         aborted = self.service.abort(list(request.request_ids))
         if not aborted:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_ids: none of {list(request.request_ids)[:8]} "
-                                "is running or queued on this replica")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"request_ids: none of {list(request.request_ids)[:8]} is running or queued on this replica",
+            )
         return pb.AbortResponse(aborted_request_ids=aborted)
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.Load:
         load = self.service.load()
-        return pb.Load(running_requests=load.running, waiting_requests=load.waiting, kv_usage=load.kv_usage,
-                       free_kv_pages=load.free_kv_pages, prefix_cache_hit_rate=load.prefix_cache_hit_rate,
-                       inflight_encode_items=load.inflight_encode_items)
+        return pb.Load(
+            running_requests=load.running,
+            waiting_requests=load.waiting,
+            kv_usage=load.kv_usage,
+            free_kv_pages=load.free_kv_pages,
+            prefix_cache_hit_rate=load.prefix_cache_hit_rate,
+            inflight_encode_items=load.inflight_encode_items,
+        )
 
-    async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext,
-                           ) -> pb.ModelInfo:
+    async def GetModelInfo(
+        self,
+        request: pb.ModelInfoRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> pb.ModelInfo:
         info = self.service.model_info()
-        return pb.ModelInfo(model_id=info.model_id, model_fingerprint=info.model_fingerprint,
-                            encoder_fingerprint=info.encoder_fingerprint, max_context_tokens=info.max_context_tokens,
-                            vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
-                            image_token_id=info.image_token_id, audio_token_id=info.audio_token_id,
-                            modalities=[modality_to_proto(m) for m in info.modalities])
+        return pb.ModelInfo(
+            model_id=info.model_id,
+            model_fingerprint=info.model_fingerprint,
+            encoder_fingerprint=info.encoder_fingerprint,
+            max_context_tokens=info.max_context_tokens,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+            image_token_id=info.image_token_id,
+            audio_token_id=info.audio_token_id,
+            modalities=[modality_to_proto(m) for m in info.modalities],
+        )
 
     async def _abort(self, context: grpc.aio.ServicerContext, request_id: str, exc: BaseException) -> None:
         """The one place where failures become status codes."""
@@ -352,15 +426,25 @@ class DecodeServer:
         await self.server.wait_for_termination()
 
 
-def build_server(service: DecodeService, grpc_settings: GrpcSettings, encoder: EncoderClient | None = None,
-                 metrics: DecodeMetrics | None = None, metrics_port: int = 0,
-                 directory: PrefixDirectory | None = None, replica_id: str = "") -> DecodeServer:
+def build_server(
+    service: DecodeService,
+    grpc_settings: GrpcSettings,
+    encoder: EncoderClient | None = None,
+    metrics: DecodeMetrics | None = None,
+    metrics_port: int = 0,
+    directory: PrefixDirectory | None = None,
+    replica_id: str = "",
+) -> DecodeServer:
     """A bound, not yet started server. `metrics_port` > 0 also starts the /metrics exporter; with a
     `directory` and a `replica_id` the replica publishes cached prompts for the router."""
-    server = create_server(grpc_settings.max_message_bytes, server_interceptors(grpc_settings.security),
-                           max_request_bytes=grpc_settings.max_request_bytes)
-    generator_pb2_grpc.add_GeneratorServicer_to_server(GeneratorServicer(service, metrics, directory, replica_id),
-                                                       server)
+    server = create_server(
+        grpc_settings.max_message_bytes,
+        server_interceptors(grpc_settings.security),
+        max_request_bytes=grpc_settings.max_request_bytes,
+    )
+    generator_pb2_grpc.add_GeneratorServicer_to_server(
+        GeneratorServicer(service, metrics, directory, replica_id), server
+    )
     health = ServerHealth(server, [SERVICE_NAME])
     enable_reflection(server, [SERVICE_NAME])
     port = bind_server(server, grpc_settings.host, grpc_settings.port, grpc_settings.security)
@@ -369,15 +453,17 @@ def build_server(service: DecodeService, grpc_settings: GrpcSettings, encoder: E
         metrics.watch_load(service)
         if metrics_port:
             exporter = start_metrics_server(metrics_port, metrics.registry, grpc_settings.host)
-    return DecodeServer(server, port, health, service, encoder, exporter,
-                        directory.client if directory is not None else None, metrics)
+    return DecodeServer(
+        server, port, health, service, encoder, exporter, directory.client if directory is not None else None, metrics
+    )
 
 
 async def _serve(args: argparse.Namespace) -> None:
     from decode_service.local_encoder import LocalEncoder
 
-    grpc_settings = GrpcSettings(host=args.host, port=args.port, grace_s=args.grace_seconds,
-                                 security=security_settings(args))
+    grpc_settings = GrpcSettings(
+        host=args.host, port=args.port, grace_s=args.grace_seconds, security=security_settings(args)
+    )
     if args.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
     metrics = DecodeMetrics(new_registry())
@@ -388,27 +474,47 @@ async def _serve(args: argparse.Namespace) -> None:
 
         prefix_store = PrefixStore.connect(redis)
     engine = await asyncio.to_thread(
-        build_engine, args.checkpoint, args.device, args.dtype, int(args.kv_budget_mb * (1 << 20)),
-        args.max_num_seqs, args.max_batch_tokens, True, prefix_store, getattr(args, "cuda_graphs", True))
+        build_engine,
+        args.checkpoint,
+        args.device,
+        args.dtype,
+        int(args.kv_budget_mb * (1 << 20)),
+        args.max_num_seqs,
+        args.max_batch_tokens,
+        True,
+        prefix_store,
+        getattr(args, "cuda_graphs", True),
+    )
     keys = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
-    cache = RedisCache(redis.url, key_prefix=redis.key_prefix, timeout_s=redis.timeout_s,
-                       async_writes=False) if redis is not None else None
-    encoder = EncoderClient(parse_targets(args.encoders), keys.preprocess_fingerprint, cache=cache,
-                            local=keys if args.local_encode else None, local_fingerprint=keys.fingerprint,
-                            settings=ClientSettings(security=grpc_settings.security), observer=metrics)
+    cache = (
+        RedisCache(redis.url, key_prefix=redis.key_prefix, timeout_s=redis.timeout_s, async_writes=False)
+        if redis is not None
+        else None
+    )
+    encoder = EncoderClient(
+        parse_targets(args.encoders),
+        keys.preprocess_fingerprint,
+        cache=cache,
+        local=keys if args.local_encode else None,
+        local_fingerprint=keys.fingerprint,
+        settings=ClientSettings(security=grpc_settings.security),
+        observer=metrics,
+    )
     defaults = ServiceLimits()
     limits = ServiceLimits(
         max_prompt_tokens=getattr(args, "max_prompt_tokens", defaults.max_prompt_tokens),
         max_completion_tokens=getattr(args, "max_completion_tokens", defaults.max_completion_tokens),
         max_media_items=getattr(args, "max_media_items", defaults.max_media_items),
-        max_live_requests=getattr(args, "max_live_requests", defaults.max_live_requests))
+        max_live_requests=getattr(args, "max_live_requests", defaults.max_live_requests),
+    )
     service = DecodeService(engine, encoder, limits, model_id=str(args.checkpoint))
     directory = None
     if redis is not None and args.replica_id:
         import redis.asyncio as aioredis
 
-        directory = PrefixDirectory(aioredis.from_url(redis.url, socket_timeout=redis.timeout_s,
-                                                      socket_connect_timeout=redis.timeout_s))
+        directory = PrefixDirectory(
+            aioredis.from_url(redis.url, socket_timeout=redis.timeout_s, socket_connect_timeout=redis.timeout_s)
+        )
     server = build_server(service, grpc_settings, encoder, metrics, args.metrics_port, directory, args.replica_id)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -103,8 +103,13 @@ class _Sink:
 
 
 class DecodeService:
-    def __init__(self, engine: Engine, encoder: MediaEncoder | None = None, limits: ServiceLimits | None = None,
-                 model_id: str = "") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        encoder: MediaEncoder | None = None,
+        limits: ServiceLimits | None = None,
+        model_id: str = "",
+    ) -> None:
         self.engine = engine
         self.encoder = encoder
         self.limits = limits or ServiceLimits()
@@ -130,8 +135,11 @@ class DecodeService:
         self._thread.start()
         if warm_up:
             prompt = (MESSAGE_USER, CONTENT_TEXT, *encode_text("warm up"), END_MESSAGE)
-            warm = GenerateInput(request_id=f"warmup-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt,
-                                 sampling=SamplingInput(temperature=0.0, max_tokens=2, ignore_eos=True))
+            warm = GenerateInput(
+                request_id=f"warmup-{uuid.uuid4().hex[:8]}",
+                prompt_token_ids=prompt,
+                sampling=SamplingInput(temperature=0.0, max_tokens=2, ignore_eos=True),
+            )
             async for _ in self._generate(warm):
                 pass
             self._prompt_tokens_seen = self._cached_tokens_seen = 0
@@ -167,19 +175,38 @@ class DecodeService:
         snapshot = self._load
         inflight = self.encoder.inflight_items if self.encoder is not None else 0
         rate = self._cached_tokens_seen / self._prompt_tokens_seen if self._prompt_tokens_seen else 0.0
-        return LoadSnapshot(snapshot.running, snapshot.waiting, snapshot.kv_usage, snapshot.free_kv_pages, rate,
-                            inflight)
+        return LoadSnapshot(
+            snapshot.running, snapshot.waiting, snapshot.kv_usage, snapshot.free_kv_pages, rate, inflight
+        )
 
     def model_info(self) -> ModelInfo:
         prefix = self.engine.prefix_cache
-        fingerprint = prefix.fingerprint if prefix is not None else hashlib.sha256(
-            repr(sorted(self.config.fingerprint_fields().items())).encode()).digest()
-        modalities = tuple(m for m, present in (("image", self.config.vision), ("audio", self.config.audio),
-                                                ("video", self.config.vision)) if present is not None)
+        fingerprint = (
+            prefix.fingerprint
+            if prefix is not None
+            else hashlib.sha256(repr(sorted(self.config.fingerprint_fields().items())).encode()).digest()
+        )
+        modalities = tuple(
+            m
+            for m, present in (
+                ("image", self.config.vision),
+                ("audio", self.config.audio),
+                ("video", self.config.vision),
+            )
+            if present is not None
+        )
         encoder_fp = (self.encoder.pool_fingerprint if self.encoder is not None else None) or b""
-        return ModelInfo(self.model_id, fingerprint, encoder_fp, self.engine.max_model_len,
-                         self.config.text.unpadded_vocab_size, tuple(self.config.eos_token_ids),
-                         self.config.image_token_id, self.config.audio_token_id, modalities)
+        return ModelInfo(
+            self.model_id,
+            fingerprint,
+            encoder_fp,
+            self.engine.max_model_len,
+            self.config.text.unpadded_vocab_size,
+            tuple(self.config.eos_token_ids),
+            self.config.image_token_id,
+            self.config.audio_token_id,
+            modalities,
+        )
 
     # -- one request -----------------------------------------------------------------------------------------
 
@@ -189,8 +216,9 @@ class DecodeService:
         if rid in self._live:
             raise InvalidInputError(f"request_id: {rid!r} is already in flight")
         if len(self._live) >= self.limits.max_live_requests:
-            raise ResourceExhaustedError(f"server busy: {len(self._live)} requests in flight (limit "
-                                         f"{self.limits.max_live_requests})")
+            raise ResourceExhaustedError(
+                f"server busy: {len(self._live)} requests in flight (limit {self.limits.max_live_requests})"
+            )
         sampling = self._sampling(inp.sampling)
         self._check_media(inp)
         self._live[rid] = False
@@ -203,8 +231,7 @@ class DecodeService:
             prompt, mm_items = await asyncio.to_thread(self._prepare, inp, encoded)
             limit = self.limits.max_prompt_tokens
             if limit is not None and len(prompt.token_ids) > limit:
-                raise ResourceExhaustedError(f"prompt: {len(prompt.token_ids)} tokens exceeds the limit of "
-                                             f"{limit}")
+                raise ResourceExhaustedError(f"prompt: {len(prompt.token_ids)} tokens exceeds the limit of {limit}")
             if inp.sampling.max_tokens is None:
                 room = max(1, self.engine.max_model_len - len(prompt.token_ids))
                 if self.limits.max_completion_tokens is not None:
@@ -214,14 +241,16 @@ class DecodeService:
             counts = _MediaCounts.of(prompt, encoded)
             if self._live.get(rid):
                 finished = True
-                yield FinalEvent("abort", Usage(prompt_tokens=len(prompt.token_ids)), Timings(
-                    encode_s=encoded_at - started))
+                yield FinalEvent(
+                    "abort", Usage(prompt_tokens=len(prompt.token_ids)), Timings(encode_s=encoded_at - started)
+                )
                 return
             sink = _Sink(asyncio.get_running_loop())
             self._commands.put(("add", request, sink))
             submitted = True
-            log.debug("request %s submitted: %d prompt tokens, %d media items", rid, len(prompt.token_ids),
-                      len(encoded))
+            log.debug(
+                "request %s submitted: %d prompt tokens, %d media items", rid, len(prompt.token_ids), len(encoded)
+            )
             async for event in self._stream(rid, inp.sampling, sink, counts, started, encoded_at):
                 if isinstance(event, FinalEvent):
                     finished = True
@@ -232,8 +261,9 @@ class DecodeService:
                 log.info("request %s: cancelled, aborting it in the engine", rid)
             self._live.pop(rid, None)
 
-    async def _stream(self, rid: str, params: SamplingInput, sink: _Sink, counts: _MediaCounts,
-                      started: float, encoded_at: float) -> AsyncIterator[Event]:
+    async def _stream(
+        self, rid: str, params: SamplingInput, sink: _Sink, counts: _MediaCounts, started: float, encoded_at: float
+    ) -> AsyncIterator[Event]:
         parser = OutputParser(params.stop)
         completion = reasoning = 0
         thinking = False
@@ -249,8 +279,9 @@ class DecodeService:
             if first_token_at is None and out.new_token_ids:
                 first_token_at = time.monotonic()
                 cached_gpu, cached_redis = out.num_cached_tokens_gpu, out.num_cached_tokens_redis
-            logprobs = [TokenLogprob(t, lp.logprob, lp.top)
-                        for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=False)]
+            logprobs = [
+                TokenLogprob(t, lp.logprob, lp.top) for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=False)
+            ]
             events: list[DeltaEvent] = []
             for n, token in enumerate(out.new_token_ids):
                 completion += 1
@@ -263,10 +294,11 @@ class DecodeService:
                     reasoning += 1
                 was_done = parser.done
                 deltas = parser.feed(token)
-                events += _token_events(token, logprobs[n: n + 1], deltas)
+                events += _token_events(token, logprobs[n : n + 1], deltas)
                 if not was_done and parser.done and token != MODEL_END_SAMPLING and params.stop:
-                    matched_stop = _which_stop(params.stop, out.token_ids[: len(out.token_ids)
-                                                                           - len(out.new_token_ids) + n + 1])
+                    matched_stop = _which_stop(
+                        params.stop, out.token_ids[: len(out.token_ids) - len(out.new_token_ids) + n + 1]
+                    )
                     break
             for event in events:
                 yield event
@@ -276,7 +308,7 @@ class DecodeService:
             elif out.finished:
                 reason = out.finish_reason or "stop"
                 if reason.startswith("error:"):
-                    raise EngineFailure(f"request {rid}: generation failed: {reason[len('error:'):]}")
+                    raise EngineFailure(f"request {rid}: generation failed: {reason[len('error:') :]}")
             else:
                 continue
             for delta in parser.finish(reason):
@@ -284,57 +316,83 @@ class DecodeService:
             finished_at = time.monotonic()
             self._prompt_tokens_seen += out.num_prompt_tokens
             self._cached_tokens_seen += cached_gpu + cached_redis
-            stop_id = last_token if (reason == "stop" and not matched_stop and last_token is not None
-                                     and last_token in params.stop_token_ids) else None
-            usage = Usage(prompt_tokens=out.num_prompt_tokens, cached_tokens_gpu=cached_gpu,
-                          cached_tokens_redis=cached_redis,
-                          image_tokens=counts.image_tokens, audio_tokens=counts.audio_tokens,
-                          completion_tokens=completion, reasoning_tokens=reasoning,
-                          mm_items_cached=counts.cached, mm_items_encoded=counts.encoded)
+            stop_id = (
+                last_token
+                if (
+                    reason == "stop"
+                    and not matched_stop
+                    and last_token is not None
+                    and last_token in params.stop_token_ids
+                )
+                else None
+            )
+            usage = Usage(
+                prompt_tokens=out.num_prompt_tokens,
+                cached_tokens_gpu=cached_gpu,
+                cached_tokens_redis=cached_redis,
+                image_tokens=counts.image_tokens,
+                audio_tokens=counts.audio_tokens,
+                completion_tokens=completion,
+                reasoning_tokens=reasoning,
+                mm_items_cached=counts.cached,
+                mm_items_encoded=counts.encoded,
+            )
             scheduled = sink.scheduled_at or sink.submitted_at
             first = first_token_at or finished_at
-            timings = Timings(queue_s=max(0.0, scheduled - sink.submitted_at), encode_s=encoded_at - started,
-                              prefill_s=max(0.0, first - scheduled), ttft_s=first - started,
-                              decode_s=finished_at - first)
+            timings = Timings(
+                queue_s=max(0.0, scheduled - sink.submitted_at),
+                encode_s=encoded_at - started,
+                prefill_s=max(0.0, first - scheduled),
+                ttft_s=first - started,
+                decode_s=finished_at - first,
+            )
             yield FinalEvent(parser.finish_reason or reason, usage, timings, matched_stop, stop_id)
             return
 
     # -- validation and prompt building ----------------------------------------------------------------------
 
     def _sampling(self, s: SamplingInput) -> SamplingParams:
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(s, name)):
                 raise InvalidInputError(f"sampling.{name}={getattr(s, name)!r} must be finite")
         if s.min_tokens:
             raise InvalidInputError("sampling.min_tokens is not supported by this server yet")
         if s.logprobs is not None and s.logprobs > self.limits.max_logprobs:
-            raise InvalidInputError(f"sampling.logprobs={s.logprobs} exceeds the limit of "
-                                    f"{self.limits.max_logprobs}")
+            raise InvalidInputError(f"sampling.logprobs={s.logprobs} exceeds the limit of {self.limits.max_logprobs}")
         if s.max_tokens is not None and s.max_tokens < 1:
             raise InvalidInputError(f"sampling.max_tokens={s.max_tokens} must be >= 1")
         cap = self.limits.max_completion_tokens
         if s.max_tokens is not None and cap is not None and s.max_tokens > cap:
             raise InvalidInputError(f"sampling.max_tokens={s.max_tokens} exceeds the limit of {cap}")
         if len(s.stop) > self.limits.max_stop_strings:
-            raise InvalidInputError(f"sampling.stop: {len(s.stop)} strings exceeds the limit of "
-                                    f"{self.limits.max_stop_strings}")
+            raise InvalidInputError(
+                f"sampling.stop: {len(s.stop)} strings exceeds the limit of {self.limits.max_stop_strings}"
+            )
         for i, stop in enumerate(s.stop):
             if not stop or len(stop) > self.limits.max_stop_string_chars:
-                raise InvalidInputError(f"sampling.stop[{i}]: must have 1 to {self.limits.max_stop_string_chars} "
-                                        "characters")
+                raise InvalidInputError(
+                    f"sampling.stop[{i}]: must have 1 to {self.limits.max_stop_string_chars} characters"
+                )
         params = SamplingParams(
-            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed,
-            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty, max_tokens=s.max_tokens or 1,
-            stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            min_p=s.min_p,
+            seed=s.seed,
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            max_tokens=s.max_tokens or 1,
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs,
+        )
         params.validate(self.config.text.unpadded_vocab_size)
         return params
 
     def _check_media(self, inp: GenerateInput) -> None:
         if len(inp.media) > self.limits.max_media_items:
-            raise InvalidInputError(f"media: {len(inp.media)} items exceeds the limit of "
-                                    f"{self.limits.max_media_items}")
+            raise InvalidInputError(f"media: {len(inp.media)} items exceeds the limit of {self.limits.max_media_items}")
         if inp.prompt_token_ids is None and not inp.messages:
             raise InvalidInputError("prompt: neither chat messages nor token ids were given")
         for i, item in enumerate(inp.media):
@@ -354,18 +412,24 @@ class DecodeService:
             if item.dim != dim:
                 raise UnavailableError(f"media[{i}]: encoder rows have dim {item.dim}, the decoder needs {dim}")
             if item.modality == "video" and any(s.modality != "image" for s in item.spans):
-                raise InvalidInputError(f"media[{i}] (video): audio tracks of videos are not supported in "
-                                        "prompts yet; set include_audio=false")
+                raise InvalidInputError(
+                    f"media[{i}] (video): audio tracks of videos are not supported in "
+                    "prompts yet; set include_audio=false"
+                )
         return encoded
 
-    def _prepare(self, inp: GenerateInput, encoded: Sequence[EncodedItem],
-                 ) -> tuple[RenderedPrompt, tuple[MultimodalItem, ...]]:
+    def _prepare(
+        self,
+        inp: GenerateInput,
+        encoded: Sequence[EncodedItem],
+    ) -> tuple[RenderedPrompt, tuple[MultimodalItem, ...]]:
         prompt = self._prompt(inp, encoded)
         return prompt, self._mm_items(prompt, encoded)
 
     def _prompt(self, inp: GenerateInput, encoded: Sequence[EncodedItem]) -> RenderedPrompt:
         counts: list[int | list[int]] = [
-            [s.rows for s in item.spans] if item.modality == "video" else item.rows for item in encoded]
+            [s.rows for s in item.spans] if item.modality == "video" else item.rows for item in encoded
+        ]
         if inp.prompt_token_ids is None:
             effort = DEFAULT_REASONING_EFFORT if inp.reasoning_effort is None else inp.reasoning_effort
             return render_chat(list(inp.messages), list(inp.tools), effort, counts)
@@ -377,10 +441,14 @@ class DecodeService:
         items = []
         for span in prompt.media_spans:
             item = encoded[span.item_index]
-            key = item.mm_key if span.row_offset == 0 else hashlib.sha256(
-                item.mm_key + span.row_offset.to_bytes(8, "little")).digest()
-            items.append(MultimodalItem(key, span.start,
-                                        rows[span.item_index][span.row_offset: span.row_offset + span.length]))
+            key = (
+                item.mm_key
+                if span.row_offset == 0
+                else hashlib.sha256(item.mm_key + span.row_offset.to_bytes(8, "little")).digest()
+            )
+            items.append(
+                MultimodalItem(key, span.start, rows[span.item_index][span.row_offset : span.row_offset + span.length])
+            )
         return tuple(items)
 
     # -- the engine thread -----------------------------------------------------------------------------------
@@ -442,8 +510,11 @@ class DecodeService:
     def _note_scheduled(self, step_started: float) -> None:
         """Requests that left WAITING in the step that began at `step_started` were scheduled then."""
         for sink in self._sinks.values():
-            if sink.scheduled_at is None and sink.request is not None and \
-                    sink.request.status is not RequestStatus.WAITING:
+            if (
+                sink.scheduled_at is None
+                and sink.request is not None
+                and sink.request.status is not RequestStatus.WAITING
+            ):
                 sink.scheduled_at = step_started
 
     def _update_load(self) -> None:
@@ -451,8 +522,9 @@ class DecodeService:
         total = sum(pool.num_pages for pool in cache.pools.values())
         free = sum(pool.num_free for pool in cache.pools.values())
         scheduler = self.engine.scheduler
-        self._load = LoadSnapshot(len(scheduler.running), len(scheduler.waiting),
-                                  1.0 - free / total if total else 0.0, free)
+        self._load = LoadSnapshot(
+            len(scheduler.running), len(scheduler.waiting), 1.0 - free / total if total else 0.0, free
+        )
 
 
 @dataclass(frozen=True)
@@ -488,7 +560,8 @@ def _expand_placeholders(token_ids: list[int], items: Sequence[EncodedItem]) -> 
     if found_visual != len(visual) or found_audio != len(audio):
         raise InvalidInputError(
             f"prompt.token_ids: {found_visual} image and {found_audio} audio placeholders, but the media are "
-            f"{len(visual)} image/video and {len(audio)} audio items (one placeholder token per item)")
+            f"{len(visual)} image/video and {len(audio)} audio items (one placeholder token per item)"
+        )
     queues = {IMAGE_PLACEHOLDER: iter(visual), AUDIO_PLACEHOLDER: iter(audio)}
     out: list[int] = []
     for token in token_ids:
@@ -524,10 +597,17 @@ def _which_stop(stops: Sequence[str], token_ids: Sequence[int]) -> str:
 # Construction
 
 
-def build_engine(checkpoint: str | Path, device: str = "cpu", dtype: str = "bfloat16",
-                 kv_cache_bytes: int = 512 << 20, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_cache: bool = True, prefix_store: PrefixStore | None = None,
-                 cuda_graphs: bool = True) -> Engine:
+def build_engine(
+    checkpoint: str | Path,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    kv_cache_bytes: int = 512 << 20,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    enable_prefix_cache: bool = True,
+    prefix_store: PrefixStore | None = None,
+    cuda_graphs: bool = True,
+) -> Engine:
     """Load the decoder weights of a checkpoint and wrap them in an `Engine` (`prefix_store`: the shared Redis
     prefix tier; `cuda_graphs`: replay decode steps from CUDA graphs where the fast path runs)."""
     if dtype not in DTYPES:
@@ -535,14 +615,32 @@ def build_engine(checkpoint: str | Path, device: str = "cpu", dtype: str = "bflo
     config = load_model_config(checkpoint)
     weights, _ = load_decoder_weights(CheckpointFiles(checkpoint), config, dtype=DTYPES[dtype], device=device)
     model = InklingDecoder.from_weights(config.text, weights, DTYPES[dtype], device)
-    settings = EngineSettings(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, device=device,
-                              enable_prefix_cache=enable_prefix_cache, cuda_graphs=cuda_graphs)
+    settings = EngineSettings(
+        kv_cache_bytes=kv_cache_bytes,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        device=device,
+        enable_prefix_cache=enable_prefix_cache,
+        cuda_graphs=cuda_graphs,
+    )
     return Engine(model, config, settings, prefix_store)
 
 
 __all__ = [
-    "DecodeService", "DeltaEvent", "EngineFailure", "FinalEvent", "GenerateInput", "LoadSnapshot",
-    "MediaEncoder", "MediaInput", "MediaSpan", "ModelInfo", "SamplingInput", "ServiceLimits", "Timings",
-    "TokenLogprob", "Usage", "build_engine",
+    "DecodeService",
+    "DeltaEvent",
+    "EngineFailure",
+    "FinalEvent",
+    "GenerateInput",
+    "LoadSnapshot",
+    "MediaEncoder",
+    "MediaInput",
+    "MediaSpan",
+    "ModelInfo",
+    "SamplingInput",
+    "ServiceLimits",
+    "Timings",
+    "TokenLogprob",
+    "Usage",
+    "build_engine",
 ]

@@ -142,8 +142,12 @@ class Cluster:
         return [p.address for p in self.decoders if p.address]
 
     def processes(self) -> list[ManagedProcess]:
-        tiers = [[self._redis] if self._redis else [], self.encoders, self.decoders,
-                 [self.router] if self.router else []]
+        tiers = [
+            [self._redis] if self._redis else [],
+            self.encoders,
+            self.decoders,
+            [self.router] if self.router else [],
+        ]
         return [p for tier in tiers for p in tier]
 
     # -- start / stop ----------------------------------------------------------------------------------------
@@ -163,8 +167,9 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
-        log.info("cluster up: router %s, redis %s, logs in %s", self.router_address, self.redis_url or "(none)",
-                 self.log_dir)
+        log.info(
+            "cluster up: router %s, redis %s, logs in %s", self.router_address, self.redis_url or "(none)", self.log_dir
+        )
         return self
 
     def _next_port(self) -> int:
@@ -187,12 +192,17 @@ class Cluster:
             return DEFAULT_REDIS_URL
         server = shutil.which("redis-server")
         if server is None:
-            log.warning("no Redis at 127.0.0.1:6379 and no redis-server installed: running without Redis "
-                        "(no shared embedding cache, no prefix directory)")
+            log.warning(
+                "no Redis at 127.0.0.1:6379 and no redis-server installed: running without Redis "
+                "(no shared embedding cache, no prefix directory)"
+            )
             return None
         port = free_port(self.spec.host)
-        self._redis = self._spawn("redis", [server, str(REDIS_CONF), "--bind", self.spec.host, "--port",
-                                            str(port), "--maxmemory", "512mb"], address=None)
+        self._redis = self._spawn(
+            "redis",
+            [server, str(REDIS_CONF), "--bind", self.spec.host, "--port", str(port), "--maxmemory", "512mb"],
+            address=None,
+        )
         url = f"redis://{self.spec.host}:{port}/0"
         deadline = time.monotonic() + 10.0
         while not redis_reachable(url):
@@ -202,16 +212,18 @@ class Cluster:
         return url
 
     def _server_args(self, port: int) -> list[str]:
-        args = ["--host", self.spec.host, "--port", str(port),
-                "--grace-seconds", str(self.spec.grace_seconds)]
+        args = ["--host", self.spec.host, "--port", str(port), "--grace-seconds", str(self.spec.grace_seconds)]
         if self.redis_url:
             args += ["--redis-url", self.redis_url]
         return [*args, *self.spec.security_flags]
 
     def _start_servers(self) -> None:
         spec = self.spec
-        ports = {"router": self._next_port(), "decode": [self._next_port() for _ in range(spec.decoders)],
-                 "encoder": [self._next_port() for _ in range(spec.encoders)]}
+        ports = {
+            "router": self._next_port(),
+            "decode": [self._next_port() for _ in range(spec.decoders)],
+            "encoder": [self._next_port() for _ in range(spec.encoders)],
+        }
         model_args = ["--checkpoint", spec.checkpoint, "--device", spec.device, "--dtype", spec.dtype]
         for i, port in enumerate(ports["encoder"]):
             self.encoders.append(self._spawn_server(f"encoder-{i}", "encoder", port, model_args))
@@ -224,8 +236,9 @@ class Cluster:
                 args.append("--local-encode")
             self.decoders.append(self._spawn_server(f"decode-{i}", "decode", port, args))
         self._wait_serving(self.decoders)
-        self.router = self._spawn_server("router", "router", ports["router"],
-                                         ["--decoders", ",".join(self.decoder_addresses)])
+        self.router = self._spawn_server(
+            "router", "router", ports["router"], ["--decoders", ",".join(self.decoder_addresses)]
+        )
         self._wait_serving([self.router])
 
     def _spawn_server(self, name: str, role: str, port: int, args: list[str]) -> ManagedProcess:
@@ -238,8 +251,15 @@ class Cluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(process.log_path, "wb") as log_file:
             guarded = [sys.executable, "-m", "deploy.exit_with_parent", str(os.getpid()), *argv]
-            process.popen = subprocess.Popen(guarded, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
-                                             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            process.popen = subprocess.Popen(
+                guarded,
+                cwd=REPO_ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         log.info("started %s (pid %d, %s)", name, process.popen.pid, address or "no gRPC")
         return process
 
@@ -249,15 +269,19 @@ class Cluster:
         while pending:
             for process in list(pending):
                 if process.exited():
-                    raise ClusterError(f"{process.name} exited with code {process.popen.returncode} before "
-                                       f"reporting SERVING; log {process.log_path}:\n{process.log_tail()}")
+                    raise ClusterError(
+                        f"{process.name} exited with code {process.popen.returncode} before "
+                        f"reporting SERVING; log {process.log_path}:\n{process.log_tail()}"
+                    )
                 if check(process.address, timeout_s=1.0, security=self.spec.security) == "SERVING":
                     pending.remove(process)
             if pending and time.monotonic() > deadline:
                 process = pending[0]
-                raise ClusterError(f"{process.name} ({process.address}) not SERVING after "
-                                   f"{self.spec.startup_timeout_s:.0f} s; log {process.log_path}:\n"
-                                   f"{process.log_tail()}")
+                raise ClusterError(
+                    f"{process.name} ({process.address}) not SERVING after "
+                    f"{self.spec.startup_timeout_s:.0f} s; log {process.log_path}:\n"
+                    f"{process.log_tail()}"
+                )
             if pending:
                 time.sleep(0.2)
 
@@ -267,8 +291,12 @@ class Cluster:
 
     def stop(self) -> None:
         """Tier by tier, router first: SIGTERM, wait, SIGKILL what is left. Safe to call twice."""
-        tiers = [[self.router] if self.router else [], self.decoders, self.encoders,
-                 [self._redis] if self._redis else []]
+        tiers = [
+            [self.router] if self.router else [],
+            self.decoders,
+            self.encoders,
+            [self._redis] if self._redis else [],
+        ]
         for tier in tiers:
             running = [p for p in tier if p.popen is not None and p.popen.poll() is None]
             for process in running:
@@ -279,8 +307,9 @@ class Cluster:
                 try:
                     process.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    log.warning("killing %s: still running %.0f s after SIGTERM", process.name,
-                                self.spec.stop_timeout_s)
+                    log.warning(
+                        "killing %s: still running %.0f s after SIGTERM", process.name, self.spec.stop_timeout_s
+                    )
                     process.popen.kill()
                     process.popen.wait()
 
@@ -308,9 +337,17 @@ def security_flags(args: argparse.Namespace) -> list[str]:
 def main(args: argparse.Namespace) -> int:
     """`inkling-epd up`: start the cluster, print the router address, run until Ctrl-C / SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    spec = ClusterSpec(checkpoint=args.checkpoint, encoders=args.encoders, decoders=args.decoders,
-                       base_port=args.base_port, redis=args.redis_url or "auto", device=args.device,
-                       dtype=args.dtype, security_flags=security_flags(args), security=security_settings(args))
+    spec = ClusterSpec(
+        checkpoint=args.checkpoint,
+        encoders=args.encoders,
+        decoders=args.decoders,
+        base_port=args.base_port,
+        redis=args.redis_url or "auto",
+        device=args.device,
+        dtype=args.dtype,
+        security_flags=security_flags(args),
+        security=security_settings(args),
+    )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_terminated)
     cluster = Cluster(spec)
@@ -324,8 +361,11 @@ def main(args: argparse.Namespace) -> int:
             while True:
                 dead = cluster.dead()
                 if dead:
-                    print(f"{dead[0].name} exited with code {dead[0].popen.returncode}; stopping. Log tail:\n"
-                          f"{dead[0].log_tail()}", file=sys.stderr)
+                    print(
+                        f"{dead[0].name} exited with code {dead[0].popen.returncode}; stopping. Log tail:\n"
+                        f"{dead[0].log_tail()}",
+                        file=sys.stderr,
+                    )
                     return 1
                 time.sleep(0.5)
     except ClusterError as exc:

@@ -33,8 +33,14 @@ class _Pending:
 
 
 class DynamicBatcher:
-    def __init__(self, run: Callable[[np.ndarray], np.ndarray], max_batch_rows: int, max_wait_s: float,
-                 executor: Executor | None = None, observer: BatchObserver | None = None) -> None:
+    def __init__(
+        self,
+        run: Callable[[np.ndarray], np.ndarray],
+        max_batch_rows: int,
+        max_wait_s: float,
+        executor: Executor | None = None,
+        observer: BatchObserver | None = None,
+    ) -> None:
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self._run = run
@@ -114,8 +120,7 @@ class DynamicBatcher:
             self._running = []  # (kept on cancellation: `close` fails those callers)
             finished = time.monotonic()
             if self._observer is not None:
-                self._observer(len(batch), len(inputs), started - min(p.enqueued for p in batch),
-                               finished - started)
+                self._observer(len(batch), len(inputs), started - min(p.enqueued for p in batch), finished - started)
             if len(outputs) != len(inputs):
                 error = RuntimeError(f"tower returned {len(outputs)} rows for {len(inputs)} inputs")
                 for p in batch:
@@ -126,7 +131,7 @@ class DynamicBatcher:
             for p in batch:
                 n = len(p.inputs)
                 if not p.future.done():
-                    p.future.set_result(outputs[offset:offset + n])
+                    p.future.set_result(outputs[offset : offset + n])
                 offset += n
 
     async def close(self) -> None:

@@ -41,10 +41,12 @@ from proto.inkling_epd.v1 import encoder_pb2, encoder_pb2_grpc, media_pb2
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
-_MODALITIES = {media_pb2.MODALITY_IMAGE: "image", media_pb2.MODALITY_AUDIO: "audio",
-               media_pb2.MODALITY_VIDEO: "video"}
-_RESCALE = {media_pb2.RESCALE_POLICY_SERVER_DEFAULT: "default", media_pb2.RESCALE_POLICY_NONE: "none",
-            media_pb2.RESCALE_POLICY_LONG_EDGE: "long_edge"}
+_MODALITIES = {media_pb2.MODALITY_IMAGE: "image", media_pb2.MODALITY_AUDIO: "audio", media_pb2.MODALITY_VIDEO: "video"}
+_RESCALE = {
+    media_pb2.RESCALE_POLICY_SERVER_DEFAULT: "default",
+    media_pb2.RESCALE_POLICY_NONE: "none",
+    media_pb2.RESCALE_POLICY_LONG_EDGE: "long_edge",
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -55,8 +57,7 @@ def _image_options(params: media_pb2.ImageParams) -> ImageOptions:
     return ImageOptions(
         rescale=_RESCALE.get(params.rescale_policy, f"enum value {params.rescale_policy}"),
         rescale_frac=params.rescale_frac if params.HasField("rescale_frac") else None,
-        rescale_max_long_edge=(params.rescale_max_long_edge if params.HasField("rescale_max_long_edge")
-                               else None),
+        rescale_max_long_edge=(params.rescale_max_long_edge if params.HasField("rescale_max_long_edge") else None),
     )
 
 
@@ -74,10 +75,12 @@ def media_from_proto(index: int, item: media_pb2.MediaItem) -> MediaInput:
     video = None
     if params == "video":
         v = item.video
-        video = VideoOptions(fps=v.fps if v.HasField("fps") else None,
-                             max_frames=v.max_frames if v.HasField("max_frames") else None,
-                             include_audio=v.include_audio if v.HasField("include_audio") else None,
-                             frame=_image_options(v.frame))
+        video = VideoOptions(
+            fps=v.fps if v.HasField("fps") else None,
+            max_frames=v.max_frames if v.HasField("max_frames") else None,
+            include_audio=v.include_audio if v.HasField("include_audio") else None,
+            frame=_image_options(v.frame),
+        )
     return MediaInput(modality=modality, data=item.data, image=image, video=video)
 
 
@@ -86,20 +89,26 @@ def media_from_proto(index: int, item: media_pb2.MediaItem) -> MediaInput:
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, engine: EncoderEngine, metrics: EncoderMetrics | None = None,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self, engine: EncoderEngine, metrics: EncoderMetrics | None = None, chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.chunk_bytes = chunk_bytes
 
-    async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext,
-                     ) -> AsyncIterator[encoder_pb2.EncodeChunk]:
+    async def Encode(
+        self,
+        request: encoder_pb2.EncodeRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[encoder_pb2.EncodeChunk]:
         expected = request.expected_encoder_fingerprint
         if expected and expected != self.engine.fingerprint:
             self._count("FAILED_PRECONDITION")
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"encoder fingerprint {self.engine.fingerprint.hex()[:16]}... differs "
-                                f"from the expected {expected.hex()[:16]}...")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"encoder fingerprint {self.engine.fingerprint.hex()[:16]}... differs "
+                f"from the expected {expected.hex()[:16]}...",
+            )
         failure: Exception | None = None
         # Without continue_on_item_error a bad item fails the whole call, so nothing is sent until every item
         # has succeeded: the client never sees embeddings of a call that then fails.
@@ -114,8 +123,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                         if not lenient:
                             raise result.error
                         code, message = status_for(result.error)
-                        yield encoder_pb2.EncodeChunk(error=encoder_pb2.ItemError(
-                            item_index=result.item_index, code=code.name, message=message))
+                        yield encoder_pb2.EncodeChunk(
+                            error=encoder_pb2.ItemError(item_index=result.item_index, code=code.name, message=message)
+                        )
                         continue
                     if not lenient:
                         held.append(result)
@@ -135,15 +145,21 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             await self._abort(context, request.request_id, failure)
         self._count("OK")
 
-    async def GetInfo(self, request: encoder_pb2.EncoderInfoRequest,
-                      context: grpc.aio.ServicerContext) -> encoder_pb2.EncoderInfo:
+    async def GetInfo(
+        self, request: encoder_pb2.EncoderInfoRequest, context: grpc.aio.ServicerContext
+    ) -> encoder_pb2.EncoderInfo:
         info = self.engine.info()
         return encoder_pb2.EncoderInfo(
-            encoder_fingerprint=info.fingerprint, model_id=info.model_id, dim=info.dim, dtype="bfloat16",
+            encoder_fingerprint=info.fingerprint,
+            model_id=info.model_id,
+            dim=info.dim,
+            dtype="bfloat16",
             modalities=[modality_to_proto(m) for m in info.modalities],
             max_items_per_request=info.limits.max_items_per_request,
-            max_item_bytes=info.limits.max_item_bytes, max_batch_tokens=info.max_batch_tokens,
-            inflight_items=self.engine.inflight_items)
+            max_item_bytes=info.limits.max_item_bytes,
+            max_batch_tokens=info.max_batch_tokens,
+            inflight_items=self.engine.inflight_items,
+        )
 
     async def _abort(self, context: grpc.aio.ServicerContext, request_id: str, exc: Exception) -> None:
         """The one place where failures become status codes."""
@@ -185,12 +201,20 @@ class EncoderServer:
         await self.server.wait_for_termination()
 
 
-def build_server(engine: EncoderEngine, grpc_settings: GrpcSettings, metrics: EncoderMetrics | None = None,
-                 registry: CollectorRegistry | None = None, metrics_port: int = 0,
-                 chunk_bytes: int = CHUNK_BYTES) -> EncoderServer:
+def build_server(
+    engine: EncoderEngine,
+    grpc_settings: GrpcSettings,
+    metrics: EncoderMetrics | None = None,
+    registry: CollectorRegistry | None = None,
+    metrics_port: int = 0,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> EncoderServer:
     """A bound, not yet started server. `metrics_port` > 0 also starts the /metrics exporter of `registry`."""
-    server = create_server(grpc_settings.max_message_bytes, server_interceptors(grpc_settings.security),
-                           max_request_bytes=grpc_settings.max_request_bytes)
+    server = create_server(
+        grpc_settings.max_message_bytes,
+        server_interceptors(grpc_settings.security),
+        max_request_bytes=grpc_settings.max_request_bytes,
+    )
     encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(engine, metrics, chunk_bytes), server)
     health = ServerHealth(server, [SERVICE_NAME])
     enable_reflection(server, [SERVICE_NAME])
@@ -201,8 +225,9 @@ def build_server(engine: EncoderEngine, grpc_settings: GrpcSettings, metrics: En
     return EncoderServer(server, port, health, engine, exporter)
 
 
-async def _serve(engine: EncoderEngine, grpc_settings: GrpcSettings, metrics: EncoderMetrics,
-                 metrics_port: int) -> None:
+async def _serve(
+    engine: EncoderEngine, grpc_settings: GrpcSettings, metrics: EncoderMetrics, metrics_port: int
+) -> None:
     server = build_server(engine, grpc_settings, metrics, metrics.registry, metrics_port)
     await server.start()
     stopping = asyncio.Event()
@@ -220,8 +245,7 @@ async def _serve(engine: EncoderEngine, grpc_settings: GrpcSettings, metrics: En
 def serve(args: argparse.Namespace) -> int:
     """`inkling-epd encoder`: load the towers, serve until SIGTERM/SIGINT, drain, exit."""
     settings = encoder_settings(args)
-    logging.basicConfig(level=settings.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = EncoderMetrics(new_registry())
     engine = load_engine(settings, metrics)
     asyncio.run(_serve(engine, settings.grpc, metrics, settings.metrics_port))

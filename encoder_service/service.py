@@ -97,8 +97,9 @@ def bf16_bits(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
-def tower_fingerprint(config: ModelConfig, vision: VisionTower | None, audio: AudioTower | None,
-                      dtype: torch.dtype) -> bytes:
+def tower_fingerprint(
+    config: ModelConfig, vision: VisionTower | None, audio: AudioTower | None, dtype: torch.dtype
+) -> bytes:
     """Encoder fingerprint: tower configs, compute dtype and a digest of every tower tensor as loaded."""
     digests: dict[str, bytes] = {}
     for prefix, tower in ((VISUAL, vision), (AUDIO, audio)):
@@ -121,39 +122,63 @@ def tower_fingerprint(config: ModelConfig, vision: VisionTower | None, audio: Au
 
 
 class EncoderEngine:
-    def __init__(self, *, vision: VisionTower | None, audio: AudioTower | None, dim: int, fingerprint: bytes,
-                 image_policy: ImagePolicy | None = None, audio_policy: AudioPolicy | None = None,
-                 video_policy: VideoPolicy | None = None, cache: EmbeddingCache | None = None,
-                 limits: EncoderLimits | None = None, batcher: BatcherSettings | None = None,
-                 preprocess_workers: int = 4, metrics: EncoderMetrics | None = None,
-                 model_id: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        vision: VisionTower | None,
+        audio: AudioTower | None,
+        dim: int,
+        fingerprint: bytes,
+        image_policy: ImagePolicy | None = None,
+        audio_policy: AudioPolicy | None = None,
+        video_policy: VideoPolicy | None = None,
+        cache: EmbeddingCache | None = None,
+        limits: EncoderLimits | None = None,
+        batcher: BatcherSettings | None = None,
+        preprocess_workers: int = 4,
+        metrics: EncoderMetrics | None = None,
+        model_id: str = "",
+    ) -> None:
         self.limits = limits or EncoderLimits()
         batcher = batcher or BatcherSettings()
         self.vision, self.audio, self.dim, self.fingerprint = vision, audio, dim, fingerprint
         self.model_id = model_id
         base_image = image_policy or ImagePolicy()
-        self.image_policy = dataclasses.replace(base_image, max_patches=self.limits.max_image_patches,
-                                                max_pixels=self.limits.max_image_pixels,
-                                                max_bytes=self.limits.max_item_bytes)
+        self.image_policy = dataclasses.replace(
+            base_image,
+            max_patches=self.limits.max_image_patches,
+            max_pixels=self.limits.max_image_pixels,
+            max_bytes=self.limits.max_item_bytes,
+        )
         base_audio = audio_policy or AudioPolicy()
         self.audio_policy = dataclasses.replace(
-            base_audio, max_seconds=self.limits.max_audio_seconds, max_bytes=self.limits.max_item_bytes,
-            max_frames=min(base_audio.max_frames, math.ceil(
-                self.limits.max_audio_seconds * base_audio.sample_rate / base_audio.hop_length)))
+            base_audio,
+            max_seconds=self.limits.max_audio_seconds,
+            max_bytes=self.limits.max_item_bytes,
+            max_frames=min(
+                base_audio.max_frames,
+                math.ceil(self.limits.max_audio_seconds * base_audio.sample_rate / base_audio.hop_length),
+            ),
+        )
         base_video = video_policy or VideoPolicy()
         self.video_policy = dataclasses.replace(
-            base_video, max_frames=min(base_video.max_frames, self.limits.max_video_frames),
-            max_seconds=self.limits.max_audio_seconds, max_bytes=self.limits.max_item_bytes)
+            base_video,
+            max_frames=min(base_video.max_frames, self.limits.max_video_frames),
+            max_seconds=self.limits.max_audio_seconds,
+            max_bytes=self.limits.max_item_bytes,
+        )
         self.cache = cache
         self.metrics = metrics
         self.max_batch_tokens = batcher.max_batch_tokens
         self._preprocess_pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess")
         self._tower_pool = ThreadPoolExecutor(1, thread_name_prefix="tower")
         wait_s = batcher.max_wait_ms / 1000.0
-        self._vision_batcher = DynamicBatcher(self._run_vision, batcher.max_batch_tokens, wait_s,
-                                              self._tower_pool, self._observer("vision"))
-        self._audio_batcher = DynamicBatcher(self._run_audio, batcher.max_batch_tokens, wait_s,
-                                             self._tower_pool, self._observer("audio"))
+        self._vision_batcher = DynamicBatcher(
+            self._run_vision, batcher.max_batch_tokens, wait_s, self._tower_pool, self._observer("vision")
+        )
+        self._audio_batcher = DynamicBatcher(
+            self._run_audio, batcher.max_batch_tokens, wait_s, self._tower_pool, self._observer("audio")
+        )
         self._singleflight: dict[bytes, asyncio.Task[Entry]] = {}
         self._waiters: dict[asyncio.Task[Entry], int] = {}  # callers awaiting each computation
         self._inflight = 0
@@ -176,11 +201,15 @@ class EncoderEngine:
         return self._inflight
 
     def info(self) -> EngineInfo:
-        return EngineInfo(self.fingerprint, self.model_id, self.dim, self.modalities, self.limits,
-                          self.max_batch_tokens)
+        return EngineInfo(
+            self.fingerprint, self.model_id, self.dim, self.modalities, self.limits, self.max_batch_tokens
+        )
 
-    async def encode(self, items: Sequence[MediaInput], request_id: str = "",
-                     ) -> AsyncIterator[EncodedItem | ItemError]:
+    async def encode(
+        self,
+        items: Sequence[MediaInput],
+        request_id: str = "",
+    ) -> AsyncIterator[EncodedItem | ItemError]:
         """Encode all items concurrently; yield each result (or its `ItemError`) in item order.
 
         Raises `InvalidInputError` for a malformed call (no items, too many) and `ResourceExhaustedError` when
@@ -189,16 +218,20 @@ class EncoderEngine:
         if not items:
             raise InvalidInputError("Encode: no media items")
         if len(items) > self.limits.max_items_per_request:
-            raise InvalidInputError(f"Encode: {len(items)} items exceeds the limit of "
-                                    f"{self.limits.max_items_per_request} per request")
+            raise InvalidInputError(
+                f"Encode: {len(items)} items exceeds the limit of {self.limits.max_items_per_request} per request"
+            )
         if self._inflight + len(items) > self.limits.max_inflight_items:
-            raise ResourceExhaustedError(f"encoder busy: {self._inflight} items in flight (limit "
-                                         f"{self.limits.max_inflight_items})")
+            raise ResourceExhaustedError(
+                f"encoder busy: {self._inflight} items in flight (limit {self.limits.max_inflight_items})"
+            )
         self._inflight += len(items)
         if self.metrics:
             self.metrics.inflight.set(self._inflight)
-        tasks = [asyncio.create_task(self._encode_item(i, item), name=f"encode-{request_id}-{i}")
-                 for i, item in enumerate(items)]
+        tasks = [
+            asyncio.create_task(self._encode_item(i, item), name=f"encode-{request_id}-{i}")
+            for i, item in enumerate(items)
+        ]
         try:
             for index, task in enumerate(tasks):
                 try:
@@ -231,8 +264,7 @@ class EncoderEngine:
         base = self.image_policy
         if options is None or options.rescale == "default":
             if options is not None and (options.rescale_frac is not None or options.rescale_max_long_edge):
-                raise InvalidInputError(f"{item}: rescale_frac/rescale_max_long_edge need the long_edge "
-                                        "policy")
+                raise InvalidInputError(f"{item}: rescale_frac/rescale_max_long_edge need the long_edge policy")
             return base
         if options.rescale == "none":
             return dataclasses.replace(base, rescale_frac=None)
@@ -256,8 +288,11 @@ class EncoderEngine:
             raise InvalidInputError(f"{item}: include_audio needs the audio tower, which this encoder lacks")
         try:
             return dataclasses.replace(
-                base, fps=base.fps if options.fps is None else options.fps, include_audio=include_audio,
-                max_frames=min(options.max_frames or base.max_frames, self.limits.max_video_frames))
+                base,
+                fps=base.fps if options.fps is None else options.fps,
+                include_audio=include_audio,
+                max_frames=min(options.max_frames or base.max_frames, self.limits.max_video_frames),
+            )
         except InvalidInputError as exc:
             raise InvalidInputError(f"{item}: {exc}") from None
 
@@ -273,24 +308,32 @@ class EncoderEngine:
         if not media.data:
             raise InvalidInputError(f"{item}: empty media data")
         if len(media.data) > self.limits.max_item_bytes:
-            raise InvalidInputError(f"{item}: {len(media.data)} bytes exceeds the limit of "
-                                    f"{self.limits.max_item_bytes}")
+            raise InvalidInputError(
+                f"{item}: {len(media.data)} bytes exceeds the limit of {self.limits.max_item_bytes}"
+            )
         data = media.data
         if media.modality == "image":
             policy = self._image_policy(media.image, item)
-            return ({"version": PREPROCESS_VERSION, "image": policy.fingerprint()},
-                    lambda: preprocess_image(data, policy, item).pixels)
+            return (
+                {"version": PREPROCESS_VERSION, "image": policy.fingerprint()},
+                lambda: preprocess_image(data, policy, item).pixels,
+            )
         if media.modality == "audio":
             audio_policy = self.audio_policy
-            return ({"version": PREPROCESS_VERSION, "audio": audio_policy.fingerprint()},
-                    lambda: preprocess_audio(data, audio_policy, item))
+            return (
+                {"version": PREPROCESS_VERSION, "audio": audio_policy.fingerprint()},
+                lambda: preprocess_audio(data, audio_policy, item),
+            )
         options = media.video or VideoOptions()
         frame_policy = self._image_policy(options.frame, item)
         video_policy = self._video_policy(options, item)
         audio_policy = self.audio_policy
-        fingerprint = {"version": PREPROCESS_VERSION, "video": video_policy.fingerprint(),
-                       "frame": frame_policy.fingerprint(),
-                       "audio": audio_policy.fingerprint() if video_policy.include_audio else None}
+        fingerprint = {
+            "version": PREPROCESS_VERSION,
+            "video": video_policy.fingerprint(),
+            "frame": frame_policy.fingerprint(),
+            "audio": audio_policy.fingerprint() if video_policy.include_audio else None,
+        }
         return fingerprint, lambda: preprocess_video(data, video_policy, frame_policy, audio_policy, item)
 
     def preprocess_fingerprint(self, media: MediaInput, item: str = "item") -> dict:
@@ -320,8 +363,16 @@ class EncoderEngine:
                 raise InvalidInputError(f"{item}: same media as an item that failed: {exc}") from None
             finally:
                 self._release(key, task)
-        return EncodedItem(item_index=index, mm_key=key, modality=media.modality, rows=entry.rows,
-                           dim=entry.dim, payload=entry.payload, spans=entry.spans, cache_hit=hit)
+        return EncodedItem(
+            item_index=index,
+            mm_key=key,
+            modality=media.modality,
+            rows=entry.rows,
+            dim=entry.dim,
+            payload=entry.payload,
+            spans=entry.spans,
+            cache_hit=hit,
+        )
 
     def _release(self, key: bytes, task: asyncio.Task[Entry]) -> None:
         """One caller fewer; the last one to go cancels a computation that is still running."""
@@ -347,16 +398,21 @@ class EncoderEngine:
         if entry is None:
             return None
         if entry.modality != media.modality or entry.dim != self.dim or entry.dtype != DTYPE_BF16:
-            log.warning("%s: cached entry does not fit (modality %s, dim %d); recomputing", item,
-                        entry.modality, entry.dim)
+            log.warning(
+                "%s: cached entry does not fit (modality %s, dim %d); recomputing", item, entry.modality, entry.dim
+            )
             return None
         if media.modality == "image":
             # A cheap header probe catches a row count that cannot belong to this image (spec serving 2.5).
             policy = self._image_policy(media.image, item)
             width, height = probe_image(media.data, policy.exif_transpose, item)
             if entry.rows != image_token_count(width, height, policy):
-                log.warning("%s: cached entry has %d rows, the image needs %d; recomputing", item, entry.rows,
-                            image_token_count(width, height, policy))
+                log.warning(
+                    "%s: cached entry has %d rows, the image needs %d; recomputing",
+                    item,
+                    entry.rows,
+                    image_token_count(width, height, policy),
+                )
                 return None
         return entry
 
@@ -434,8 +490,15 @@ def build_cache(settings: EncoderSettings, metrics: EncoderMetrics | None) -> Em
     l2 = None
     if settings.redis is not None:
         r = settings.redis
-        l2 = RedisCache(r.url, key_prefix=r.key_prefix, timeout_s=r.timeout_s, ttl_s=r.ttl_s,
-                        max_value_bytes=r.max_value_bytes, async_writes=r.async_writes, observer=observer)
+        l2 = RedisCache(
+            r.url,
+            key_prefix=r.key_prefix,
+            timeout_s=r.timeout_s,
+            ttl_s=r.ttl_s,
+            max_value_bytes=r.max_value_bytes,
+            async_writes=r.async_writes,
+            observer=observer,
+        )
     return TieredCache(l1, l2) if l1 is not None or l2 is not None else None
 
 
@@ -454,11 +517,20 @@ def load_engine(settings: EncoderSettings, metrics: EncoderMetrics | None = None
     audio_policy = None
     if config.audio is not None:
         a = config.audio
-        audio_policy = AudioPolicy(n_mels=a.n_mel_bins, num_dmel_bins=a.mel_vocab_size,
-                                   dmel_min=a.dmel_min_value, dmel_max=a.dmel_max_value)
+        audio_policy = AudioPolicy(
+            n_mels=a.n_mel_bins, num_dmel_bins=a.mel_vocab_size, dmel_min=a.dmel_min_value, dmel_max=a.dmel_max_value
+        )
     return EncoderEngine(
-        vision=vision, audio=audio, dim=config.text.hidden_size,
-        fingerprint=tower_fingerprint(config, vision, audio, dtype), image_policy=image_policy,
-        audio_policy=audio_policy, cache=build_cache(settings, metrics), limits=settings.limits,
-        batcher=settings.batcher, preprocess_workers=settings.preprocess_workers, metrics=metrics,
-        model_id=str(settings.checkpoint))
+        vision=vision,
+        audio=audio,
+        dim=config.text.hidden_size,
+        fingerprint=tower_fingerprint(config, vision, audio, dtype),
+        image_policy=image_policy,
+        audio_policy=audio_policy,
+        cache=build_cache(settings, metrics),
+        limits=settings.limits,
+        batcher=settings.batcher,
+        preprocess_workers=settings.preprocess_workers,
+        metrics=metrics,
+        model_id=str(settings.checkpoint),
+    )

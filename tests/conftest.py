@@ -16,8 +16,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--run-slow", action="store_true", default=False,
-                     help="also run tests marked slow (soak and load variants)")
+    parser.addoption(
+        "--run-slow", action="store_true", default=False, help="also run tests marked slow (soak and load variants)"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -8,23 +8,29 @@ import sys
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate from a chat prompt or token ids (--server ADDR: through a "
-                       "running router/decode replica; --local: in-process, no services)")
+    p = sub.add_parser(
+        "generate",
+        help="generate from a chat prompt or token ids (--server ADDR: through a "
+        "running router/decode replica; --local: in-process, no services)",
+    )
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--local", action="store_true", help="run encoder + decoder in this process")
     mode.add_argument("--server", metavar="ADDR", help="host:port of a router or decode replica")
     p.add_argument("--checkpoint", help="checkpoint directory (--local)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="user message text (chat prompt; media flags come before it)")
-    prompt.add_argument("--messages", metavar="FILE.json", help="chat as a JSON list of {role, content: str | "
-                        "[{type: text, text} | {type: image|audio|video, path}]}")
-    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids (one placeholder token per media "
-                        "item)")
+    prompt.add_argument(
+        "--messages",
+        metavar="FILE.json",
+        help="chat as a JSON list of {role, content: str | [{type: text, text} | {type: image|audio|video, path}]}",
+    )
+    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids (one placeholder token per media item)")
     p.add_argument("--image", action="append", default=[], metavar="PATH", help="image file (repeatable)")
     p.add_argument("--audio", action="append", default=[], metavar="PATH", help="audio file (repeatable)")
     p.add_argument("--video", action="append", default=[], metavar="PATH", help="video file (repeatable)")
-    p.add_argument("--no-rescale", action="store_true", help="patch images and video frames as they are "
-                   "(RESCALE_POLICY_NONE)")
+    p.add_argument(
+        "--no-rescale", action="store_true", help="patch images and video frames as they are (RESCALE_POLICY_NONE)"
+    )
     p.add_argument("--reasoning-effort", type=float, default=None, help="thinking effort in [0, 0.99] (chat)")
     s = p.add_argument_group("sampling (unset: the server's neutral default)")
     s.add_argument("--max-tokens", type=int, default=16)
@@ -38,13 +44,17 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--frequency-penalty", type=float, default=None)
     s.add_argument("--logprobs", type=int, default=None, help="top-N alternatives per token")
     s.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    s.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
-                   help="stop token id (repeatable)")
+    s.add_argument(
+        "--stop-token-id", action="append", type=int, default=[], metavar="ID", help="stop token id (repeatable)"
+    )
     s.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stream", action="store_true", help="print text as it arrives (reasoning dimmed or marked)")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of the Generate call in seconds")
-    p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, finish_reason, "
-                   "reasoning, tool_calls, usage, timings)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (token_ids, text, finish_reason, reasoning, tool_calls, usage, timings)",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     from common.settings import add_security_args
@@ -83,18 +93,36 @@ def _generate_request(args: argparse.Namespace):
     prompt (--prompt-ids)."""
     from decode_service.client import build_request, load_messages, media_item, sampling_params
 
-    media = [media_item(kind, path, args.no_rescale)
-             for kind, paths in (("image", args.image), ("audio", args.audio), ("video", args.video))
-             for path in paths]
+    media = [
+        media_item(kind, path, args.no_rescale)
+        for kind, paths in (("image", args.image), ("audio", args.audio), ("video", args.video))
+        for path in paths
+    ]
     sampling = sampling_params(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-        max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_id,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        stop_token_ids=args.stop_token_id,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logprobs=args.logprobs,
+        ignore_eos=args.ignore_eos,
+    )
     messages = load_messages(args.messages, args.no_rescale) if args.messages else ()
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
-    return build_request(sampling, messages=messages, prompt=args.prompt, media=media, prompt_ids=prompt_ids,
-                         reasoning_effort=args.reasoning_effort)
+    return build_request(
+        sampling,
+        messages=messages,
+        prompt=args.prompt,
+        media=media,
+        prompt_ids=prompt_ids,
+        reasoning_effort=args.reasoning_effort,
+    )
 
 
 def _responses(args: argparse.Namespace, request):
@@ -121,8 +149,10 @@ def _responses(args: argparse.Namespace, request):
         service = DecodeService(engine, encoder, model_id=args.checkpoint)
         await service.start(warm_up=False)
         try:
-            return [final_message(e) if isinstance(e, FinalEvent) else delta_message(e)
-                    async for e in service.generate(generate_input(request, args.timeout))]
+            return [
+                final_message(e) if isinstance(e, FinalEvent) else delta_message(e)
+                async for e in service.generate(generate_input(request, args.timeout))
+            ]
         finally:
             await service.close()
             await encoder.close()
@@ -192,8 +222,11 @@ def _serve_common(p: argparse.ArgumentParser, port: int, max_streams_per_client:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=port, help="gRPC port (0 = pick a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0 = off)")
-    p.add_argument("--redis-url", default=None, help="redis:// or rediss:// URL of the shared cache (default: "
-                   "INKLING_REDIS_URL, else no Redis)")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="redis:// or rediss:// URL of the shared cache (default: INKLING_REDIS_URL, else no Redis)",
+    )
     p.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO")
     add_security_args(p, max_streams_per_client)
@@ -222,18 +255,34 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     dec.add_argument("--max-num-seqs", type=int, default=64)
     dec.add_argument("--max-batch-tokens", type=int, default=2048)
     dec.add_argument("--kv-budget-mb", type=float, default=512.0)
-    dec.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run decode steps "
-                     "eagerly on CUDA (same kernels; for debugging)")
+    dec.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run decode steps eagerly on CUDA (same kernels; for debugging)",
+    )
     dec.add_argument("--replica-id", default="", help="name published to the router's prefix directory")
-    dec.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts: INVALID_ARGUMENT "
-                     "(default: the context limit)")
-    dec.add_argument("--max-completion-tokens", type=int, default=None, help="cap on max_tokens (default: the "
-                     "context limit)")
+    dec.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longer prompts: INVALID_ARGUMENT (default: the context limit)",
+    )
+    dec.add_argument(
+        "--max-completion-tokens", type=int, default=None, help="cap on max_tokens (default: the context limit)"
+    )
     dec.add_argument("--max-media-items", type=int, default=32, help="media items per request")
-    dec.add_argument("--max-live-requests", type=int, default=1024, help="requests encoding, queued or running; "
-                     "more get RESOURCE_EXHAUSTED")
-    dec.add_argument("--redis-prefix", action="store_true", help="share KV prefixes through Redis (needs a "
-                     "Redis URL; used where its measured cost model beats recompute)")
+    dec.add_argument(
+        "--max-live-requests",
+        type=int,
+        default=1024,
+        help="requests encoding, queued or running; more get RESOURCE_EXHAUSTED",
+    )
+    dec.add_argument(
+        "--redis-prefix",
+        action="store_true",
+        help="share KV prefixes through Redis (needs a Redis URL; used where its measured cost model beats recompute)",
+    )
     dec.set_defaults(func=_lazy("decode_service.server", "serve"))
 
     router = sub.add_parser("router", help="serve the Generator gRPC service in front of decode replicas")

@@ -76,40 +76,61 @@ def prepare_workdir(workdir: Path) -> tuple[Path, Path]:
 def _chat(request_id: str, parts: list[pb.ContentPart], max_tokens: int) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id,
-        chat=pb.ChatPrompt(messages=[
-            pb.Message(role=pb.ROLE_SYSTEM, content=[pb.ContentPart(text="You are a concise assistant.")]),
-            pb.Message(role=pb.ROLE_USER, content=parts)], reasoning_effort=0.0),
-        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        chat=pb.ChatPrompt(
+            messages=[
+                pb.Message(role=pb.ROLE_SYSTEM, content=[pb.ContentPart(text="You are a concise assistant.")]),
+                pb.Message(role=pb.ROLE_USER, content=parts),
+            ],
+            reasoning_effort=0.0,
+        ),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens),
+    )
 
 
 def build_requests(media_dir: Path, max_tokens: int = 16) -> list[DemoRequest]:
     image = media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=(media_dir / IMAGE_NAME).read_bytes())
-    audio = media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO,
-                                data=(media_dir / WAV_16K_NAME).read_bytes())
-    video = media_pb2.MediaItem(modality=media_pb2.MODALITY_VIDEO, data=(media_dir / VIDEO_NAME).read_bytes(),
-                                video=media_pb2.VideoParams(fps=4.0, max_frames=4))
+    audio = media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=(media_dir / WAV_16K_NAME).read_bytes())
+    video = media_pb2.MediaItem(
+        modality=media_pb2.MODALITY_VIDEO,
+        data=(media_dir / VIDEO_NAME).read_bytes(),
+        video=media_pb2.VideoParams(fps=4.0, max_frames=4),
+    )
 
     def image_chat(request_id: str) -> pb.GenerateRequest:
-        return _chat(request_id, [pb.ContentPart(text="What shapes are in this picture?"),
-                                  pb.ContentPart(media=image)], max_tokens)
+        return _chat(
+            request_id,
+            [pb.ContentPart(text="What shapes are in this picture?"), pb.ContentPart(media=image)],
+            max_tokens,
+        )
 
     return [
         DemoRequest("text+image", image_chat("demo-image")),
-        DemoRequest("text+audio", _chat("demo-audio", [pb.ContentPart(media=audio),
-                                                       pb.ContentPart(text="Which tones do you hear?")],
-                                        max_tokens)),
-        DemoRequest("text+video", _chat("demo-video", [pb.ContentPart(text="What moves in this clip?"),
-                                                       pb.ContentPart(media=video)], max_tokens)),
-        DemoRequest("token ids", pb.GenerateRequest(
-            request_id="demo-tokens", tokens=pb.TokenPrompt(token_ids=list(RAW_PROMPT_IDS)),
-            sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens))),
+        DemoRequest(
+            "text+audio",
+            _chat(
+                "demo-audio", [pb.ContentPart(media=audio), pb.ContentPart(text="Which tones do you hear?")], max_tokens
+            ),
+        ),
+        DemoRequest(
+            "text+video",
+            _chat(
+                "demo-video", [pb.ContentPart(text="What moves in this clip?"), pb.ContentPart(media=video)], max_tokens
+            ),
+        ),
+        DemoRequest(
+            "token ids",
+            pb.GenerateRequest(
+                request_id="demo-tokens",
+                tokens=pb.TokenPrompt(token_ids=list(RAW_PROMPT_IDS)),
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens),
+            ),
+        ),
         DemoRequest("text+image again", image_chat("demo-image-repeat")),
         DemoRequest("text+image, other replica", image_chat("demo-image-other"), direct_to_other=True),
     ]
 
 
-def run_request(stub: generator_pb2_grpc.GeneratorStub, demo: DemoRequest, out: TextIO,
-                timeout_s: float) -> Result:
+def run_request(stub: generator_pb2_grpc.GeneratorStub, demo: DemoRequest, out: TextIO, timeout_s: float) -> Result:
     """Stream one request, writing text deltas to `out` as they arrive."""
     result = Result(demo.name)
     out.write(f"\n[{demo.name}] ")
@@ -148,22 +169,43 @@ def run_request(stub: generator_pb2_grpc.GeneratorStub, demo: DemoRequest, out: 
 
 def format_table(results: Sequence[Result]) -> str:
     """One row per request, then the cache hits per tier summed over all requests."""
-    header = ("request", "replica", "prompt", "out", "finish", "TTFT ms", "prefix gpu", "prefix redis",
-              "emb cached/encoded")
+    header = (
+        "request",
+        "replica",
+        "prompt",
+        "out",
+        "finish",
+        "TTFT ms",
+        "prefix gpu",
+        "prefix redis",
+        "emb cached/encoded",
+    )
     rows = [header]
     for r in results:
         ttft = "-" if r.ttft_s != r.ttft_s else f"{1000 * r.ttft_s:.0f}"
-        rows.append((r.name, r.replica or "-", str(r.prompt_tokens), str(r.completion_tokens),
-                     r.finish or r.error or "-", ttft, str(r.cached_gpu), str(r.cached_redis),
-                     f"{r.mm_cached}/{r.mm_encoded}"))
+        rows.append(
+            (
+                r.name,
+                r.replica or "-",
+                str(r.prompt_tokens),
+                str(r.completion_tokens),
+                r.finish or r.error or "-",
+                ttft,
+                str(r.cached_gpu),
+                str(r.cached_redis),
+                f"{r.mm_cached}/{r.mm_encoded}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     prompt = sum(r.prompt_tokens for r in results)
     items = sum(r.mm_cached + r.mm_encoded for r in results)
-    lines.append(f"cache hits: prefix gpu {sum(r.cached_gpu for r in results)} + redis "
-                 f"{sum(r.cached_redis for r in results)} of {prompt} prompt tokens; embedding cache "
-                 f"{sum(r.mm_cached for r in results)} of {items} media items")
+    lines.append(
+        f"cache hits: prefix gpu {sum(r.cached_gpu for r in results)} + redis "
+        f"{sum(r.cached_redis for r in results)} of {prompt} prompt tokens; embedding cache "
+        f"{sum(r.mm_cached for r in results)} of {items} media items"
+    )
     replicas = sorted({r.replica for r in results if r.replica})
     lines.append("served by: " + ", ".join(f"{a} x{sum(r.replica == a for r in results)}" for a in replicas))
     return "\n".join(lines)
@@ -177,16 +219,22 @@ def run_direct(decoder: str, demo: DemoRequest, out: TextIO, timeout_s: float) -
     return result
 
 
-def run_demo(router_address: str, requests: Sequence[DemoRequest], out: TextIO, decoders: Sequence[str] = (),
-             timeout_s: float = 300.0) -> list[Result]:
+def run_demo(
+    router_address: str,
+    requests: Sequence[DemoRequest],
+    out: TextIO,
+    decoders: Sequence[str] = (),
+    timeout_s: float = 300.0,
+) -> list[Result]:
     """Requests through the router; `direct_to_other` ones go to a replica other than the first one's (skipped
     when the decode replicas are unknown or there is only one)."""
     results: list[Result] = []
     with grpc.insecure_channel(router_address) as channel:
         stub = generator_pb2_grpc.GeneratorStub(channel)
         info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30)
-        out.write(f"model {info.model_id or '(unnamed)'}: vocab {info.vocab_size}, "
-                  f"context {info.max_context_tokens} tokens\n")
+        out.write(
+            f"model {info.model_id or '(unnamed)'}: vocab {info.vocab_size}, context {info.max_context_tokens} tokens\n"
+        )
         for demo in requests:
             if not demo.direct_to_other:
                 results.append(run_request(stub, demo, out, timeout_s))
@@ -199,7 +247,7 @@ def run_demo(router_address: str, requests: Sequence[DemoRequest], out: TextIO, 
 
 
 def default_device() -> str:
-    """"cuda" when torch sees a GPU, else "cpu"."""
+    """ "cuda" when torch sees a GPU, else "cpu"."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -212,8 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--encoders", type=int, default=2)
     parser.add_argument("--decoders", type=int, default=2)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                        help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on cuda, float32 on cpu"
+    )
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
@@ -228,15 +277,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         device = args.device or default_device()
         dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-        spec = ClusterSpec(checkpoint=str(checkpoint), encoders=args.encoders, decoders=args.decoders,
-                           device=device, dtype=dtype, log_dir=str(workdir / "logs"),
-                           extra_args={"decode": ["--redis-prefix"]})
-        print(f"starting {args.encoders} encoders, {args.decoders} decode replica(s) and the router on {device} "
-              f"({dtype}; logs in {spec.log_dir}) ...", flush=True)
+        spec = ClusterSpec(
+            checkpoint=str(checkpoint),
+            encoders=args.encoders,
+            decoders=args.decoders,
+            device=device,
+            dtype=dtype,
+            log_dir=str(workdir / "logs"),
+            extra_args={"decode": ["--redis-prefix"]},
+        )
+        print(
+            f"starting {args.encoders} encoders, {args.decoders} decode replica(s) and the router on {device} "
+            f"({dtype}; logs in {spec.log_dir}) ...",
+            flush=True,
+        )
         try:
             with Cluster(spec) as cluster:
-                print(f"router at {cluster.router_address}, decode replicas {', '.join(cluster.decoder_addresses)}, "
-                      f"redis {cluster.redis_url or '(none)'}", flush=True)
+                print(
+                    f"router at {cluster.router_address}, decode replicas {', '.join(cluster.decoder_addresses)}, "
+                    f"redis {cluster.redis_url or '(none)'}",
+                    flush=True,
+                )
                 results = run_demo(cluster.router_address, requests, sys.stdout, cluster.decoder_addresses)
                 print("stopping the cluster ...", flush=True)
         except ClusterError as exc:

@@ -24,7 +24,8 @@ def check(address: str, service: str = "", timeout_s: float = 2.0, security: Sec
     with sync_channel(address, security) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
         except grpc.RpcError:
             return UNREACHABLE
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

@@ -41,8 +41,13 @@ def draw_shapes(width: int = IMAGE_SIZE[0], height: int = IMAGE_SIZE[1], shift: 
     x = np.linspace(0, 255, width, dtype=np.float32)[None, :]
     y = np.linspace(0, 255, height, dtype=np.float32)[:, None]
     background = np.stack(
-        [np.broadcast_to(x, (height, width)), np.broadcast_to(y, (height, width)),
-         np.full((height, width), 96.0, dtype=np.float32)], axis=-1)
+        [
+            np.broadcast_to(x, (height, width)),
+            np.broadcast_to(y, (height, width)),
+            np.full((height, width), 96.0, dtype=np.float32),
+        ],
+        axis=-1,
+    )
     image = Image.fromarray(background.round().astype(np.uint8), "RGB")
     draw = ImageDraw.Draw(image)
     s = shift
@@ -111,8 +116,9 @@ def sample_media() -> dict[str, bytes]:
         IMAGE_NAME: png_bytes(draw_shapes()),
         WAV_16K_NAME: wav_bytes(tones(16000, AUDIO_SECONDS, (440.0, 660.0, 880.0)), 16000),
         WAV_44K_NAME: wav_bytes(
-            np.stack([tones(44100, AUDIO_SECONDS, (330.0,)), tones(44100, AUDIO_SECONDS, (550.0, 770.0))],
-                     axis=1), 44100),
+            np.stack([tones(44100, AUDIO_SECONDS, (330.0,)), tones(44100, AUDIO_SECONDS, (550.0, 770.0))], axis=1),
+            44100,
+        ),
         VIDEO_NAME: mp4_bytes(),
     }
 

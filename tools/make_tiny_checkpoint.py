@@ -371,9 +371,7 @@ def write_checkpoint_files(
         weight_map |= {n: file for n in chunk}
         total += sum(t.numel() * t.element_size() for t in chunk.values())
     if mtp:
-        save_file(
-            {n: tensors[n].contiguous() for n in mtp}, str(out / "mtp.safetensors"), metadata={"format": "pt"}
-        )
+        save_file({n: tensors[n].contiguous() for n in mtp}, str(out / "mtp.safetensors"), metadata={"format": "pt"})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")

@@ -27,8 +27,9 @@ _IDS, _SEQ_LENS, _SLOTS, _ROWS_SLIDING, _ROWS_GLOBAL = range(5)  # rows of the m
 
 
 class DecodeGraphs:
-    def __init__(self, model: InklingDecoder, cache: KVCache, max_num_seqs: int, max_model_len: int,
-                 use_graphs: bool = True):
+    def __init__(
+        self, model: InklingDecoder, cache: KVCache, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
+    ):
         self.model = model
         self.cache = cache
         self.max_model_len = max_model_len

@@ -60,8 +60,13 @@ def is_uniform_decode(output: SchedulerOutput) -> bool:
 class ModelRunner:
     """`decode_graphs`: uniform decode steps go there (batched paged path, CUDA graphs); the rest is packed."""
 
-    def __init__(self, model: DecoderModel, sampler: Sampler, device: torch.device | str = "cpu",
-                 decode_graphs: DecodeGraphs | None = None):
+    def __init__(
+        self,
+        model: DecoderModel,
+        sampler: Sampler,
+        device: torch.device | str = "cpu",
+        decode_graphs: DecodeGraphs | None = None,
+    ):
         self.model = model
         self.sampler = sampler
         self.device = device

@@ -23,18 +23,22 @@ class InklingDecoder(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, nvfp4=i in nvfp4_layers) for i in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, nvfp4=i in nvfp4_layers) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.unembed = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @classmethod
-    def from_weights(cls, config: TextConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                     device: torch.device | str = "cpu") -> InklingDecoder:
+    def from_weights(
+        cls,
+        config: TextConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> InklingDecoder:
         """Build on the meta device and adopt the loader's tensors (NVFP4 layers are those with packed experts)."""
         nvfp4 = frozenset(
-            i for i in range(config.num_layers)
+            i
+            for i in range(config.num_layers)
             if weights.get(f"layers.{i}.mlp.experts.w13_weight", torch.empty(0)).dtype == torch.uint8
         )
         with torch.device("meta"):
@@ -42,8 +46,10 @@ class InklingDecoder(nn.Module):
         weights = stack_attention_projections(weights, config.num_layers)
         keep = ("sconv.weight", "mlp.gate.bias", "mlp.gate.global_scale")  # fp32 by contract (spec 4.2, 5.2)
         weights = {
-            name: t.to(device=device, dtype=dtype if t.is_floating_point() and t.element_size() > 1
-                       and not name.endswith(keep) else t.dtype)
+            name: t.to(
+                device=device,
+                dtype=dtype if t.is_floating_point() and t.element_size() > 1 and not name.endswith(keep) else t.dtype,
+            )
             for name, t in weights.items()
         }
         for name, t in weights.items():

@@ -130,19 +130,25 @@ class Attention(nn.Module):
         for seq in seqs:
             rows.append(slice(offset, offset + seq.num_tokens))
             offset += seq.num_tokens
-            visible.append(self.store_kv(k0_all[rows[-1]], v0_all[rows[-1]], seq.start_position,
-                                         seq.layers[self.layer]))
+            visible.append(
+                self.store_kv(k0_all[rows[-1]], v0_all[rows[-1]], seq.start_position, seq.layers[self.layer])
+            )
         if fast_path.use_decode_attention(self, q_all, seqs, visible):
             out = fast_path.decode_attention(self, q_all, r_all, visible)  # [T, nH, hd]
         else:
             fast = fast_path.use_prefill_attention(self, q_all)
             attend = partial(fast_path.prefill_attention, self) if fast else self.attend
-            out = torch.cat([attend(q_all[rs], r_all[rs], seq.start_position, *kv)
-                             for rs, seq, kv in zip(rows, seqs, visible, strict=True)])  # [T, nH, hd]
+            out = torch.cat(
+                [
+                    attend(q_all[rs], r_all[rs], seq.start_position, *kv)
+                    for rs, seq, kv in zip(rows, seqs, visible, strict=True)
+                ]
+            )  # [T, nH, hd]
         return self.wo_ud(out.reshape(t, geo.q_width))  # [T, H]
 
-    def store_kv(self, k0: torch.Tensor, v0: torch.Tensor, start: int,
-                 cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def store_kv(
+        self, k0: torch.Tensor, v0: torch.Tensor, start: int, cache: LayerCache
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Convolve and k-norm the new keys/values, append them; -> every visible key/value and its first position."""
         geo, n = self.geo, k0.shape[0]
         k, k_state = self.k_sconv.step(k0, cache.conv_state(K_CONV))
@@ -153,8 +159,9 @@ class Attention(nn.Module):
         v = v.view(n, geo.num_kv_heads, geo.head_dim)
         return cache.append_kv(k, v, start)  # [m, nKV, hd] x2, position of keys[0]
 
-    def attend(self, q: torch.Tensor, r: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor,
-               first: int) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, r: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor, first: int
+    ) -> torch.Tensor:
         """q `[n, nH, hd]`, r `[n, nH, d_rel]` of queries at `start..` against keys from `first` -> `[n, nH, hd]`."""
         geo, n = self.geo, q.shape[0]
         q_pos = torch.arange(start, start + n, device=q.device)

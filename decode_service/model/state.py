@@ -90,8 +90,9 @@ class SequenceState:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def fresh(cls, config: TextConfig, device: torch.device | str = "cpu",
-              conv_dtype: torch.dtype = torch.float32) -> SequenceState:
+    def fresh(
+        cls, config: TextConfig, device: torch.device | str = "cpu", conv_dtype: torch.dtype = torch.float32
+    ) -> SequenceState:
         k1 = config.conv_kernel_size - 1
         layers = []
         for layer in range(config.num_layers):
@@ -102,6 +103,10 @@ class SequenceState:
         return cls(layers=layers)
 
     def clone(self) -> SequenceState:
-        layers = [ContiguousLayerCache(window=c.window, conv=[s.clone() for s in c.conv], k=c.k, v=c.v,
-                                       first_position=c.first_position) for c in self.layers]
+        layers = [
+            ContiguousLayerCache(
+                window=c.window, conv=[s.clone() for s in c.conv], k=c.k, v=c.v, first_position=c.first_position
+            )
+            for c in self.layers
+        ]
         return SequenceState(layers=layers, num_tokens=self.num_tokens)

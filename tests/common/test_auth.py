@@ -67,8 +67,11 @@ def test_token_required_except_for_health():
     async def scenario(server):
         address = f"127.0.0.1:{server.port}"
         codes = {}
-        for name, security in (("none", SecuritySettings()), ("wrong", SecuritySettings(token="nope")),
-                               ("good", SecuritySettings(token=TOKEN))):
+        for name, security in (
+            ("none", SecuritySettings()),
+            ("wrong", SecuritySettings(token="nope")),
+            ("good", SecuritySettings(token=TOKEN)),
+        ):
             async with aio_channel(address, security) as channel:
                 assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING
                 try:
@@ -106,7 +109,8 @@ def test_sync_channel_carries_the_token():
                     return exc.code().name
 
         return await asyncio.to_thread(call, SecuritySettings(token=TOKEN)), await asyncio.to_thread(
-            call, SecuritySettings())
+            call, SecuritySettings()
+        )
 
     assert _run(SecuritySettings(token=TOKEN), scenario) == ("OK", "UNAUTHENTICATED")
 
@@ -117,8 +121,9 @@ def test_streams_per_client_are_bounded_and_released():
     async def scenario(server):
         async with aio_channel(f"127.0.0.1:{server.port}") as channel:
             stub = encoder_pb2_grpc.EncoderStub(channel)
-            request = encoder_pb2.EncodeRequest(items=[media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE,
-                                                                            data=b"x")])
+            request = encoder_pb2.EncodeRequest(
+                items=[media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=b"x")]
+            )
             first = stub.Encode(request, timeout=10)
             second = stub.Encode(request, timeout=10)
             drained = asyncio.gather(*(asyncio.create_task(_drain(c)) for c in (first, second)))
@@ -177,27 +182,71 @@ def pki(tmp_path_factory) -> Path:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=inkling-test-ca", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=inkling-test-ca",
+        cwd=d,
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext", cwd=d)
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            cwd=d,
+        )
     return d
 
 
 def test_mutual_tls_and_token(pki):
-    server_side = SecuritySettings(token=TOKEN, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"),
-                                   tls_ca=str(pki / "ca.pem"))
+    server_side = SecuritySettings(
+        token=TOKEN, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), tls_ca=str(pki / "ca.pem")
+    )
     clients = {
-        "mtls": SecuritySettings(token=TOKEN, tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.key"),
-                                 tls_ca=str(pki / "ca.pem")),
+        "mtls": SecuritySettings(
+            token=TOKEN, tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.key"), tls_ca=str(pki / "ca.pem")
+        ),
         "no-client-cert": SecuritySettings(token=TOKEN, tls_ca=str(pki / "ca.pem")),
         "plaintext": SecuritySettings(token=TOKEN),
-        "mtls-no-token": SecuritySettings(tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.key"),
-                                          tls_ca=str(pki / "ca.pem")),
+        "mtls-no-token": SecuritySettings(
+            tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.key"), tls_ca=str(pki / "ca.pem")
+        ),
     }
 
     async def scenario(server):
@@ -211,8 +260,14 @@ def test_mutual_tls_and_token(pki):
         return out
 
     codes = _run(server_side, scenario)
-    assert codes == {"mtls": "OK", "no-client-cert": "UNAVAILABLE", "plaintext": "UNAVAILABLE",
-                     "mtls-no-token": "UNAUTHENTICATED", "probe-tls": "SERVING", "probe-plain": "UNREACHABLE"}
+    assert codes == {
+        "mtls": "OK",
+        "no-client-cert": "UNAVAILABLE",
+        "plaintext": "UNAVAILABLE",
+        "mtls-no-token": "UNAUTHENTICATED",
+        "probe-tls": "SERVING",
+        "probe-plain": "UNREACHABLE",
+    }
 
 
 def test_security_flags(tmp_path):
@@ -244,10 +299,32 @@ def acl_redis(tmp_path: Path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
     port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path), "--user", "default", "off",
-                             "--user", "inkling", "on", ">pw-ok", "~ink:*", "+@all"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+            "--user",
+            "default",
+            "off",
+            "--user",
+            "inkling",
+            "on",
+            ">pw-ok",
+            "~ink:*",
+            "+@all",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         import redis
 

@@ -21,8 +21,9 @@ REDIS_URL = "redis://127.0.0.1:6379/15"
 
 
 def _entry(rows: int = 3, dim: int = 4, fill: int = 7, modality: str = "image") -> Entry:
-    return Entry(modality=modality, rows=rows, dim=dim, payload=bytes([fill]) * (rows * dim * 2),
-                 spans=(Span("image", rows),))
+    return Entry(
+        modality=modality, rows=rows, dim=dim, payload=bytes([fill]) * (rows * dim * 2), spans=(Span("image", rows),)
+    )
 
 
 def _key(name: str) -> bytes:
@@ -93,8 +94,9 @@ def test_redis_corrupt_value_is_a_miss_and_deleted(redis_cache):
 
 
 def test_redis_down_is_a_miss_and_never_raises():
-    cache = RedisCache("redis://127.0.0.1:1/15", key_prefix="test:down:", timeout_s=0.1, async_writes=False,
-                       retry_after_s=30.0)
+    cache = RedisCache(
+        "redis://127.0.0.1:1/15", key_prefix="test:down:", timeout_s=0.1, async_writes=False, retry_after_s=30.0
+    )
     try:
         assert cache.get(_key("a")) is None
         cache.put(_key("a"), _entry())

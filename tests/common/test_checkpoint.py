@@ -225,9 +225,7 @@ def test_quant_config_cross_checks(tmp_path, hf_model, raw) -> None:
         _edit_quant(tmp_path, kv_cache_quant_algo=ok)
         assert load(tmp_path)[1].nvfp4_layers == (4,)
     for field, bad in (("kv_cache_quant_algo", "FP8"), ("group_size", 32), ("quant_algo", "FP8")):
-        _edit_quant(
-            tmp_path, **{"kv_cache_quant_algo": "none", "group_size": 16, "quant_algo": "NVFP4", field: bad}
-        )
+        _edit_quant(tmp_path, **{"kv_cache_quant_algo": "none", "group_size": 16, "quant_algo": "NVFP4", field: bad})
         with pytest.raises(CheckpointError, match=field):
             load(tmp_path)
     _edit_quant(tmp_path, kv_cache_quant_algo="none", group_size=16, quant_algo="NVFP4")
@@ -279,9 +277,7 @@ def test_missing_unexpected_and_bad_shapes_are_named(tmp_path, hf_model, raw) ->
     tensors = hf_state_to_released(hf_model.state_dict())
     tensors["model.llm.layers.5.attn.rel_logits_proj.proj"] = torch.zeros(4, 16)
     write_released_checkpoint(tmp_path / "shape", raw, tensors)
-    with pytest.raises(
-        CheckpointError, match=r"rel_logits_proj.proj: expected shape \(4, 32\), got \(4, 16\)"
-    ):
+    with pytest.raises(CheckpointError, match=r"rel_logits_proj.proj: expected shape \(4, 32\), got \(4, 16\)"):
         load(tmp_path / "shape")
 
 

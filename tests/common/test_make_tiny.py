@@ -103,9 +103,7 @@ def test_bf16_tiny_is_what_transformers_loads(tmp_path) -> None:
     assert torch.equal(ours["layers.2.mlp.shared_experts.shared_w13_weight"], torch.cat(shared, dim=1))
     assert torch.equal(ours["layers.0.attn_sconv.weight"], state[lm + "0.attn_sconv.conv1d.weight"].float())
     vision, _ = load_tower_weights(CheckpointFiles(directory), "model.visual.", config)
-    assert torch.equal(
-        vision["layers.linear_1.weight"], state["model.vision_tower.encoder_layers.1.projection.weight"]
-    )
+    assert torch.equal(vision["layers.linear_1.weight"], state["model.vision_tower.encoder_layers.1.projection.weight"])
     # norms are not left at one, router scales are spread, bias is non-zero
     assert (ours["layers.0.attn.q_norm.weight"] != 1).all()
     assert ours["layers.3.mlp.gate.bias"].abs().min() > 0

@@ -25,8 +25,15 @@ from proto.inkling_epd.v1 import encoder_pb2
 def _item(index: int, rows: int, dim: int, seed: int = 0) -> EncodedItem:
     rng = np.random.default_rng(seed)
     bits = float32_to_bf16_bits(rng.standard_normal((rows, dim)).astype(np.float32))
-    return EncodedItem(item_index=index, mm_key=hashlib.sha256(bytes([index])).digest(), modality="image",
-                       rows=rows, dim=dim, payload=bf16_to_bytes(bits), spans=(Span("image", rows),))
+    return EncodedItem(
+        item_index=index,
+        mm_key=hashlib.sha256(bytes([index])).digest(),
+        modality="image",
+        rows=rows,
+        dim=dim,
+        payload=bf16_to_bytes(bits),
+        spans=(Span("image", rows),),
+    )
 
 
 def test_bf16_rounding_matches_torch():
@@ -36,8 +43,9 @@ def test_bf16_rounding_matches_torch():
     ours = float32_to_bf16_bits(values)
     ref = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(ours, ref)
-    assert np.array_equal(bf16_bits_to_float32(ours), torch.from_numpy(ours.view(np.int16)).view(
-        torch.bfloat16).float().numpy())
+    assert np.array_equal(
+        bf16_bits_to_float32(ours), torch.from_numpy(ours.view(np.int16)).view(torch.bfloat16).float().numpy()
+    )
 
 
 def test_payload_is_little_endian_row_major():
@@ -61,8 +69,11 @@ def test_round_trip_multi_chunk_items():
 
 def test_item_error_in_stream():
     messages = list(item_messages(_item(0, 2, 8)))
-    messages.append(encoder_pb2.EncodeChunk(error=encoder_pb2.ItemError(item_index=1, code="INVALID_ARGUMENT",
-                                                                        message="item 1: bad")))
+    messages.append(
+        encoder_pb2.EncodeChunk(
+            error=encoder_pb2.ItemError(item_index=1, code="INVALID_ARGUMENT", message="item 1: bad")
+        )
+    )
     out = assemble(messages, expected_items=2)
     assert out[1] == ItemFailure(1, "INVALID_ARGUMENT", "item 1: bad")
 

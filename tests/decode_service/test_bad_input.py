@@ -49,16 +49,25 @@ def checkpoint(tmp_path_factory):
 async def stub(checkpoint):
     """A Generator stub on a decode server (small limits) whose encoder server has small media limits."""
     limits = EncoderLimits(max_image_pixels=MAX_IMAGE_PIXELS, max_audio_seconds=MAX_AUDIO_SECONDS)
-    encoder = build_encoder_server(load_engine(EncoderSettings(checkpoint=str(checkpoint), dtype="float32",
-                                                               limits=limits)), GrpcSettings(port=0))
+    encoder = build_encoder_server(
+        load_engine(EncoderSettings(checkpoint=str(checkpoint), dtype="float32", limits=limits)), GrpcSettings(port=0)
+    )
     await encoder.start()
     keys = LocalEncoder.load(checkpoint, dtype="float32")
-    client = EncoderClient([f"127.0.0.1:{encoder.port}"], keys.preprocess_fingerprint,
-                           local_fingerprint=keys.fingerprint)
-    engine = build_engine(checkpoint, dtype="float32", kv_cache_bytes=8 << 20, max_num_seqs=4,
-                          max_num_batched_tokens=256, enable_prefix_cache=False)
-    service = DecodeService(engine, client, ServiceLimits(max_prompt_tokens=MAX_PROMPT_TOKENS,
-                                                          max_media_items=MAX_MEDIA_ITEMS))
+    client = EncoderClient(
+        [f"127.0.0.1:{encoder.port}"], keys.preprocess_fingerprint, local_fingerprint=keys.fingerprint
+    )
+    engine = build_engine(
+        checkpoint,
+        dtype="float32",
+        kv_cache_bytes=8 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        enable_prefix_cache=False,
+    )
+    service = DecodeService(
+        engine, client, ServiceLimits(max_prompt_tokens=MAX_PROMPT_TOKENS, max_media_items=MAX_MEDIA_ITEMS)
+    )
     decode = build_server(service, GrpcSettings(port=0), client)
     await decode.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}")
@@ -79,17 +88,24 @@ def _audio() -> media_pb2.MediaItem:
     return media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=MEDIA["tones_16k.wav"])
 
 
-def chat(rid: str, text: str = "Hello.", media: tuple[media_pb2.MediaItem, ...] = (),
-         role: int = pb.ROLE_USER, **sampling) -> pb.GenerateRequest:
+def chat(
+    rid: str, text: str = "Hello.", media: tuple[media_pb2.MediaItem, ...] = (), role: int = pb.ROLE_USER, **sampling
+) -> pb.GenerateRequest:
     parts = [pb.ContentPart(media=m) for m in media] + [pb.ContentPart(text=text)]
     params = {"temperature": 0.0, "max_tokens": 2, **sampling}
-    return pb.GenerateRequest(request_id=rid, chat=pb.ChatPrompt(messages=[pb.Message(role=role, content=parts)]),
-                              sampling=pb.SamplingParams(**params))
+    return pb.GenerateRequest(
+        request_id=rid,
+        chat=pb.ChatPrompt(messages=[pb.Message(role=role, content=parts)]),
+        sampling=pb.SamplingParams(**params),
+    )
 
 
 def tokens(rid: str, token_ids: list[int], media: tuple[media_pb2.MediaItem, ...] = ()) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=rid, tokens=pb.TokenPrompt(token_ids=token_ids, media=media),
-                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=2))
+    return pb.GenerateRequest(
+        request_id=rid,
+        tokens=pb.TokenPrompt(token_ids=token_ids, media=media),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=2),
+    )
 
 
 async def expect_error(stub, request: pb.GenerateRequest, code: grpc.StatusCode, *named: str) -> None:
@@ -119,16 +135,16 @@ async def test_unknown_role(stub):
 async def test_placeholder_and_media_count_mismatch(stub):
     text = [MESSAGE_USER, CONTENT_TEXT, 13225, END_MESSAGE]
     two_placeholders = [MESSAGE_USER, IMAGE_PLACEHOLDER, IMAGE_PLACEHOLDER, *text[1:]]
-    await expect_error(stub, tokens("mm-1", two_placeholders, (_image(),)), INVALID, "prompt.token_ids",
-                       "placeholder")
+    await expect_error(stub, tokens("mm-1", two_placeholders, (_image(),)), INVALID, "prompt.token_ids", "placeholder")
     await expect_error(stub, tokens("mm-2", text, (_image(),)), INVALID, "prompt.token_ids")
     audio_for_image = [MESSAGE_USER, AUDIO_PLACEHOLDER, *text[1:]]
     await expect_error(stub, tokens("mm-3", audio_for_image, (_image(),)), INVALID, "prompt.token_ids")
 
 
 async def test_media_exceeding_limits(stub):
-    await expect_error(stub, chat("lim-1", media=(_image(),) * (MAX_MEDIA_ITEMS + 1)), INVALID, "media",
-                       f"limit of {MAX_MEDIA_ITEMS}")
+    await expect_error(
+        stub, chat("lim-1", media=(_image(),) * (MAX_MEDIA_ITEMS + 1)), INVALID, "media", f"limit of {MAX_MEDIA_ITEMS}"
+    )
     big = png_bytes(draw_shapes(256, 256))
     await expect_error(stub, chat("lim-2", media=(_image(), _image(big))), INVALID, "media[1]", "limit")
     await expect_error(stub, chat("lim-3", media=(_audio(),)), INVALID, "media[0]", "limit")
@@ -141,15 +157,22 @@ async def test_empty_prompt(stub):
 
 
 async def test_prompt_over_the_limits(stub):
-    await expect_error(stub, chat("long-1", "word " * (2 * MAX_PROMPT_TOKENS)), EXHAUSTED, "prompt",
-                       str(MAX_PROMPT_TOKENS))
+    await expect_error(
+        stub, chat("long-1", "word " * (2 * MAX_PROMPT_TOKENS)), EXHAUSTED, "prompt", str(MAX_PROMPT_TOKENS)
+    )
     await expect_error(stub, tokens("long-2", [13225] * (2 * MAX_PROMPT_TOKENS)), EXHAUSTED, "prompt")
 
 
 async def test_prompt_over_the_context_limit(checkpoint):
     """Without a prompt limit, the engine's context (here the KV capacity) bounds the prompt."""
-    engine = build_engine(checkpoint, dtype="float32", kv_cache_bytes=1 << 20, max_num_seqs=2,
-                          max_num_batched_tokens=256, enable_prefix_cache=False)
+    engine = build_engine(
+        checkpoint,
+        dtype="float32",
+        kv_cache_bytes=1 << 20,
+        max_num_seqs=2,
+        max_num_batched_tokens=256,
+        enable_prefix_cache=False,
+    )
     decode = build_server(DecodeService(engine), GrpcSettings(port=0))
     await decode.start()
     try:
@@ -165,11 +188,23 @@ async def test_max_tokens_below_one(stub, max_tokens):
     await expect_error(stub, chat("mt-1", max_tokens=max_tokens), INVALID, "sampling.max_tokens")
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 1.5), ("top_p", 0.0), ("min_p", -0.1),
-    ("min_p", 1.5), ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
-    ("logprobs", 1000), ("stop_token_ids", [300000]), ("stop", [""]),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.5),
+        ("temperature", float("nan")),
+        ("top_p", 1.5),
+        ("top_p", 0.0),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -2.5),
+        ("logprobs", 1000),
+        ("stop_token_ids", [300000]),
+        ("stop", [""]),
+    ],
+)
 async def test_invalid_sampling_values(stub, field, value):
     await expect_error(stub, chat(f"smp-{field}", **{field: value}), INVALID, f"sampling.{field}")
 

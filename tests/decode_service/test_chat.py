@@ -159,9 +159,7 @@ def test_tools_effort_history_and_tool_results_match_tml() -> None:
         ChatMessage(
             "assistant",
             [TextPart("Let me check.")],
-            tool_calls=[
-                ToolCall("get_weather", '{"units": {"y": 1, "x": 2.0}, "city": "Paris é"}', "call_7")
-            ],
+            tool_calls=[ToolCall("get_weather", '{"units": {"y": 1, "x": 2.0}, "city": "Paris é"}', "call_7")],
             reasoning="need a tool",
         ),
         ChatMessage("tool", [TextPart("sunny")], tool_call_id="call_7"),
@@ -198,8 +196,7 @@ def test_tools_effort_history_and_tool_results_match_tml() -> None:
         '<|message_system|>tool_declare<|content_xml|>[{"description":"Get weather","name":"get_weather",'
         '"parameters":{"properties":{"city":{"type":"string"}},"required":["city"],'
         '"type":"object"},"type":"function"}]<|end_message|>'
-        "<|message_system|><|content_text|>Thinking effort level: 0.7<|end_message|><|message_user|>bob"
-        in text
+        "<|message_system|><|content_text|>Thinking effort level: 0.7<|end_message|><|message_user|>bob" in text
     )
     assert (
         '<|message_model|>get_weather<|content_invoke_tool_json|>{"name":"get_weather","args":'

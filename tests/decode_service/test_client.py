@@ -37,8 +37,14 @@ def checkpoint(tmp_path_factory):
 async def server(checkpoint):
     """host:port of a decode server that encodes media in-process."""
     encoder = LocalEncoder.load(checkpoint, dtype="float32")
-    engine = build_engine(checkpoint, dtype="float32", kv_cache_bytes=8 << 20, max_num_seqs=4,
-                          max_num_batched_tokens=256, enable_prefix_cache=False)
+    engine = build_engine(
+        checkpoint,
+        dtype="float32",
+        kv_cache_bytes=8 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        enable_prefix_cache=False,
+    )
     decode = build_server(DecodeService(engine, encoder), GrpcSettings(port=0))
     await decode.start()
     try:
@@ -53,11 +59,20 @@ def messages_file(tmp_path):
     (tmp_path / "media").mkdir()
     (tmp_path / "media" / "shapes.png").write_bytes(sample_media()["shapes.png"])
     path = tmp_path / "chat.json"
-    path.write_text(json.dumps([
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": [{"type": "image", "path": "media/shapes.png"},
-                                     {"type": "text", "text": "What is in the picture?"}]},
-    ]))
+    path.write_text(
+        json.dumps(
+            [
+                {"role": "system", "content": "You are terse."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "path": "media/shapes.png"},
+                        {"type": "text", "text": "What is in the picture?"},
+                    ],
+                },
+            ]
+        )
+    )
     return path
 
 
@@ -68,8 +83,18 @@ async def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 async def test_messages_file_through_the_server(server, messages_file, capsys):
-    code, out, _ = await run_cli(capsys, "--server", server, "--messages", str(messages_file), "--no-rescale",
-                                 "--max-tokens", "4", "--ignore-eos", "--json")
+    code, out, _ = await run_cli(
+        capsys,
+        "--server",
+        server,
+        "--messages",
+        str(messages_file),
+        "--no-rescale",
+        "--max-tokens",
+        "4",
+        "--ignore-eos",
+        "--json",
+    )
     assert code == 0
     result = json.loads(out)
     assert len(result["token_ids"]) == 4 and result["finish_reason"] == "length"
@@ -79,10 +104,36 @@ async def test_messages_file_through_the_server(server, messages_file, capsys):
 
 
 async def test_sampling_flags_reach_the_server(server, messages_file, capsys):
-    flags = ["--server", server, "--messages", str(messages_file), "--max-tokens", "5", "--ignore-eos", "--json",
-             "--temperature", "0.9", "--top-k", "50", "--top-p", "0.95", "--min-p", "0.01", "--seed", "1234",
-             "--repetition-penalty", "1.1", "--presence-penalty", "0.5", "--frequency-penalty", "0.2",
-             "--stop", "zzqx", "--stop-token-id", "200006"]
+    flags = [
+        "--server",
+        server,
+        "--messages",
+        str(messages_file),
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--json",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.95",
+        "--min-p",
+        "0.01",
+        "--seed",
+        "1234",
+        "--repetition-penalty",
+        "1.1",
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "0.2",
+        "--stop",
+        "zzqx",
+        "--stop-token-id",
+        "200006",
+    ]
     request = _generate_request(build_parser().parse_args(["generate", *flags]))
     s = request.sampling
     assert (s.temperature, s.top_k, s.seed, s.max_tokens) == (pytest.approx(0.9), 50, 1234, 5)
@@ -99,8 +150,9 @@ async def test_sampling_flags_reach_the_server(server, messages_file, capsys):
 
 
 async def test_stream_marks_reasoning_and_answer(server, capsys):
-    code, out, _ = await run_cli(capsys, "--server", server, "--prompt", "Hi.", "--max-tokens", "12",
-                                 "--ignore-eos", "--stream", "--json")
+    code, out, _ = await run_cli(
+        capsys, "--server", server, "--prompt", "Hi.", "--max-tokens", "12", "--ignore-eos", "--stream", "--json"
+    )
     assert code == 0
     streamed, summary = out.rsplit("\n", 2)[0], json.loads(out.rsplit("\n", 2)[1])
     for channel, marker in (("reasoning", "[reasoning] "), ("text", "[answer] ")):
@@ -116,8 +168,12 @@ def test_printer_marks_channels_in_order():
 
     out = io.StringIO()
     printer = OutputPrinter(out, stream=True)
-    for channel, text in ((pb.CHANNEL_REASONING, "think"), (pb.CHANNEL_REASONING, "ing"),
-                          (pb.CHANNEL_CONTENT, "Hello"), (pb.CHANNEL_UNSPECIFIED, "")):
+    for channel, text in (
+        (pb.CHANNEL_REASONING, "think"),
+        (pb.CHANNEL_REASONING, "ing"),
+        (pb.CHANNEL_CONTENT, "Hello"),
+        (pb.CHANNEL_UNSPECIFIED, ""),
+    ):
         printer.feed(pb.GenerateResponse(delta=pb.Delta(token_ids=[1], text=text, channel=channel)))
     printer.feed(pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage())))
     assert out.getvalue() == "[reasoning] thinking\n[answer] Hello"
@@ -128,10 +184,12 @@ def test_printer_marks_channels_in_order():
 
 def test_bad_messages_files_name_the_problem(tmp_path):
     path = tmp_path / "m.json"
-    for content, problem in (([{"role": "robot", "content": "x"}], "message 0"),
-                             ([{"role": "user", "content": [{"type": "image"}]}], "part 0"),
-                             ([{"role": "user", "content": [{"type": "audio", "path": "missing.wav"}]}],
-                              "missing.wav"), ([], "non-empty")):
+    for content, problem in (
+        ([{"role": "robot", "content": "x"}], "message 0"),
+        ([{"role": "user", "content": [{"type": "image"}]}], "part 0"),
+        ([{"role": "user", "content": [{"type": "audio", "path": "missing.wav"}]}], "missing.wav"),
+        ([], "non-empty"),
+    ):
         path.write_text(json.dumps(content))
         with pytest.raises(InvalidInputError, match=problem):
             load_messages(path)

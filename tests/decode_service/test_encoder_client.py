@@ -57,8 +57,11 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
         for i, media in enumerate(request.items):
             if media.data == b"bad":
-                yield encoder_pb2.EncodeChunk(error=encoder_pb2.ItemError(
-                    item_index=i, code="INVALID_ARGUMENT", message=f"item {i} (image): cannot decode"))
+                yield encoder_pb2.EncodeChunk(
+                    error=encoder_pb2.ItemError(
+                        item_index=i, code="INVALID_ARGUMENT", message=f"item {i} (image): cannot decode"
+                    )
+                )
                 continue
             rows, payload = rows_for(media.data)
             key = mm_key("image", media.data, PREPROCESS, FINGERPRINT)
@@ -228,12 +231,20 @@ async def test_local_fallback_when_no_encoder_is_reachable():
 
         async def encode(self, items, request_id, timeout_s=None):
             self.calls += 1
-            return [EncodedItem(i, b"k" * 32, "image", 1, DIM, bytes(DIM * 2), (Span("image", 1),))
-                    for i, _ in enumerate(items)]
+            return [
+                EncodedItem(i, b"k" * 32, "image", 1, DIM, bytes(DIM * 2), (Span("image", 1),))
+                for i, _ in enumerate(items)
+            ]
 
     local, observer = Local(), Counting()
-    client = EncoderClient(["127.0.0.1:1"], lambda media, item: PREPROCESS, local=local, local_fingerprint=FINGERPRINT,
-                           settings=ClientSettings(ready_wait_s=0.1), observer=observer)
+    client = EncoderClient(
+        ["127.0.0.1:1"],
+        lambda media, item: PREPROCESS,
+        local=local,
+        local_fingerprint=FINGERPRINT,
+        settings=ClientSettings(ready_wait_s=0.1),
+        observer=observer,
+    )
     await client.start()
     try:
         out = await client.encode(images(b"z"), "r6", timeout_s=5)
@@ -243,9 +254,13 @@ async def test_local_fallback_when_no_encoder_is_reachable():
 
 
 def test_media_to_proto_round_trips_through_the_encoder_edge_parser():
-    items = [MediaInput("image", b"a", ImageOptions("long_edge", 1.5, 1024)), MediaInput("audio", b"b"),
-             MediaInput("video", b"c", video=VideoOptions(fps=2.0, max_frames=3, include_audio=False,
-                                                          frame=ImageOptions("none")))]
+    items = [
+        MediaInput("image", b"a", ImageOptions("long_edge", 1.5, 1024)),
+        MediaInput("audio", b"b"),
+        MediaInput(
+            "video", b"c", video=VideoOptions(fps=2.0, max_frames=3, include_audio=False, frame=ImageOptions("none"))
+        ),
+    ]
     for i, item in enumerate(items):
         assert media_from_proto(i, media_to_proto(item)) == item
 

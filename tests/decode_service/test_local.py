@@ -29,8 +29,9 @@ def test_local_greedy_equals_transformers_generate(tiny_bf16):
 
     hf = InklingForConditionalGeneration.from_pretrained(tiny_bf16, dtype=torch.float32).eval()
     hf.config.text_config._attn_implementation = "eager"
-    ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                      pad_token_id=0)[0, len(PROMPT) :].tolist()
+    ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[
+        0, len(PROMPT) :
+    ].tolist()
     ours = LocalGenerator.load(tiny_bf16, dtype="float32").generate(PROMPT, max_tokens=12)
     assert ours["token_ids"] == ref
     assert ours["finish_reason"] == "length"
@@ -45,8 +46,22 @@ def test_generation_stops_on_eos(tiny_bf16):
 
 
 def test_cli_generate_local_json(tiny_bf16, capsys):
-    assert main(["generate", "--local", "--checkpoint", str(tiny_bf16), "--prompt-ids", "1,2,3",
-                 "--max-tokens", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--local",
+                "--checkpoint",
+                str(tiny_bf16),
+                "--prompt-ids",
+                "1,2,3",
+                "--max-tokens",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["prompt_token_ids"] == [1, 2, 3]
     assert len(result["token_ids"]) == 4 and isinstance(result["text"], str)

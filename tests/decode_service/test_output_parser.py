@@ -13,9 +13,7 @@ from decode_service.chat import ChatMessage, TextPart, ToolCall, render_chat
 from decode_service.output_parser import Delta, OutputParser, ParsedToolCall
 
 TOK = tokenizers.O200kBaseChatTokenizer()
-_, TML_PARSER = v0.Renderer(TOK).render_for_completion(
-    [tml.Message(tml.Text("hi"), tml.Author(tml.AuthorKind.User))]
-)
+_, TML_PARSER = v0.Renderer(TOK).render_for_completion([tml.Message(tml.Text("hi"), tml.Author(tml.AuthorKind.User))])
 USER, MODEL, SYS = 200000, 200001, 200002
 TEXT, THINK, END, EOM = 200004, 200008, 200006, 200010
 TOOL_JSON, TOOL_TEXT, TOOL_ERROR = 200049, 200057, 200022
@@ -29,9 +27,7 @@ def tool(name: str, payload: str, header: str | None = None) -> list[int]:
     return [MODEL] + e(name if header is None else header) + [TOOL_JSON] + e(payload) + [EOM]
 
 
-def stream(
-    tokens: list[int], stop: tuple[str, ...] = (), reason: str = "stop"
-) -> tuple[list[Delta], str | None]:
+def stream(tokens: list[int], stop: tuple[str, ...] = (), reason: str = "stop") -> tuple[list[Delta], str | None]:
     parser = OutputParser(stop_strings=stop)
     deltas: list[Delta] = []
     for token in tokens:
@@ -59,11 +55,7 @@ def tml_channels(tokens: list[int]) -> tuple[str, str, list[tuple]]:
             content += body.text
         elif isinstance(body, tml.InvokeTool):
             if body.text is None:
-                args = (
-                    "{"
-                    + ",".join(f"{json.dumps(a.name, ensure_ascii=False)}:{a.value}" for a in body.args)
-                    + "}"
-                )
+                args = "{" + ",".join(f"{json.dumps(a.name, ensure_ascii=False)}:{a.value}" for a in body.args) + "}"
                 calls.append((body.tool_call_id, body.name, args, None))
             else:
                 calls.append((body.tool_call_id, "", "", body.text))
@@ -81,11 +73,7 @@ AGREED = {
     + e("after")
     + [EOM, END],
     "headerless_first_kind": [TEXT] + e("plain") + [EOM, END],
-    "headerless_thinking_then_tool": [THINK]
-    + e("a")
-    + [EOM, TOOL_JSON]
-    + e('{"name":"f","args":{}}')
-    + [EOM, END],
+    "headerless_thinking_then_tool": [THINK] + e("a") + [EOM, TOOL_JSON] + e('{"name":"f","args":{}}') + [EOM, END],
     "two_tools_unicode_args": tool("f", '{"args":{"a":"\\u00e9\\n","b":[1,2.5,null,true]},"name":"f"}')
     + tool("g", '{"name":"g","args":{}}')
     + [END],
@@ -104,9 +92,7 @@ AGREED = {
     + e("z")
     + [EOM, END],
     "control_tokens_inside_a_body_are_text": [MODEL, TEXT] + e("abc") + [MODEL, THINK] + e("d") + [EOM, END],
-    "marker_spelled_by_ordinary_tokens": [MODEL, TEXT]
-    + e("<|end_message|><|content_thinking|>")
-    + [EOM, END],
+    "marker_spelled_by_ordinary_tokens": [MODEL, TEXT] + e("<|end_message|><|content_thinking|>") + [EOM, END],
     "named_text_header": [MODEL] + e("bob") + [TEXT] + e("hi") + [EOM, END],
     "no_turn_end": [MODEL, TEXT] + e("abc") + [EOM],
     "empty_blocks": [MODEL, THINK, EOM, MODEL, TEXT, EOM, END],
@@ -197,9 +183,7 @@ def test_stop_string_cuts_at_the_match_and_holds_back_prefixes() -> None:
 
 
 def test_stop_string_prefix_that_does_not_match_is_released() -> None:
-    deltas, _ = stream(
-        [MODEL, THINK] + e("a ST b") + [EOM, MODEL, TEXT] + e("ST") + [EOM, END], stop=("STOP",)
-    )
+    deltas, _ = stream([MODEL, THINK] + e("a ST b") + [EOM, MODEL, TEXT] + e("ST") + [EOM, END], stop=("STOP",))
     assert channels(deltas) == ("a ST b", "ST", [])
     deltas, _ = stream([MODEL, TEXT] + e("end S"), stop=("STOP",), reason="length")
     assert channels(deltas) == ("", "end S", [])

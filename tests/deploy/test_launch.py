@@ -17,7 +17,7 @@ from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc
 from tools.healthcheck import check
 
-FAKE_SERVER = '''
+FAKE_SERVER = """
 import argparse, asyncio, signal, sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -62,7 +62,7 @@ if args.fake_mode == "crash":
     print("boom: cannot load checkpoint", flush=True)
     sys.exit(3)
 asyncio.run(run(args))
-'''
+"""
 
 
 @pytest.fixture
@@ -72,9 +72,15 @@ def fake_spec(tmp_path):
     fake = (sys.executable, str(script))
 
     def make(**overrides) -> ClusterSpec:
-        base = dict(checkpoint=str(tmp_path / "ckpt"), redis="none", log_dir=str(tmp_path / "logs"),
-                    startup_timeout_s=30.0, stop_timeout_s=10.0, grace_seconds=0.5,
-                    commands={"encoder": fake, "decode": fake})
+        base = dict(
+            checkpoint=str(tmp_path / "ckpt"),
+            redis="none",
+            log_dir=str(tmp_path / "logs"),
+            startup_timeout_s=30.0,
+            stop_timeout_s=10.0,
+            grace_seconds=0.5,
+            commands={"encoder": fake, "decode": fake},
+        )
         return ClusterSpec(**{**base, **overrides})
 
     return make
@@ -142,10 +148,12 @@ def test_spec_validation():
 def test_token_flags_reach_every_server_and_guard_the_router(fake_spec, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
-    args = argparse.Namespace(auth_token_file=str(token_file), auth_token=None, tls_cert=None, tls_key=None,
-                              tls_ca=None, tls_server_name=None)
-    spec = fake_spec(encoders=1, decoders=1, security_flags=launch.security_flags(args),
-                     security=security_settings(args))
+    args = argparse.Namespace(
+        auth_token_file=str(token_file), auth_token=None, tls_cert=None, tls_key=None, tls_ca=None, tls_server_name=None
+    )
+    spec = fake_spec(
+        encoders=1, decoders=1, security_flags=launch.security_flags(args), security=security_settings(args)
+    )
     with Cluster(spec) as cluster:
         for name in ("encoder-0", "decode-0"):  # the fakes print their argv; the real router enforces below
             assert f"--auth-token-file {token_file}" in (cluster.log_dir / f"{name}.log").read_text(), name
@@ -155,6 +163,11 @@ def test_token_flags_reach_every_server_and_guard_the_router(fake_spec, tmp_path
             with pytest.raises(grpc.RpcError) as denied:
                 list(stub.Generate(pb.GenerateRequest(request_id="anon"), timeout=10))
             assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            out = list(stub.Generate(pb.GenerateRequest(request_id="authed"), timeout=10,
-                                     metadata=[("authorization", "Bearer s3cret-token")]))
+            out = list(
+                stub.Generate(
+                    pb.GenerateRequest(request_id="authed"),
+                    timeout=10,
+                    metadata=[("authorization", "Bearer s3cret-token")],
+                )
+            )
         assert out[-1].HasField("final")

@@ -104,16 +104,28 @@ class InProcessEncoder:
         await self.server.stop(grace_s)
 
 
-async def start_encoder(checkpoint: str, servicer_cls: type[EncoderServicer] = EncoderServicer,
-                        limits: EncoderLimits | None = None, l1_cache_bytes: int = 0,
-                        security: SecuritySettings | None = None, redis: RedisSettings | None = None,
-                        **servicer_kwargs: Any) -> InProcessEncoder:
+async def start_encoder(
+    checkpoint: str,
+    servicer_cls: type[EncoderServicer] = EncoderServicer,
+    limits: EncoderLimits | None = None,
+    l1_cache_bytes: int = 0,
+    security: SecuritySettings | None = None,
+    redis: RedisSettings | None = None,
+    **servicer_kwargs: Any,
+) -> InProcessEncoder:
     """An encoder as `encoder_service.server.build_server` makes it, optionally with a fault-injecting
     servicer subclass (kept reachable as `.servicer`)."""
     security = security or SecuritySettings()
-    engine = await asyncio.to_thread(load_engine, EncoderSettings(
-        checkpoint=checkpoint, l1_cache_bytes=l1_cache_bytes, limits=limits or EncoderLimits(),
-        preprocess_workers=2, redis=redis))
+    engine = await asyncio.to_thread(
+        load_engine,
+        EncoderSettings(
+            checkpoint=checkpoint,
+            l1_cache_bytes=l1_cache_bytes,
+            limits=limits or EncoderLimits(),
+            preprocess_workers=2,
+            redis=redis,
+        ),
+    )
     server = create_server(interceptors=server_interceptors(security))
     servicer = servicer_cls(engine, None, 64 << 10, **servicer_kwargs)
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
@@ -137,14 +149,25 @@ def fingerprints(tiny_checkpoint) -> FingerprintSource:
     return FingerprintSource(LocalEncoder.load(tiny_checkpoint, dtype="float32"))
 
 
-async def start_decode(checkpoint: str, fingerprints: FingerprintSource, encoders: Sequence[str],
-                       cache: EmbeddingCache | None = None, prefix_cache: bool = False,
-                       limits: ServiceLimits | None = None, client: ClientSettings | None = None,
-                       grace_s: float = 5.0, security: SecuritySettings | None = None) -> DecodeServer:
+async def start_decode(
+    checkpoint: str,
+    fingerprints: FingerprintSource,
+    encoders: Sequence[str],
+    cache: EmbeddingCache | None = None,
+    prefix_cache: bool = False,
+    limits: ServiceLimits | None = None,
+    client: ClientSettings | None = None,
+    grace_s: float = 5.0,
+    security: SecuritySettings | None = None,
+) -> DecodeServer:
     engine = await asyncio.to_thread(build_engine, checkpoint, "cpu", "float32", 16 << 20, 8, 256, prefix_cache)
     security = security or SecuritySettings()
-    encoder = EncoderClient(list(encoders), fingerprints.local.preprocess_fingerprint, cache=cache,
-                            settings=client or ClientSettings(security=security, ready_wait_s=2.0))
+    encoder = EncoderClient(
+        list(encoders),
+        fingerprints.local.preprocess_fingerprint,
+        cache=cache,
+        settings=client or ClientSettings(security=security, ready_wait_s=2.0),
+    )
     service = DecodeService(engine, encoder, limits or ServiceLimits(), model_id="tiny")
     server = build_decode_server(service, GrpcSettings(port=0, grace_s=grace_s, security=security), encoder)
     await server.start()
@@ -153,8 +176,7 @@ async def start_decode(checkpoint: str, fingerprints: FingerprintSource, encoder
 
 async def start_router(decoders: Sequence[str], security: SecuritySettings | None = None) -> Router:
     grpc_settings = GrpcSettings(port=0, grace_s=2.0, security=security or SecuritySettings())
-    router = Router(RouterConfig(decoders=tuple(decoders), grpc=grpc_settings, poll_interval_s=0.1,
-                                 rpc_timeout_s=1.0))
+    router = Router(RouterConfig(decoders=tuple(decoders), grpc=grpc_settings, poll_interval_s=0.1, rpc_timeout_s=1.0))
     await router.start()
     return router
 
@@ -165,10 +187,15 @@ def engine_idle(server: DecodeServer) -> dict[str, int]:
     cache = engine.cache
     busy_pages = sum(p.num_pages - p.num_free for p in cache.pools.values())
     load = server.service.load()
-    return {"requests": len(engine.requests), "running": load.running, "waiting": load.waiting,
-            "busy_conv_slots": cache.spec.num_conv_slots - cache.num_free_slots,
-            "busy_kv_pages": busy_pages if engine.prefix_cache is None else 0,
-            "live": len(server.service._live), "inflight_encode_items": load.inflight_encode_items}
+    return {
+        "requests": len(engine.requests),
+        "running": load.running,
+        "waiting": load.waiting,
+        "busy_conv_slots": cache.spec.num_conv_slots - cache.num_free_slots,
+        "busy_kv_pages": busy_pages if engine.prefix_cache is None else 0,
+        "live": len(server.service._live),
+        "inflight_encode_items": load.inflight_encode_items,
+    }
 
 
 async def wait_idle(server: DecodeServer, timeout_s: float = 10.0) -> dict[str, int]:
@@ -196,17 +223,25 @@ def chat_request(request_id: str, kind: str, variant: int = 0, max_tokens: int =
     """kind: "text", "image", "audio" or "image+audio"; greedy, fixed length."""
     parts = []
     if "image" in kind:
-        parts.append(generator_pb2.ContentPart(media=media_pb2.MediaItem(
-            modality=media_pb2.MODALITY_IMAGE, data=image_bytes(variant))))
+        parts.append(
+            generator_pb2.ContentPart(
+                media=media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=image_bytes(variant))
+            )
+        )
     if "audio" in kind:
-        parts.append(generator_pb2.ContentPart(media=media_pb2.MediaItem(
-            modality=media_pb2.MODALITY_AUDIO, data=MEDIA["tones_16k.wav"])))
+        parts.append(
+            generator_pb2.ContentPart(
+                media=media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=MEDIA["tones_16k.wav"])
+            )
+        )
     parts.append(generator_pb2.ContentPart(text=f"Describe item {variant}."))
     return generator_pb2.GenerateRequest(
         request_id=request_id,
-        chat=generator_pb2.ChatPrompt(messages=[generator_pb2.Message(role=generator_pb2.ROLE_USER, content=parts)],
-                                      reasoning_effort=0.0),
-        sampling=generator_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        chat=generator_pb2.ChatPrompt(
+            messages=[generator_pb2.Message(role=generator_pb2.ROLE_USER, content=parts)], reasoning_effort=0.0
+        ),
+        sampling=generator_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 MIX = ("text", "image", "audio", "image+audio")
@@ -222,8 +257,9 @@ class Outcome:
     ended: float = field(default_factory=time.monotonic)
 
 
-async def generate_once(stub: Any, request: generator_pb2.GenerateRequest, deadline_s: float,
-                        on_first: Callable[[], None] | None = None) -> Outcome:
+async def generate_once(
+    stub: Any, request: generator_pb2.GenerateRequest, deadline_s: float, on_first: Callable[[], None] | None = None
+) -> Outcome:
     """One Generate call; never waits longer than its deadline + 5 s (then it is recorded as HUNG)."""
     started = time.monotonic()
     tokens: list[int] = []
@@ -253,9 +289,16 @@ async def generate_once(stub: Any, request: generator_pb2.GenerateRequest, deadl
     return Outcome(request.request_id, status, time.monotonic() - started, tokens)
 
 
-async def run_traffic(stub: Any, count: int, concurrency: int, deadline_s: float, prefix: str,
-                      kinds: Sequence[str] = MIX, max_tokens: int = 4,
-                      on_first: Callable[[], None] | None = None) -> list[Outcome]:
+async def run_traffic(
+    stub: Any,
+    count: int,
+    concurrency: int,
+    deadline_s: float,
+    prefix: str,
+    kinds: Sequence[str] = MIX,
+    max_tokens: int = 4,
+    on_first: Callable[[], None] | None = None,
+) -> list[Outcome]:
     """`count` mixed requests with at most `concurrency` in flight (bounded in count and time)."""
     slots = asyncio.Semaphore(concurrency)
     base = zlib.crc32(prefix.encode()) % 997 * 100
@@ -293,6 +336,16 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, int]:
 def e2e() -> SimpleNamespace:
     """The helpers of this file for the test modules (a fixture, so that test modules never import each other)."""
     return SimpleNamespace(
-        start_encoder=start_encoder, start_decode=start_decode, start_router=start_router, wait_idle=wait_idle,
-        engine_idle=engine_idle, chat_request=chat_request, image_bytes=image_bytes, generate_once=generate_once,
-        run_traffic=run_traffic, recovery_time=recovery_time, summarize=summarize, MIX=MIX)
+        start_encoder=start_encoder,
+        start_decode=start_decode,
+        start_router=start_router,
+        wait_idle=wait_idle,
+        engine_idle=engine_idle,
+        chat_request=chat_request,
+        image_bytes=image_bytes,
+        generate_once=generate_once,
+        run_traffic=run_traffic,
+        recovery_time=recovery_time,
+        summarize=summarize,
+        MIX=MIX,
+    )

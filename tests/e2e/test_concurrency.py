@@ -36,8 +36,9 @@ def replica(tiny_checkpoint, fingerprints, loop_thread):
 
 def test_concurrent_mixed_requests_equal_their_sequential_results(replica, loop_thread):
     # 8 distinct prompts (each kind twice, different images/text), each sent once alone and twice at once.
-    requests = [chat_request(f"seq-{i}", MIX[i % len(MIX)], variant=100 + i, max_tokens=MAX_TOKENS)
-                for i in range(COUNT // 2)]
+    requests = [
+        chat_request(f"seq-{i}", MIX[i % len(MIX)], variant=100 + i, max_tokens=MAX_TOKENS) for i in range(COUNT // 2)
+    ]
 
     async def run():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}") as channel:

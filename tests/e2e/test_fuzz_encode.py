@@ -25,20 +25,30 @@ MEDIA = sample_media()
 SEEDS = [MEDIA["shapes.png"], MEDIA["tones_16k.wav"], MEDIA["moving.mp4"]]
 ENCODE = "/inkling_epd.v1.Encoder/Encode"
 # What a request may legitimately fail with (serving spec: errors are these status codes, with a message).
-ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-           grpc.StatusCode.RESOURCE_EXHAUSTED}
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 CALL_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def encoder(tiny_checkpoint, loop_thread):
     """(address, server) of an encoder with small limits so that 'too big' is reachable by the fuzzer."""
-    limits = EncoderLimits(max_items_per_request=4, max_item_bytes=1 << 20, max_image_patches=2048,
-                           max_audio_seconds=5.0, max_video_frames=4)
-    engine = load_engine(EncoderSettings(checkpoint=tiny_checkpoint, l1_cache_bytes=8 << 20, limits=limits,
-                                         preprocess_workers=2))
+    limits = EncoderLimits(
+        max_items_per_request=4,
+        max_item_bytes=1 << 20,
+        max_image_patches=2048,
+        max_audio_seconds=5.0,
+        max_video_frames=4,
+    )
+    engine = load_engine(
+        EncoderSettings(checkpoint=tiny_checkpoint, l1_cache_bytes=8 << 20, limits=limits, preprocess_workers=2)
+    )
 
     async def start():
         server = build_server(engine, GrpcSettings(port=0, max_request_bytes=4 << 20), chunk_bytes=4096)
@@ -118,7 +128,8 @@ def encode_request(draw) -> encoder_pb2.EncodeRequest:
         request_id=draw(st.text(max_size=40)),
         items=draw(st.lists(media_item(), max_size=6)),
         expected_encoder_fingerprint=draw(st.one_of(st.just(b""), st.binary(max_size=40))),
-        continue_on_item_error=draw(st.booleans()))
+        continue_on_item_error=draw(st.booleans()),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -127,8 +138,9 @@ def encode_request(draw) -> encoder_pb2.EncodeRequest:
 
 def _check_call(channel: grpc.Channel, payload: bytes, expected_items: int | None) -> str:
     """Send raw request bytes; assert a well-formed stream or an allowed status. Returns the outcome."""
-    call = channel.unary_stream(ENCODE, request_serializer=lambda b: b,
-                                response_deserializer=encoder_pb2.EncodeChunk.FromString)
+    call = channel.unary_stream(
+        ENCODE, request_serializer=lambda b: b, response_deserializer=encoder_pb2.EncodeChunk.FromString
+    )
     assembler = StreamAssembler(expected_items=expected_items)
     results: list[EncodedItem | ItemFailure] = []
     try:
@@ -157,9 +169,13 @@ def _assert_still_serving(address: str) -> None:
     with grpc.insecure_channel(address) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
         assert status == health_pb2.HealthCheckResponse.SERVING
-        good = encoder_pb2.EncodeRequest(request_id="after-fuzz", items=[
-            media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=MEDIA["shapes.png"]),
-            media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=MEDIA["tones_16k.wav"])])
+        good = encoder_pb2.EncodeRequest(
+            request_id="after-fuzz",
+            items=[
+                media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=MEDIA["shapes.png"]),
+                media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=MEDIA["tones_16k.wav"]),
+            ],
+        )
         assert _check_call(channel, good.SerializeToString(), 2) == "OK"
 
 
@@ -186,10 +202,11 @@ def test_random_encode_requests_end_cleanly(encoder):
 
 def test_malformed_wire_bytes_end_cleanly(encoder):
     address, server = encoder
-    valid = encoder_pb2.EncodeRequest(request_id="x", items=[
-        media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=MEDIA["shapes.png"])]).SerializeToString()
+    valid = encoder_pb2.EncodeRequest(
+        request_id="x", items=[media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=MEDIA["shapes.png"])]
+    ).SerializeToString()
     # field 1 (request_id, a proto3 string) holding bytes that are not UTF-8
-    bad_utf8 = b"\x0a\x04\xff\xfe\xc3\x28" + valid[valid.index(b"\x12"):]
+    bad_utf8 = b"\x0a\x04\xff\xfe\xc3\x28" + valid[valid.index(b"\x12") :]
     with grpc.insecure_channel(address) as channel:
         assert _check_call(channel, bad_utf8, None) == "INVALID_ARGUMENT"
 
@@ -205,8 +222,9 @@ def test_malformed_wire_bytes_end_cleanly(encoder):
 
 def test_oversized_request_is_refused_by_the_message_limit(encoder):
     address, _ = encoder
-    big = encoder_pb2.EncodeRequest(items=[media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE,
-                                                                data=b"\0" * (9 << 20))])
+    big = encoder_pb2.EncodeRequest(
+        items=[media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=b"\0" * (9 << 20))]
+    )
     with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         assert _check_call(channel, big.SerializeToString(), 1) == "RESOURCE_EXHAUSTED"
     _assert_still_serving(address)

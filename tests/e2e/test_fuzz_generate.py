@@ -28,8 +28,13 @@ GENERATE = "/inkling_epd.v1.Generator/Generate"
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 MAX_COMPLETION = 6
 VOCAB = 201024
-FUZZ = settings(max_examples=50, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=50,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +56,19 @@ def replica(e2e, tiny_checkpoint, fingerprints, loop_thread):
 # ---------------------------------------------------------------------------------------------------------
 # Strategies
 
-any_float = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32),
-                      st.sampled_from([0.0, -1.0, 1.0, 0.5, 2.0, 1e30]))
+any_float = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([0.0, -1.0, 1.0, 0.5, 2.0, 1e30])
+)
 u32 = st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 16))
-json_garbage = st.one_of(st.just(""), st.just("{}"), st.just('{"type": "object", "properties": {"x": {}}}'),
-                         st.just("[1, 2]"), st.just("{"), st.just('{"a": NaN}'), st.text(max_size=40))
+json_garbage = st.one_of(
+    st.just(""),
+    st.just("{}"),
+    st.just('{"type": "object", "properties": {"x": {}}}'),
+    st.just("[1, 2]"),
+    st.just("{"),
+    st.just('{"a": NaN}'),
+    st.text(max_size=40),
+)
 
 
 @st.composite
@@ -65,25 +78,41 @@ def media_item(draw, wild: bool) -> media_pb2.MediaItem:
         return media_pb2.MediaItem(modality=modality, data=SEEDS[modality - 1])
     seed = draw(st.sampled_from(SEEDS))
     kind = draw(st.sampled_from(["seed", "truncated", "random"]))
-    data = seed if kind == "seed" else (seed[: draw(st.integers(0, len(seed) - 1))] if kind == "truncated"
-                                        else draw(st.binary(max_size=256)))
+    data = (
+        seed
+        if kind == "seed"
+        else (seed[: draw(st.integers(0, len(seed) - 1))] if kind == "truncated" else draw(st.binary(max_size=256)))
+    )
     return media_pb2.MediaItem(modality=draw(st.integers(0, 4)), data=data)
 
 
 @st.composite
 def sampling(draw, wild: bool) -> pb.SamplingParams:
     if not wild:  # valid values only
-        return pb.SamplingParams(temperature=draw(st.sampled_from([0.0, 0.7, 1.0])), top_k=draw(st.integers(0, 50)),
-                                 top_p=draw(st.sampled_from([0.5, 0.9, 1.0])), seed=draw(st.integers(0, 2**64 - 1)),
-                                 max_tokens=draw(st.integers(1, MAX_COMPLETION)), ignore_eos=draw(st.booleans()),
-                                 stop=draw(st.lists(st.text(min_size=1, max_size=4), max_size=2)),
-                                 logprobs=draw(st.integers(0, 3)))
+        return pb.SamplingParams(
+            temperature=draw(st.sampled_from([0.0, 0.7, 1.0])),
+            top_k=draw(st.integers(0, 50)),
+            top_p=draw(st.sampled_from([0.5, 0.9, 1.0])),
+            seed=draw(st.integers(0, 2**64 - 1)),
+            max_tokens=draw(st.integers(1, MAX_COMPLETION)),
+            ignore_eos=draw(st.booleans()),
+            stop=draw(st.lists(st.text(min_size=1, max_size=4), max_size=2)),
+            logprobs=draw(st.integers(0, 3)),
+        )
     s = pb.SamplingParams(ignore_eos=draw(st.booleans()))
-    for name, strategy in (("temperature", any_float), ("top_k", u32), ("top_p", any_float), ("min_p", any_float),
-                           ("seed", st.integers(0, 2**64 - 1)), ("repetition_penalty", any_float),
-                           ("presence_penalty", any_float), ("frequency_penalty", any_float), ("logprobs", u32),
-                           ("max_tokens", st.one_of(st.integers(0, MAX_COMPLETION + 2), u32)),
-                           ("min_tokens", st.integers(0, 4))):
+    for name, strategy in (
+        ("temperature", any_float),
+        ("top_k", u32),
+        ("top_p", any_float),
+        ("min_p", any_float),
+        ("seed", st.integers(0, 2**64 - 1)),
+        ("repetition_penalty", any_float),
+        ("presence_penalty", any_float),
+        ("frequency_penalty", any_float),
+        ("logprobs", u32),
+        ("max_tokens", st.one_of(st.integers(0, MAX_COMPLETION + 2), u32)),
+        ("min_tokens", st.integers(0, 4)),
+    ):
         if draw(st.integers(0, 3)) == 0:
             setattr(s, name, draw(strategy))
     s.stop.extend(draw(st.lists(st.text(max_size=8), max_size=3)))
@@ -101,8 +130,12 @@ def message(draw, wild: bool) -> pb.Message:
             else:
                 m.content.append(pb.ContentPart(media=draw(media_item(False))))
         return m
-    m = pb.Message(role=draw(st.integers(0, 6)), name=draw(st.text(max_size=8)),
-                   tool_call_id=draw(st.text(max_size=8)), reasoning=draw(st.text(max_size=20)))
+    m = pb.Message(
+        role=draw(st.integers(0, 6)),
+        name=draw(st.text(max_size=8)),
+        tool_call_id=draw(st.text(max_size=8)),
+        reasoning=draw(st.text(max_size=20)),
+    )
     for _ in range(draw(st.integers(0, 3))):
         if draw(st.integers(0, 4)):
             m.content.append(pb.ContentPart(text=draw(st.text(max_size=60))))
@@ -111,8 +144,9 @@ def message(draw, wild: bool) -> pb.Message:
         else:
             m.content.append(pb.ContentPart())  # neither text nor media
     for _ in range(draw(st.integers(0, 2))):
-        m.tool_calls.append(pb.ToolCall(id=draw(st.text(max_size=8)), name=draw(st.text(max_size=8)),
-                                        arguments_json=draw(json_garbage)))
+        m.tool_calls.append(
+            pb.ToolCall(id=draw(st.text(max_size=8)), name=draw(st.text(max_size=8)), arguments_json=draw(json_garbage))
+        )
     return m
 
 
@@ -121,8 +155,12 @@ def generate_request(draw) -> pb.GenerateRequest:
     """Half the requests are valid in every field (they must succeed or be refused by a limit); the other half
     draw each field from anything the proto can carry."""
     wild = draw(st.booleans())
-    request = pb.GenerateRequest(request_id=draw(st.text(max_size=16)), sampling=draw(sampling(wild)),
-                                 cache_salt=draw(st.text(max_size=8)), priority=draw(st.integers(-2**31, 2**31 - 1)))
+    request = pb.GenerateRequest(
+        request_id=draw(st.text(max_size=16)),
+        sampling=draw(sampling(wild)),
+        cache_salt=draw(st.text(max_size=8)),
+        priority=draw(st.integers(-(2**31), 2**31 - 1)),
+    )
     kind = draw(st.sampled_from(["chat", "tokens", "none"] if wild else ["chat", "chat", "tokens"]))
     if kind == "chat":
         messages = draw(st.lists(message(wild), min_size=0 if wild else 1, max_size=3))
@@ -130,16 +168,27 @@ def generate_request(draw) -> pb.GenerateRequest:
             messages[-1].role = pb.ROLE_USER
         request.chat.messages.extend(messages)
         for _ in range(draw(st.integers(0, 2))):
-            request.chat.tools.append(pb.Tool(name=draw(st.text(min_size=1, max_size=8)),
-                                              description=draw(st.text(max_size=20)),
-                                              parameters_json=draw(json_garbage) if wild else "{}"))
+            request.chat.tools.append(
+                pb.Tool(
+                    name=draw(st.text(min_size=1, max_size=8)),
+                    description=draw(st.text(max_size=20)),
+                    parameters_json=draw(json_garbage) if wild else "{}",
+                )
+            )
         if draw(st.booleans()):
             request.chat.reasoning_effort = draw(any_float) if wild else draw(st.sampled_from([0.0, 0.2, 0.9]))
     elif kind == "tokens":
         special = st.sampled_from([MESSAGE_USER, CONTENT_TEXT, END_MESSAGE, IMAGE_PLACEHOLDER, AUDIO_PLACEHOLDER])
-        ids = draw(st.lists(st.one_of(st.integers(0, VOCAB + 10), special, u32), max_size=40)) if wild else \
-            [MESSAGE_USER, CONTENT_TEXT, *draw(st.lists(st.integers(0, 100_000), min_size=1, max_size=30)),
-             END_MESSAGE]
+        ids = (
+            draw(st.lists(st.one_of(st.integers(0, VOCAB + 10), special, u32), max_size=40))
+            if wild
+            else [
+                MESSAGE_USER,
+                CONTENT_TEXT,
+                *draw(st.lists(st.integers(0, 100_000), min_size=1, max_size=30)),
+                END_MESSAGE,
+            ]
+        )
         request.tokens.token_ids.extend(ids)
         request.tokens.media.extend(draw(st.lists(media_item(True), max_size=2)) if wild else [])
     return request
@@ -150,8 +199,9 @@ def generate_request(draw) -> pb.GenerateRequest:
 
 
 def check_call(channel: grpc.Channel, payload: bytes) -> str:
-    call = channel.unary_stream(GENERATE, request_serializer=lambda b: b,
-                                response_deserializer=pb.GenerateResponse.FromString)
+    call = channel.unary_stream(
+        GENERATE, request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString
+    )
     deltas: list[pb.Delta] = []
     finals: list[pb.Final] = []
     try:
@@ -212,7 +262,7 @@ def test_malformed_generate_bytes_end_cleanly(e2e, replica, loop_thread):
     address, decode = replica
     valid = e2e.chat_request("wire", "text", max_tokens=2).SerializeToString()
     # request_id (field 1, a string) holding bytes that are not UTF-8, followed by a valid rest
-    bad_utf8 = b"\x0a\x03\xff\xc3\x28" + valid[valid.index(b"\x12"):]
+    bad_utf8 = b"\x0a\x03\xff\xc3\x28" + valid[valid.index(b"\x12") :]
     with grpc.insecure_channel(address) as channel:
         assert check_call(channel, bad_utf8) == "INVALID_ARGUMENT"
 

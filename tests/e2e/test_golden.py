@@ -88,9 +88,17 @@ def golden(checkpoint, tmp_path_factory) -> Iterator[Golden]:
     except redis.RedisError:
         pytest.skip("no Redis at 127.0.0.1:6379")
     prefix = f"ink:test-golden-{uuid.uuid4().hex[:12]}:"
-    spec = ClusterSpec(checkpoint=checkpoint, encoders=1, decoders=1, redis=REDIS_URL, dtype="float32",
-                       log_dir=str(tmp_path_factory.mktemp("golden-logs")), startup_timeout_s=90.0,
-                       stop_timeout_s=15.0, grace_seconds=1.0)
+    spec = ClusterSpec(
+        checkpoint=checkpoint,
+        encoders=1,
+        decoders=1,
+        redis=REDIS_URL,
+        dtype="float32",
+        log_dir=str(tmp_path_factory.mktemp("golden-logs")),
+        startup_timeout_s=90.0,
+        stop_timeout_s=15.0,
+        grace_seconds=1.0,
+    )
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("INKLING_REDIS_KEY_PREFIX", prefix)  # the cluster's processes inherit it
@@ -124,8 +132,10 @@ def _video(data: bytes) -> pb.ContentPart:
 
 def _request(rid: str, parts: list[pb.ContentPart]) -> pb.GenerateRequest:
     return pb.GenerateRequest(
-        request_id=rid, chat=pb.ChatPrompt(messages=[pb.Message(role=pb.ROLE_USER, content=parts)]),
-        sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        request_id=rid,
+        chat=pb.ChatPrompt(messages=[pb.Message(role=pb.ROLE_USER, content=parts)]),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
 
 
 def _generate(address: str, request: pb.GenerateRequest) -> tuple[list[int], pb.Final]:
@@ -159,7 +169,8 @@ def _hf_pixel_values(image: Image.Image) -> torch.Tensor:
         from transformers.models.inkling.image_processing_inkling import InklingImageProcessor
 
         out = InklingImageProcessor(size={"height": patch, "width": patch}, rescale_image_frac=None)(
-            image, return_tensors="pt")
+            image, return_tensors="pt"
+        )
         return out["pixel_values"].float()
     from encoder_service.preprocess.image import ImagePolicy, preprocess_pil
 
@@ -172,10 +183,12 @@ def _hf_audio(data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
     from transformers.models.inkling.feature_extraction_inkling import InklingFeatureExtractor
     from transformers.models.inkling.processing_inkling import InklingProcessor
 
-    features = InklingFeatureExtractor()(_wav_samples(data), sampling_rate=16000, return_attention_mask=True,
-                                         return_tensors="pt")
-    dmel = types.SimpleNamespace(bin_centers=torch.linspace(-7.0, 2.0, 16, dtype=torch.float64).float(),
-                                 dmel_min_value=-7.0, dmel_max_value=2.0)
+    features = InklingFeatureExtractor()(
+        _wav_samples(data), sampling_rate=16000, return_attention_mask=True, return_tensors="pt"
+    )
+    dmel = types.SimpleNamespace(
+        bin_centers=torch.linspace(-7.0, 2.0, 16, dtype=torch.float64).float(), dmel_min_value=-7.0, dmel_max_value=2.0
+    )
     return InklingProcessor._extract_dmel_bins(dmel, features["input_features"]), features["input_features_mask"]
 
 
@@ -191,9 +204,15 @@ def _video_frames(data: bytes) -> list[Image.Image]:
 @torch.no_grad()
 def _hf_tokens(model, parts: list, counts: list, **features) -> tuple[list[int], int]:
     prompt = render_chat([ChatMessage("user", parts)], (), EFFORT, counts).token_ids
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                         pad_token_id=0, **features)
-    return out[0, len(prompt):].tolist(), len(prompt)
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=MAX_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        **features,
+    )
+    return out[0, len(prompt) :].tolist(), len(prompt)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -214,8 +233,14 @@ def test_two_images_and_audio_equal_transformers_then_come_from_the_caches(golde
     audio_ids, audio_mask = _hf_audio(AUDIO)
     counts = [pixels[0].shape[0], pixels[1].shape[0], int(audio_mask.sum())]
     parts = [MediaPart("image", 0), MediaPart("image", 1), MediaPart("audio", 2), TextPart(QUESTION)]
-    expected, prompt_tokens = _hf_tokens(hf_model, parts, counts, pixel_values=torch.cat(pixels),
-                                         audio_input_ids=audio_ids, audio_input_ids_mask=audio_mask)
+    expected, prompt_tokens = _hf_tokens(
+        hf_model,
+        parts,
+        counts,
+        pixel_values=torch.cat(pixels),
+        audio_input_ids=audio_ids,
+        audio_input_ids_mask=audio_mask,
+    )
     wire = [_image(IMAGE_A), _image(IMAGE_B), _audio(AUDIO), pb.ContentPart(text=QUESTION)]
 
     tokens, final = _generate(golden.address, _request("golden-mm-1", wire))
@@ -248,8 +273,9 @@ def test_video_frames_equal_transformers_images(golden, hf_model):
     frames = [_hf_pixel_values(frame) for frame in _video_frames(VIDEO)]
     assert len(frames) == VIDEO_FRAMES
     counts = [[f.shape[0] for f in frames]]
-    expected, prompt_tokens = _hf_tokens(hf_model, [MediaPart("video", 0), TextPart(QUESTION)], counts,
-                                         pixel_values=torch.cat(frames))
+    expected, prompt_tokens = _hf_tokens(
+        hf_model, [MediaPart("video", 0), TextPart(QUESTION)], counts, pixel_values=torch.cat(frames)
+    )
     tokens, final = _generate(golden.address, _request("golden-video", [_video(VIDEO), pb.ContentPart(text=QUESTION)]))
     assert tokens == expected
     assert final.usage.prompt_tokens == prompt_tokens

@@ -19,9 +19,18 @@ def test_load_smoke_closed_and_open_loop(e2e, tiny_checkpoint, fingerprints, loo
         try:
             decode = await e2e.start_decode(tiny_checkpoint, fingerprints, [encoder.address])
             router = await e2e.start_router([f"127.0.0.1:{decode.port}"])
-            config = LoadConfig(address=f"127.0.0.1:{router.port}", concurrency=(4,), rates=(8.0,), requests=30,
-                                max_tokens=6, deadline_s=30.0, duration_s=90.0, rss_interval_s=0.2,
-                                pids={"test-process": os.getpid()}, measure_floor=False)
+            config = LoadConfig(
+                address=f"127.0.0.1:{router.port}",
+                concurrency=(4,),
+                rates=(8.0,),
+                requests=30,
+                max_tokens=6,
+                deadline_s=30.0,
+                duration_s=90.0,
+                rss_interval_s=0.2,
+                pids={"test-process": os.getpid()},
+                measure_floor=False,
+            )
             report = await run_load(config)
             return report, await e2e.wait_idle(decode)
         finally:
@@ -48,12 +57,27 @@ def test_load_soak_on_real_processes(tiny_checkpoint, tmp_path):
     import asyncio
 
     small = ["--kv-budget-mb", "32", "--max-num-seqs", "16", "--max-batch-tokens", "512"]
-    spec = ClusterSpec(checkpoint=tiny_checkpoint, encoders=2, decoders=2, redis="none", dtype="float32",
-                       extra_args={"decode": small}, log_dir=str(tmp_path / "logs"))
+    spec = ClusterSpec(
+        checkpoint=tiny_checkpoint,
+        encoders=2,
+        decoders=2,
+        redis="none",
+        dtype="float32",
+        extra_args={"decode": small},
+        log_dir=str(tmp_path / "logs"),
+    )
     with Cluster(spec) as cluster:
         pids = {p.name: p.popen.pid for p in cluster.processes() if p.popen is not None}
-        config = LoadConfig(address=cluster.router_address, concurrency=(1, 4, 8), rates=(2.0, 8.0), requests=100,
-                            max_tokens=16, deadline_s=60.0, duration_s=240.0, pids=pids)
+        config = LoadConfig(
+            address=cluster.router_address,
+            concurrency=(1, 4, 8),
+            rates=(2.0, 8.0),
+            requests=100,
+            max_tokens=16,
+            deadline_s=60.0,
+            duration_s=240.0,
+            pids=pids,
+        )
         report = asyncio.run(run_load(config))
         assert not cluster.dead()
     for level in report.levels:

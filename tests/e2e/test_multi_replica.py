@@ -65,11 +65,15 @@ def chat(request_id: str, variant: str, audio: bool = False, max_tokens: int = 4
     return pb.GenerateRequest(
         request_id=request_id,
         chat=pb.ChatPrompt(messages=[pb.Message(role=pb.ROLE_USER, content=parts)], reasoning_effort=0.0),
-        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
-async def generate(stub: generator_pb2_grpc.GeneratorStub, request: pb.GenerateRequest,
-                   on_first: Callable[[Outcome], None] | None = None) -> Outcome:
+async def generate(
+    stub: generator_pb2_grpc.GeneratorStub,
+    request: pb.GenerateRequest,
+    on_first: Callable[[Outcome], None] | None = None,
+) -> Outcome:
     outcome = Outcome(request.request_id, sent_at=time.monotonic())
 
     async def consume() -> None:
@@ -119,9 +123,17 @@ class Harness:
 def harness(tiny_checkpoint, redis_client, tmp_path_factory) -> Iterator[Harness]:
     key_prefix = f"ink:test-multi-replica:{uuid.uuid4().hex[:12]}:"
     spec = ClusterSpec(
-        checkpoint=tiny_checkpoint, encoders=2, decoders=2, redis=REDIS_URL, dtype="float32",
-        log_dir=str(tmp_path_factory.mktemp("multi-replica-logs")), startup_timeout_s=120.0, stop_timeout_s=10.0,
-        grace_seconds=1.0, extra_args={"decode": ["--kv-budget-mb", "32", "--max-num-seqs", "8"]})
+        checkpoint=tiny_checkpoint,
+        encoders=2,
+        decoders=2,
+        redis=REDIS_URL,
+        dtype="float32",
+        log_dir=str(tmp_path_factory.mktemp("multi-replica-logs")),
+        startup_timeout_s=120.0,
+        stop_timeout_s=10.0,
+        grace_seconds=1.0,
+        extra_args={"decode": ["--kv-budget-mb", "32", "--max-num-seqs", "8"]},
+    )
     with pytest.MonkeyPatch.context() as env:
         env.setenv("INKLING_REDIS_KEY_PREFIX", key_prefix)
         harness = Harness(Cluster(spec))
@@ -136,8 +148,12 @@ def harness(tiny_checkpoint, redis_client, tmp_path_factory) -> Iterator[Harness
                 redis_client.delete(*keys)
 
 
-async def _send(harness: Harness, requests: list[pb.GenerateRequest], concurrency: int,
-                on_first: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+async def _send(
+    harness: Harness,
+    requests: list[pb.GenerateRequest],
+    concurrency: int,
+    on_first: Callable[[Outcome], None] | None = None,
+) -> list[Outcome]:
     harness.sent.extend(requests)
     slots = asyncio.Semaphore(concurrency)
     async with grpc.aio.insecure_channel(harness.cluster.router_address) as channel:
@@ -150,8 +166,12 @@ async def _send(harness: Harness, requests: list[pb.GenerateRequest], concurrenc
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
-def send(harness: Harness, requests: list[pb.GenerateRequest], concurrency: int = 1,
-         on_first: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+def send(
+    harness: Harness,
+    requests: list[pb.GenerateRequest],
+    concurrency: int = 1,
+    on_first: Callable[[Outcome], None] | None = None,
+) -> list[Outcome]:
     return asyncio.run(_send(harness, requests, concurrency, on_first))
 
 
@@ -208,8 +228,15 @@ def test_killing_an_encoder_and_a_decode_replica_loses_no_request_that_had_not_s
     assert len(killed) == 2, "the kill never happened"
     kill_time = max(killed.values())
     for o in outcomes:
-        log.info("%s %s on %s, %d messages, started %+.2f s after the kill %s", o.request_id, o.status, o.replica,
-                 o.messages, (o.started_at or float("nan")) - kill_time, o.details)
+        log.info(
+            "%s %s on %s, %d messages, started %+.2f s after the kill %s",
+            o.request_id,
+            o.status,
+            o.replica,
+            o.messages,
+            (o.started_at or float("nan")) - kill_time,
+            o.details,
+        )
     by_status = {o.request_id: o.status for o in outcomes}
     assert "HUNG" not in by_status.values(), outcomes
     for o in outcomes:
@@ -220,8 +247,9 @@ def test_killing_an_encoder_and_a_decode_replica_loses_no_request_that_had_not_s
             assert o.status == "OK", o
         else:
             assert o.status in ("OK", "UNAVAILABLE"), o
-    survivors = [o for o in outcomes if o.started_at is not None and o.started_at > kill_time
-                 and o.replica not in victim_address]
+    survivors = [
+        o for o in outcomes if o.started_at is not None and o.started_at > kill_time and o.replica not in victim_address
+    ]
     caught = [o for o in survivors if o.sent_at < kill_time]  # in flight, not yet streaming, at the kill
     assert caught and all(o.status == "OK" for o in caught), outcomes
     assert len(survivors) >= 8 and all(o.status == "OK" for o in survivors), outcomes

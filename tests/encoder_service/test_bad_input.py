@@ -36,8 +36,7 @@ from tools.make_tiny_checkpoint import make_tiny_checkpoint
 MEDIA = sample_media()
 PNG, WAV = MEDIA["shapes.png"], MEDIA["tones_16k.wav"]  # 96x64 (valid under LIMITS), 1.5 s at 16 kHz
 IMAGE, AUDIO, VIDEO = media_pb2.MODALITY_IMAGE, media_pb2.MODALITY_AUDIO, media_pb2.MODALITY_VIDEO
-LIMITS = EncoderLimits(max_image_patches=1000, max_audio_seconds=3.0, max_item_bytes=1 << 20,
-                       max_items_per_request=4)
+LIMITS = EncoderLimits(max_image_patches=1000, max_audio_seconds=3.0, max_item_bytes=1 << 20, max_items_per_request=4)
 MAX_REQUEST_BYTES = 2 << 20  # the gRPC receive limit of this server (max_message_bytes is below it)
 
 
@@ -92,8 +91,9 @@ class Running:
 @pytest.fixture(scope="module")
 def running(tmp_path_factory) -> Iterator[Running]:
     checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
-    engine = load_engine(EncoderSettings(checkpoint=str(checkpoint), l1_cache_bytes=0, limits=LIMITS,
-                                         preprocess_workers=2))
+    engine = load_engine(
+        EncoderSettings(checkpoint=str(checkpoint), l1_cache_bytes=0, limits=LIMITS, preprocess_workers=2)
+    )
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -115,8 +115,10 @@ def running(tmp_path_factory) -> Iterator[Running]:
         thread.join(10)
 
 
-def _call(stub: encoder_pb2_grpc.EncoderStub, items: list[media_pb2.MediaItem],
-          ) -> tuple[list[encoder_pb2.EncodeChunk], grpc.RpcError | None]:
+def _call(
+    stub: encoder_pb2_grpc.EncoderStub,
+    items: list[media_pb2.MediaItem],
+) -> tuple[list[encoder_pb2.EncodeChunk], grpc.RpcError | None]:
     """Every message the client received, and the error status (None: the call ended OK)."""
     received: list[encoder_pb2.EncodeChunk] = []
     try:
@@ -155,13 +157,18 @@ _JPEG = _image(80, 60, "JPEG", seed=1)
 BAD_CASES = {
     "truncated_jpeg": ([_item(IMAGE, PNG), _item(IMAGE, _JPEG[: len(_JPEG) // 2])], 1, "corrupt image"),
     "corrupt_png_body": ([_item(AUDIO, WAV), _item(IMAGE, _image(64, 48)[:60] + bytes(400))], 1, "image"),
-    "random_bytes_as_audio": ([_item(IMAGE, PNG), _item(AUDIO, np.random.default_rng(2).bytes(4096))], 1,
-                              "not decodable audio"),
+    "random_bytes_as_audio": (
+        [_item(IMAGE, PNG), _item(AUDIO, np.random.default_rng(2).bytes(4096))],
+        1,
+        "not decodable audio",
+    ),
     "random_bytes_as_video": ([_item(VIDEO, np.random.default_rng(3).bytes(4096))], 0, "not decodable video"),
-    "unsupported_image_format": ([_item(IMAGE, PNG), _item(IMAGE, _image(16, 16, "PPM"))], 1,
-                                 "not a decodable image"),
-    "svg_is_unsupported": ([_item(IMAGE, b'<svg xmlns="http://www.w3.org/2000/svg" width="9" height="9"/>')],
-                           0, "not a decodable image"),
+    "unsupported_image_format": ([_item(IMAGE, PNG), _item(IMAGE, _image(16, 16, "PPM"))], 1, "not a decodable image"),
+    "svg_is_unsupported": (
+        [_item(IMAGE, b'<svg xmlns="http://www.w3.org/2000/svg" width="9" height="9"/>')],
+        0,
+        "not a decodable image",
+    ),
     "audio_bytes_as_image": ([_item(IMAGE, WAV)], 0, "not a decodable image"),
     "zero_length_audio_data": ([_item(IMAGE, PNG), _item(AUDIO, b"")], 1, "empty media data"),
     "zero_sample_wav": ([_item(IMAGE, PNG), _item(AUDIO, _wav(np.zeros(0)))], 1, "empty audio"),

@@ -16,8 +16,9 @@ from encoder_service.towers import AudioTower, VisionTower
 
 def _vision() -> VisionTower:
     torch.manual_seed(0)
-    tower = VisionTower(VisionConfig(patch_size=8, temporal_patch_size=2, num_channels=3, num_layers=3,
-                                     output_dim=32, use_norm=True))
+    tower = VisionTower(
+        VisionConfig(patch_size=8, temporal_patch_size=2, num_channels=3, num_layers=3, output_dim=32, use_norm=True)
+    )
     for p in tower.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return tower.to(torch.bfloat16).eval()
@@ -27,6 +28,7 @@ def _run(tower: torch.nn.Module):
     def run(x: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
             return bf16_bits(tower(torch.from_numpy(x)))
+
     return run
 
 
@@ -38,8 +40,9 @@ def test_batched_vision_equals_unbatched():
     sizes: list[int] = []
 
     async def main() -> list[np.ndarray]:
-        batcher = DynamicBatcher(_run(tower), max_batch_rows=64, max_wait_s=0.05,
-                                 observer=lambda items, rows, wait, run: sizes.append(items))
+        batcher = DynamicBatcher(
+            _run(tower), max_batch_rows=64, max_wait_s=0.05, observer=lambda items, rows, wait, run: sizes.append(items)
+        )
         try:
             return await asyncio.gather(*(batcher.submit(x) for x in inputs))
         finally:
@@ -53,8 +56,11 @@ def test_batched_vision_equals_unbatched():
 
 def test_batched_audio_equals_unbatched():
     torch.manual_seed(1)
-    tower = AudioTower(AudioConfig(n_mel_bins=80, mel_vocab_size=16, dmel_min_value=-7.0, dmel_max_value=2.0,
-                                   output_dim=32, use_norm=True))
+    tower = AudioTower(
+        AudioConfig(
+            n_mel_bins=80, mel_vocab_size=16, dmel_min_value=-7.0, dmel_max_value=2.0, output_dim=32, use_norm=True
+        )
+    )
     torch.nn.init.normal_(tower.encoder.weight)
     tower = tower.to(torch.bfloat16).eval()
     rng = np.random.default_rng(1)
@@ -75,8 +81,12 @@ def test_row_budget_splits_batches_and_oversize_runs_alone():
     batches: list[int] = []
 
     async def main() -> list[np.ndarray]:
-        batcher = DynamicBatcher(lambda x: x * 2, max_batch_rows=4, max_wait_s=0.05,
-                                 observer=lambda items, rows, wait, run: batches.append(rows))
+        batcher = DynamicBatcher(
+            lambda x: x * 2,
+            max_batch_rows=4,
+            max_wait_s=0.05,
+            observer=lambda items, rows, wait, run: batches.append(rows),
+        )
         try:
             return await asyncio.gather(*(batcher.submit(np.full(n, n)) for n in (3, 2, 6, 1)))
         finally:

@@ -48,15 +48,23 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def large_items() -> list[media_pb2.MediaItem]:
-    return [media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=_large_jpeg(seed), image=NO_RESCALE)
-            for seed in range(N_LARGE)]
+    return [
+        media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=_large_jpeg(seed), image=NO_RESCALE)
+        for seed in range(N_LARGE)
+    ]
 
 
 def _run(checkpoint, scenario):
     """A server on port 0 (one preprocessing thread, no cache, one large item per tower batch, 4 KiB chunks);
     the tower's rows are counted."""
-    engine = load_engine(EncoderSettings(checkpoint=str(checkpoint), l1_cache_bytes=0, preprocess_workers=1,
-                                         batcher=BatcherSettings(max_batch_tokens=LARGE_ROWS)))
+    engine = load_engine(
+        EncoderSettings(
+            checkpoint=str(checkpoint),
+            l1_cache_bytes=0,
+            preprocess_workers=1,
+            batcher=BatcherSettings(max_batch_tokens=LARGE_ROWS),
+        )
+    )
     tower_rows: list[int] = []
     engine.vision.register_forward_hook(lambda module, args, output: tower_rows.append(len(output)))
 

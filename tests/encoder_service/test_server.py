@@ -32,8 +32,13 @@ def checkpoint(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-def _run(checkpoint, scenario, chunk_bytes: int = 4096, metrics: EncoderMetrics | None = None,
-         limits: EncoderLimits | None = None):
+def _run(
+    checkpoint,
+    scenario,
+    chunk_bytes: int = 4096,
+    metrics: EncoderMetrics | None = None,
+    limits: EncoderLimits | None = None,
+):
     """Start a server on port 0 around a fresh engine, run `scenario(stub, server, channel)`, stop it."""
     settings = EncoderSettings(checkpoint=str(checkpoint), l1_cache_bytes=16 << 20, limits=limits or EncoderLimits())
     engine = load_engine(settings, metrics)
@@ -68,8 +73,9 @@ async def _collect(stub, request, timeout: float = 30.0):
 
 def test_encode_png_and_wav(checkpoint):
     async def scenario(stub, server, channel):
-        request = encoder_pb2.EncodeRequest(request_id="r1", items=[
-            _item(media_pb2.MODALITY_IMAGE, PNG), _item(media_pb2.MODALITY_AUDIO, WAV)])
+        request = encoder_pb2.EncodeRequest(
+            request_id="r1", items=[_item(media_pb2.MODALITY_IMAGE, PNG), _item(media_pb2.MODALITY_AUDIO, WAV)]
+        )
         items, messages = await _collect(stub, request)
         again, _ = await _collect(stub, request)
         return server.engine, items, messages, again
@@ -92,16 +98,25 @@ def test_encode_png_and_wav(checkpoint):
 
 def test_bad_image_is_invalid_argument_naming_the_item(checkpoint):
     async def scenario(stub, server, channel):
-        items = [_item(media_pb2.MODALITY_IMAGE, PNG), _item(media_pb2.MODALITY_IMAGE, b"\x89PNG garbage"),
-                 _item(media_pb2.MODALITY_AUDIO, WAV)]
+        items = [
+            _item(media_pb2.MODALITY_IMAGE, PNG),
+            _item(media_pb2.MODALITY_IMAGE, b"\x89PNG garbage"),
+            _item(media_pb2.MODALITY_AUDIO, WAV),
+        ]
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await _collect(stub, encoder_pb2.EncodeRequest(request_id="bad", items=items))
         lenient, _ = await _collect(stub, encoder_pb2.EncodeRequest(items=items, continue_on_item_error=True))
         with pytest.raises(grpc.aio.AioRpcError) as unset:
             await _collect(stub, encoder_pb2.EncodeRequest(items=[media_pb2.MediaItem(data=PNG)]))
         with pytest.raises(grpc.aio.AioRpcError) as mismatch:
-            await _collect(stub, encoder_pb2.EncodeRequest(items=[media_pb2.MediaItem(
-                modality=media_pb2.MODALITY_AUDIO, data=WAV, image=media_pb2.ImageParams())]))
+            await _collect(
+                stub,
+                encoder_pb2.EncodeRequest(
+                    items=[
+                        media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=WAV, image=media_pb2.ImageParams())
+                    ]
+                ),
+            )
         return failed.value, lenient, unset.value, mismatch.value
 
     failed, lenient, unset, mismatch = _run(checkpoint, scenario)
@@ -116,14 +131,21 @@ def test_bad_image_is_invalid_argument_naming_the_item(checkpoint):
 def test_info_fingerprint_and_deadline(checkpoint):
     async def scenario(stub, server, channel):
         info = await stub.GetInfo(encoder_pb2.EncoderInfoRequest())
-        ok, _ = await _collect(stub, encoder_pb2.EncodeRequest(items=[_item(media_pb2.MODALITY_IMAGE, PNG)],
-                                                               expected_encoder_fingerprint=info.encoder_fingerprint))
+        ok, _ = await _collect(
+            stub,
+            encoder_pb2.EncodeRequest(
+                items=[_item(media_pb2.MODALITY_IMAGE, PNG)], expected_encoder_fingerprint=info.encoder_fingerprint
+            ),
+        )
         with pytest.raises(grpc.aio.AioRpcError) as wrong:
-            await _collect(stub, encoder_pb2.EncodeRequest(items=[_item(media_pb2.MODALITY_IMAGE, PNG)],
-                                                           expected_encoder_fingerprint=bytes(32)))
+            await _collect(
+                stub,
+                encoder_pb2.EncodeRequest(
+                    items=[_item(media_pb2.MODALITY_IMAGE, PNG)], expected_encoder_fingerprint=bytes(32)
+                ),
+            )
         with pytest.raises(grpc.aio.AioRpcError) as late:
-            await _collect(stub, encoder_pb2.EncodeRequest(items=[_item(media_pb2.MODALITY_AUDIO, WAV)]),
-                           timeout=0.001)
+            await _collect(stub, encoder_pb2.EncodeRequest(items=[_item(media_pb2.MODALITY_AUDIO, WAV)]), timeout=0.001)
         for _ in range(100):  # the server side of the expired call unwinds
             if server.engine.inflight_items == 0:
                 break
@@ -132,8 +154,7 @@ def test_info_fingerprint_and_deadline(checkpoint):
 
     info, ok, wrong, late, inflight = _run(checkpoint, scenario)
     assert len(info.encoder_fingerprint) == 32 and info.dim == 64 and info.dtype == "bfloat16"
-    assert set(info.modalities) == {media_pb2.MODALITY_IMAGE, media_pb2.MODALITY_AUDIO,
-                                    media_pb2.MODALITY_VIDEO}
+    assert set(info.modalities) == {media_pb2.MODALITY_IMAGE, media_pb2.MODALITY_AUDIO, media_pb2.MODALITY_VIDEO}
     assert isinstance(ok[0], EncodedItem)
     assert wrong.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -149,7 +170,8 @@ def test_health_watch_and_reflection(checkpoint):
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
         names = []
         async for response in reflection.ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")])):
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        ):
             names = [s.name for s in response.list_services_response.service]
         stopping = asyncio.create_task(server.stop(1.0))
         statuses.append((await watch.read()).status)

@@ -30,8 +30,9 @@ def checkpoint(tmp_path_factory):
 
 
 def _engine(checkpoint, **limits):
-    return _load_engine(EncoderSettings(checkpoint=str(checkpoint), l1_cache_bytes=64 << 20,
-                                        limits=EncoderLimits(**limits)))
+    return _load_engine(
+        EncoderSettings(checkpoint=str(checkpoint), l1_cache_bytes=64 << 20, limits=EncoderLimits(**limits))
+    )
 
 
 def _encode(engine, items):
@@ -40,6 +41,7 @@ def _encode(engine, items):
             return [r async for r in engine.encode(items, "test")]
         finally:
             await engine.close()
+
     return asyncio.run(main())
 
 
@@ -59,13 +61,11 @@ def test_image_audio_video_match_the_towers(checkpoint):
     pixels = preprocess_image(PNG, engine.image_policy).pixels
     assert image.rows == len(pixels) == image_token_count(96, 64, engine.image_policy)
     assert image.dim == 64 and [(s.modality, s.rows) for s in image.spans] == [("image", image.rows)]
-    assert np.array_equal(bytes_to_bf16(image.payload, image.rows, image.dim),
-                          _reference(engine.vision, pixels))
+    assert np.array_equal(bytes_to_bf16(image.payload, image.rows, image.dim), _reference(engine.vision, pixels))
 
     codes = preprocess_audio(WAV, engine.audio_policy)
     assert audio.rows == len(codes) == 30  # 1.5 s at 20 frames/s
-    assert np.array_equal(bytes_to_bf16(audio.payload, audio.rows, audio.dim),
-                          _reference(engine.audio, codes))
+    assert np.array_equal(bytes_to_bf16(audio.payload, audio.rows, audio.dim), _reference(engine.audio, codes))
 
     assert [s.modality for s in video.spans] == ["image"] * 3  # 1 s at 4 fps, capped at 3; no audio track
     assert sum(s.rows for s in video.spans) == video.rows
@@ -106,9 +106,16 @@ def test_bad_items_fail_alone_and_name_the_item(checkpoint):
     buf = io.BytesIO()
     Image.new("RGB", (4, 4)).save(buf, format="PNG")
     truncated = buf.getvalue()[:20]
-    results = _encode(engine, [MediaInput("image", PNG), MediaInput("image", truncated),
-                               MediaInput("audio", b"not audio"),
-                               MediaInput("audio", WAV, image=ImageOptions()), MediaInput("image", truncated)])
+    results = _encode(
+        engine,
+        [
+            MediaInput("image", PNG),
+            MediaInput("image", truncated),
+            MediaInput("audio", b"not audio"),
+            MediaInput("audio", WAV, image=ImageOptions()),
+            MediaInput("image", truncated),
+        ],
+    )
     assert isinstance(results[0], EncodedItem)
     for index in (1, 2, 3, 4):
         assert isinstance(results[index], ItemError)
@@ -131,8 +138,12 @@ def test_call_limits(checkpoint):
                 [r async for r in engine.encode([MediaInput("image", PNG)])]
             await stream.aclose()
             assert engine.inflight_items == 0 and isinstance(first, EncodedItem)
-            bad = [r async for r in engine.encode([MediaInput("image", PNG, image=ImageOptions(
-                rescale="long_edge", rescale_frac=float("inf")))])]
+            bad = [
+                r
+                async for r in engine.encode(
+                    [MediaInput("image", PNG, image=ImageOptions(rescale="long_edge", rescale_frac=float("inf")))]
+                )
+            ]
             assert isinstance(bad[0], ItemError) and "item 0" in str(bad[0].error)
         finally:
             await engine.close()

@@ -21,8 +21,12 @@ def hf_config(raw: dict):
     audio = raw["audio_config"]
     return InklingConfig(
         text_config=dict(raw["text_config"]),
-        vision_config={"patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
-                       "num_channels": vision["n_channels"], "num_hidden_layers": vision["n_layers"]},
+        vision_config={
+            "patch_size": vision["patch_size"],
+            "temporal_patch_size": vision["temporal_patch_size"],
+            "num_channels": vision["n_channels"],
+            "num_hidden_layers": vision["n_layers"],
+        },
         audio_config={"n_mel_bins": audio["n_mel_bins"], "mel_vocab_size": audio["mel_vocab_size"]},
         image_token_id=raw["image_token_id"],
         audio_token_id=raw["audio_token_id"],

@@ -8,20 +8,44 @@ from tools.make_sample_media import make_sample_media
 
 def test_summary_names_replicas_and_sums_cache_hits_per_tier():
     results = [
-        Result("text+image", replica="127.0.0.1:5001", prompt_tokens=431, completion_tokens=16, finish="length",
-               ttft_s=0.136, mm_encoded=1),
-        Result("text+image again", replica="127.0.0.1:5001", prompt_tokens=431, completion_tokens=16,
-               finish="length", ttft_s=0.035, cached_gpu=416, mm_cached=1),
-        Result("text+image, other replica", replica="127.0.0.1:5002", prompt_tokens=431, completion_tokens=16,
-               finish="length", ttft_s=0.036, cached_redis=400, mm_cached=1),
+        Result(
+            "text+image",
+            replica="127.0.0.1:5001",
+            prompt_tokens=431,
+            completion_tokens=16,
+            finish="length",
+            ttft_s=0.136,
+            mm_encoded=1,
+        ),
+        Result(
+            "text+image again",
+            replica="127.0.0.1:5001",
+            prompt_tokens=431,
+            completion_tokens=16,
+            finish="length",
+            ttft_s=0.035,
+            cached_gpu=416,
+            mm_cached=1,
+        ),
+        Result(
+            "text+image, other replica",
+            replica="127.0.0.1:5002",
+            prompt_tokens=431,
+            completion_tokens=16,
+            finish="length",
+            ttft_s=0.036,
+            cached_redis=400,
+            mm_cached=1,
+        ),
         Result("broken", error="UNAVAILABLE: gone"),
     ]
     lines = format_table(results).splitlines()
     assert lines[0].split()[:2] == ["request", "replica"]
     assert lines[3].split()[-8:] == ["127.0.0.1:5001", "431", "16", "length", "35", "416", "0", "1/0"]
     assert "UNAVAILABLE: gone" in lines[5] and lines[5].split()[1] == "-"
-    assert lines[-2] == ("cache hits: prefix gpu 416 + redis 400 of 1293 prompt tokens; embedding cache 2 of 3 "
-                         "media items")
+    assert lines[-2] == (
+        "cache hits: prefix gpu 416 + redis 400 of 1293 prompt tokens; embedding cache 2 of 3 media items"
+    )
     assert lines[-1] == "served by: 127.0.0.1:5001 x2, 127.0.0.1:5002 x1"
 
 

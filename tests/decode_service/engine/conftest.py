@@ -143,8 +143,14 @@ def inkling_model():
 
 
 # The tiny model with head_dim 16 (the attention kernels' smallest), for the batched decode path.
-KERNEL_TEXT = {**TINY_TEXT, "hidden_size": 64, "head_dim": 16, "swa_head_dim": 16, "num_key_value_heads": 2,
-               "swa_num_key_value_heads": 1}
+KERNEL_TEXT = {
+    **TINY_TEXT,
+    "hidden_size": 64,
+    "head_dim": 16,
+    "swa_head_dim": 16,
+    "num_key_value_heads": 2,
+    "swa_num_key_value_heads": 1,
+}
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,6 @@ def test_batched_decode_equals_each_sequence_alone(cpu_interpreter, kernel_model
             assert out.token_ids == reference(kernel_model, text, p, 8, mm=request.mm_items)
         assert again.token_ids == reference(kernel_model, text, prompts[1] + [7, 8, 9, 10], 8)
 
-
     cache = engine.cache
     for t in (*cache.k.values(), *cache.v.values(), *(s for c in cache.conv for s in c)):
         t[..., 0].fill_(-1.0)  # the padding step's writes show even where they repeat earlier ones

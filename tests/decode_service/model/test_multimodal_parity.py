@@ -37,8 +37,9 @@ def _hf_audio_codes(samples: np.ndarray, raw: dict) -> torch.Tensor:
     """dMel codes the HF way: its feature extractor, then nearest of float32 linspace centers."""
     audio = raw["audio_config"]
     features = InklingFeatureExtractor()(samples, sampling_rate=16000, return_tensors="pt")["input_features"]
-    centers = torch.linspace(audio["dmel_min_value"], audio["dmel_max_value"], audio["mel_vocab_size"],
-                             dtype=torch.float64).float()
+    centers = torch.linspace(
+        audio["dmel_min_value"], audio["dmel_max_value"], audio["mel_vocab_size"], dtype=torch.float64
+    ).float()
     clamped = features.clamp(audio["dmel_min_value"], audio["dmel_max_value"])
     return (clamped.unsqueeze(-1) - centers).abs().argmin(-1).to(torch.int32)  # [1, F, 80]
 
@@ -52,12 +53,16 @@ def test_image_and_audio_prompt_matches_transformers(tmp_path):
     files = CheckpointFiles(tmp_path)
     weights, _ = load_decoder_weights(files, config, dtype=torch.float32, device="cpu")
     decoder = InklingDecoder.from_weights(config.text, weights, torch.float32)
-    vision, audio = build_towers(config, load_tower_weights(files, VISUAL, config)[0],
-                                 load_tower_weights(files, AUDIO, config)[0], "cpu", torch.float32)
+    vision, audio = build_towers(
+        config,
+        load_tower_weights(files, VISUAL, config)[0],
+        load_tower_weights(files, AUDIO, config)[0],
+        "cpu",
+        torch.float32,
+    )
 
     patch = config.vision.patch_size
-    images = [preprocess_image(_png(37, 21, seed), ImagePolicy(patch_size=patch, rescale_frac=None))
-              for seed in (1, 2)]
+    images = [preprocess_image(_png(37, 21, seed), ImagePolicy(patch_size=patch, rescale_frac=None)) for seed in (1, 2)]
     samples = np.random.default_rng(3).standard_normal(16000 * 3 // 4).astype(np.float32) * 0.1
     codes = _hf_audio_codes(samples, raw)  # [1, F, 80]
 
@@ -70,18 +75,24 @@ def test_image_and_audio_prompt_matches_transformers(tmp_path):
     ids = torch.tensor(ids)
 
     pixels = torch.cat([torch.from_numpy(image.pixels) for image in images])  # [N, P, P, 3]
-    hf_out = hf(input_ids=ids[None], pixel_values=pixels[:, None].expand(-1, 2, -1, -1, -1),
-                audio_input_ids=codes, audio_input_ids_mask=torch.ones(codes.shape[:2], dtype=torch.bool))
+    hf_out = hf(
+        input_ids=ids[None],
+        pixel_values=pixels[:, None].expand(-1, 2, -1, -1, -1),
+        audio_input_ids=codes,
+        audio_input_ids_mask=torch.ones(codes.shape[:2], dtype=torch.bool),
+    )
 
     image_rows, audio_rows = vision(pixels), audio(codes[0])
     hf_image_rows = hf.model.get_image_features(pixels[:, None].expand(-1, 2, -1, -1, -1)).pooler_output
     torch.testing.assert_close(image_rows, hf_image_rows.reshape(image_rows.shape), rtol=1e-5, atol=1e-5)
 
-    index = torch.cat([torch.nonzero(ids == config.image_token_id)[:, 0],
-                       torch.nonzero(ids == config.audio_token_id)[:, 0]])
+    index = torch.cat(
+        [torch.nonzero(ids == config.image_token_id)[:, 0], torch.nonzero(ids == config.audio_token_id)[:, 0]]
+    )
     state = decoder.new_state()
-    batch = ForwardBatch(ids, [SequenceSlice(0, len(ids), state.layers)],
-                         mm_rows=torch.cat([image_rows, audio_rows]), mm_index=index)
+    batch = ForwardBatch(
+        ids, [SequenceSlice(0, len(ids), state.layers)], mm_rows=torch.cat([image_rows, audio_rows]), mm_index=index
+    )
     ours = decoder.logits(decoder(batch))
     ref = hf_out.logits[0]
     diff = (ours - ref).abs().max().item()

@@ -22,15 +22,33 @@ from tests.reference.released_layout import hf_state_to_released, write_released
 CONFIGS = {
     "default": {},
     "alternating": {
-        "local_layer_ids": [0, 2, 4], "dense_mlp_idx": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "sliding_window_size": 8, "rel_extent": 12,
-        "d_rel": 2, "log_scaling_n_floor": 4, "logits_mup_width_multiplier": 16.0,
+        "local_layer_ids": [0, 2, 4],
+        "dense_mlp_idx": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "swa_num_attention_heads": 2,
+        "swa_num_key_value_heads": 2,
+        "sliding_window_size": 8,
+        "rel_extent": 12,
+        "d_rel": 2,
+        "log_scaling_n_floor": 4,
+        "logits_mup_width_multiplier": 16.0,
     },
     "wide_heads": {
-        "num_hidden_layers": 4, "local_layer_ids": [1, 2], "dense_mlp_idx": 0, "head_dim": 8,
-        "swa_head_dim": 32, "swa_num_attention_heads": 2, "swa_num_key_value_heads": 1, "sliding_window_size": 5,
-        "rel_extent": 20, "num_experts_per_tok": 3, "n_shared_experts": 3, "n_routed_experts": 6,
-        "log_scaling_n_floor": 10, "log_scaling_alpha": 0.5,
+        "num_hidden_layers": 4,
+        "local_layer_ids": [1, 2],
+        "dense_mlp_idx": 0,
+        "head_dim": 8,
+        "swa_head_dim": 32,
+        "swa_num_attention_heads": 2,
+        "swa_num_key_value_heads": 1,
+        "sliding_window_size": 5,
+        "rel_extent": 20,
+        "num_experts_per_tok": 3,
+        "n_shared_experts": 3,
+        "n_routed_experts": 6,
+        "log_scaling_n_floor": 10,
+        "log_scaling_alpha": 0.5,
     },
 }
 SEQ_LEN = 60  # > every window and rel_extent above
@@ -136,11 +154,13 @@ def test_packed_batch_equals_sequences_alone(tmp_path):
     alone = [run_chunks(ours, a, [20, 10]), run_chunks(ours, b, [7]), run_chunks(ours, c, [20])]
 
     states = [ours.new_state() for _ in range(3)]
-    first = ForwardBatch(torch.cat([a[:20], c]), [SequenceSlice(0, 20, states[0].layers),
-                                                   SequenceSlice(0, 20, states[2].layers)])
+    first = ForwardBatch(
+        torch.cat([a[:20], c]), [SequenceSlice(0, 20, states[0].layers), SequenceSlice(0, 20, states[2].layers)]
+    )
     step1 = ours.logits(ours(first))
-    second = ForwardBatch(torch.cat([b, a[20:]]), [SequenceSlice(0, 7, states[1].layers),
-                                                    SequenceSlice(20, 10, states[0].layers)])
+    second = ForwardBatch(
+        torch.cat([b, a[20:]]), [SequenceSlice(0, 7, states[1].layers), SequenceSlice(20, 10, states[0].layers)]
+    )
     step2 = ours.logits(ours(second))
     tol = dict(rtol=0, atol=1e-5 * alone[0].abs().max().item())
     torch.testing.assert_close(torch.cat([step1[:20], step2[7:]]), alone[0], **tol)

@@ -28,21 +28,49 @@ def pki(tmp_path_factory) -> Path:
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-            "-subj", "/CN=inkling-e2e-ca")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=inkling-e2e-ca",
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "svc.key", "-out", "svc.csr", "-subj", "/CN=svc")
-    openssl("x509", "-req", "-in", "svc.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-            "svc.pem", "-days", "2", "-extfile", "san.ext")
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "svc.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "svc.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    )
     return d
 
 
 def test_token_and_mtls_on_every_hop(e2e, tiny_checkpoint, fingerprints, loop_thread, pki):
     # One deployment-wide identity: each service presents svc.pem as server AND as client certificate.
-    secure = SecuritySettings(token=TOKEN, tls_cert=str(pki / "svc.pem"), tls_key=str(pki / "svc.key"),
-                              tls_ca=str(pki / "ca.pem"))
-    no_token = SecuritySettings(tls_cert=str(pki / "svc.pem"), tls_key=str(pki / "svc.key"),
-                                tls_ca=str(pki / "ca.pem"))
+    secure = SecuritySettings(
+        token=TOKEN, tls_cert=str(pki / "svc.pem"), tls_key=str(pki / "svc.key"), tls_ca=str(pki / "ca.pem")
+    )
+    no_token = SecuritySettings(tls_cert=str(pki / "svc.pem"), tls_key=str(pki / "svc.key"), tls_ca=str(pki / "ca.pem"))
 
     async def scenario():
         encoder = await e2e.start_encoder(tiny_checkpoint, security=secure)

@@ -31,9 +31,16 @@ def test_prefix_cache_is_scoped_by_cache_salt(e2e, tiny_checkpoint, fingerprints
             decode = await e2e.start_decode(tiny_checkpoint, fingerprints, [encoder.address], prefix_cache=True)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
                 stub = generator_pb2_grpc.GeneratorStub(channel)
-                return [await _usage(stub, _request(e2e, rid, salt)) for rid, salt in
-                        (("a-1", "tenant-a"), ("a-2", "tenant-a"), ("b-1", "tenant-b"), ("none-1", ""),
-                         ("b-2", "tenant-b"))]
+                return [
+                    await _usage(stub, _request(e2e, rid, salt))
+                    for rid, salt in (
+                        ("a-1", "tenant-a"),
+                        ("a-2", "tenant-a"),
+                        ("b-1", "tenant-b"),
+                        ("none-1", ""),
+                        ("b-2", "tenant-b"),
+                    )
+                ]
         finally:
             if decode is not None:
                 await decode.stop(0.5)

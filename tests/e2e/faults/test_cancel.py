@@ -60,8 +60,9 @@ def test_cancel_mid_stream_frees_resources(e2e, tiny_checkpoint, fingerprints, l
 
     results = loop_thread.run(scenario())
     for name, (itl, seen, freed_s, recovery) in results.items():
-        record_property(f"cancel_{name}", {"itl_s": round(itl, 4), "freed_s": round(freed_s, 4),
-                                           "recovery_s": round(recovery, 2)})
+        record_property(
+            f"cancel_{name}", {"itl_s": round(itl, 4), "freed_s": round(freed_s, 4), "recovery_s": round(recovery, 2)}
+        )
         log.info("cancel %s: itl %.4fs, resources freed after %.4fs, recovery %.2fs", name, itl, freed_s, recovery)
         assert seen == 3
         # Freed within about one engine step (plus scheduling slack on a loaded 2-core machine).

@@ -110,13 +110,15 @@ def test_corrupt_chunk_is_retried_on_another_encoder(e2e, tiny_checkpoint, finge
             await wait_encoders(decode, 2)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
                 stub = generator_pb2_grpc.GeneratorStub(channel)
-                outcomes = await e2e.run_traffic(stub, count=12, concurrency=4, deadline_s=DEADLINE_S, prefix="crc",
-                                             kinds=kinds)
+                outcomes = await e2e.run_traffic(
+                    stub, count=12, concurrency=4, deadline_s=DEADLINE_S, prefix="crc", kinds=kinds
+                )
                 idle = await e2e.wait_idle(decode)
                 bad.servicer.corrupt = False
                 # The same requests with no corruption anywhere: the outputs must be identical.
-                clean = await e2e.run_traffic(stub, count=12, concurrency=4, deadline_s=DEADLINE_S, prefix="crc",
-                                          kinds=kinds)
+                clean = await e2e.run_traffic(
+                    stub, count=12, concurrency=4, deadline_s=DEADLINE_S, prefix="crc", kinds=kinds
+                )
                 recovery = await e2e.recovery_time(stub)
             return outcomes, clean, idle, bad.servicer.calls, good.engine.inflight_items, recovery
         finally:

@@ -33,10 +33,18 @@ GRACE_S = 10.0  # generous: in-flight requests must finish inside it even on a l
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint, tmp_path_factory) -> Iterator[Cluster]:
     small = ["--kv-budget-mb", "16", "--max-num-seqs", "8", "--max-batch-tokens", "256"]
-    spec = ClusterSpec(checkpoint=tiny_checkpoint, encoders=2, decoders=2, redis="none", dtype="float32",
-                       startup_timeout_s=120.0, stop_timeout_s=GRACE_S + 5.0, grace_seconds=GRACE_S,
-                       log_dir=str(tmp_path_factory.mktemp("cluster-logs")),
-                       extra_args={"decode": small, "encoder": ["--preprocess-workers", "1"]})
+    spec = ClusterSpec(
+        checkpoint=tiny_checkpoint,
+        encoders=2,
+        decoders=2,
+        redis="none",
+        dtype="float32",
+        startup_timeout_s=120.0,
+        stop_timeout_s=GRACE_S + 5.0,
+        grace_seconds=GRACE_S,
+        log_dir=str(tmp_path_factory.mktemp("cluster-logs")),
+        extra_args={"decode": small, "encoder": ["--preprocess-workers", "1"]},
+    )
     with Cluster(spec) as running:
         yield running
 
@@ -45,8 +53,14 @@ def restart(process: ManagedProcess, timeout_s: float = 60.0) -> None:
     """Start a dead cluster process again with its own argv (same port) and wait until it is SERVING."""
     assert process.popen is not None and process.popen.poll() is not None, f"{process.name} is still running"
     with open(process.log_path, "ab") as log_file:
-        process.popen = subprocess.Popen(process.argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log_file,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+        process.popen = subprocess.Popen(
+            process.argv,
+            cwd=REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     wait_status(process.address, "SERVING", timeout_s)
 
 
@@ -89,8 +103,11 @@ async def replicas_idle(cluster: Cluster, timeout_s: float = 10.0) -> list[dict[
             deadline = time.monotonic() + timeout_s
             while True:
                 load = await stub.GetLoad(generator_pb2.LoadRequest(), timeout=2)
-                state = {"running": load.running_requests, "waiting": load.waiting_requests,
-                         "encode_items": load.inflight_encode_items}
+                state = {
+                    "running": load.running_requests,
+                    "waiting": load.waiting_requests,
+                    "encode_items": load.inflight_encode_items,
+                }
                 if not any(state.values()) or time.monotonic() > deadline:
                     out.append(state)
                     break
@@ -116,8 +133,16 @@ def test_kill_one_encoder_mid_stream(e2e, cluster, record_property):
     async def scenario():
         async with grpc.aio.insecure_channel(cluster.router_address) as channel:
             stub = generator_pb2_grpc.GeneratorStub(channel)
-            traffic = asyncio.create_task(e2e.run_traffic(stub, count=16, concurrency=4, deadline_s=DEADLINE_S,
-                                                      prefix="kill-enc", kinds=("image", "image+audio", "audio")))
+            traffic = asyncio.create_task(
+                e2e.run_traffic(
+                    stub,
+                    count=16,
+                    concurrency=4,
+                    deadline_s=DEADLINE_S,
+                    prefix="kill-enc",
+                    kinds=("image", "image+audio", "audio"),
+                )
+            )
             busy = await encoder_busy(victim.address)
             kill(victim)
             outcomes = await traffic
@@ -163,8 +188,16 @@ def test_decode_killed_before_first_token_is_retried(e2e, cluster, record_proper
             stub = generator_pb2_grpc.GeneratorStub(channel)
             kill(victim, signal.SIGSTOP)  # frozen: accepts bytes on its socket, answers nothing
             try:
-                traffic = asyncio.create_task(e2e.run_traffic(stub, count=6, concurrency=6, deadline_s=DEADLINE_S,
-                                                          prefix="kill-dec-early", kinds=("text", "image")))
+                traffic = asyncio.create_task(
+                    e2e.run_traffic(
+                        stub,
+                        count=6,
+                        concurrency=6,
+                        deadline_s=DEADLINE_S,
+                        prefix="kill-dec-early",
+                        kinds=("text", "image"),
+                    )
+                )
                 await asyncio.sleep(0.3)  # the router has routed about half of them to the frozen replica
             finally:
                 kill(victim)
@@ -211,9 +244,18 @@ def test_decode_killed_after_first_token_gives_unavailable(e2e, cluster, record_
         async with grpc.aio.insecure_channel(cluster.router_address) as channel:
             stub = generator_pb2_grpc.GeneratorStub(channel)
             first_tokens = asyncio.Semaphore(0)
-            traffic = asyncio.create_task(e2e.run_traffic(stub, count=count, concurrency=count, deadline_s=DEADLINE_S,
-                                                      prefix="kill-dec-late", kinds=("text",), max_tokens=300,
-                                                      on_first=first_tokens.release))
+            traffic = asyncio.create_task(
+                e2e.run_traffic(
+                    stub,
+                    count=count,
+                    concurrency=count,
+                    deadline_s=DEADLINE_S,
+                    prefix="kill-dec-late",
+                    kinds=("text",),
+                    max_tokens=300,
+                    on_first=first_tokens.release,
+                )
+            )
             for _ in range(count):
                 await asyncio.wait_for(first_tokens.acquire(), DEADLINE_S)
             victims.append(await busiest_decoder(cluster))
@@ -263,9 +305,18 @@ def test_sigterm_drains_in_flight_requests(e2e, cluster, role, record_property):
             await asyncio.sleep(0.2)
             kinds = ("image", "image+audio") if role == "encoder" else ("text",)
             first_tokens = asyncio.Semaphore(0)
-            traffic = asyncio.create_task(e2e.run_traffic(stub, count=4, concurrency=4, deadline_s=DEADLINE_S,
-                                                      prefix=f"term-{role}", kinds=kinds, max_tokens=24,
-                                                      on_first=first_tokens.release))
+            traffic = asyncio.create_task(
+                e2e.run_traffic(
+                    stub,
+                    count=4,
+                    concurrency=4,
+                    deadline_s=DEADLINE_S,
+                    prefix=f"term-{role}",
+                    kinds=kinds,
+                    max_tokens=24,
+                    on_first=first_tokens.release,
+                )
+            )
             if role == "encoder":
                 assert await encoder_busy(target.address)
             else:
@@ -284,13 +335,19 @@ def test_sigterm_drains_in_flight_requests(e2e, cluster, role, record_property):
 
     outcomes, not_serving_after, still_running, exit_code, exited_after = asyncio.run(scenario())
     report(record_property, f"sigterm_{role}", outcomes, 0.0)
-    log.info("sigterm %s: NOT_SERVING after %.3fs, exit code %s after %.2fs", role, not_serving_after, exit_code,
-             exited_after)
+    log.info(
+        "sigterm %s: NOT_SERVING after %.3fs, exit code %s after %.2fs",
+        role,
+        not_serving_after,
+        exit_code,
+        exited_after,
+    )
     assert_bounded(outcomes, {"OK"})  # in-flight requests finished inside the grace period
     assert still_running
     # Bounded exit. (An encoder can linger in interpreter teardown until its peers' calls end; see the report.)
     assert exit_code == 0 and exited_after < GRACE_S + 10.0
     if role != "router":
+
         async def after():
             async with grpc.aio.insecure_channel(cluster.router_address) as channel:
                 stub = generator_pb2_grpc.GeneratorStub(channel)
@@ -299,4 +356,3 @@ def test_sigterm_drains_in_flight_requests(e2e, cluster, role, record_property):
                 return await e2e.generate_once(stub, request, DEADLINE_S)
 
         assert asyncio.run(after()).status == "OK"
-

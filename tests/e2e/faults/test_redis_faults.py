@@ -21,11 +21,13 @@ KINDS = ("image", "image+audio", "audio")
 COUNT = 6
 
 
-def test_redis_stopped_restarted_corrupted_and_full(e2e, tiny_checkpoint, fingerprints, loop_thread, private_redis,
-                                                    record_property):
+def test_redis_stopped_restarted_corrupted_and_full(
+    e2e, tiny_checkpoint, fingerprints, loop_thread, private_redis, record_property
+):
     prefix = f"ink:test:{uuid.uuid4().hex[:8]}:"
-    decode_cache = RedisCache(private_redis.url, key_prefix=prefix, timeout_s=0.25, async_writes=False,
-                              retry_after_s=0.5)
+    decode_cache = RedisCache(
+        private_redis.url, key_prefix=prefix, timeout_s=0.25, async_writes=False, retry_after_s=0.5
+    )
 
     async def traffic(stub, tag: str):
         outcomes = await e2e.run_traffic(stub, count=COUNT, concurrency=3, deadline_s=10.0, prefix="redis", kinds=KINDS)
@@ -33,8 +35,9 @@ def test_redis_stopped_restarted_corrupted_and_full(e2e, tiny_checkpoint, finger
         return outcomes
 
     async def scenario():
-        encoder = await e2e.start_encoder(tiny_checkpoint, redis=RedisSettings(url=private_redis.url, key_prefix=prefix,
-                                                                           timeout_s=0.25))
+        encoder = await e2e.start_encoder(
+            tiny_checkpoint, redis=RedisSettings(url=private_redis.url, key_prefix=prefix, timeout_s=0.25)
+        )
         decode = None
         phases: dict[str, list] = {}
         try:
@@ -77,16 +80,16 @@ def test_redis_stopped_restarted_corrupted_and_full(e2e, tiny_checkpoint, finger
                 client.config_set("maxmemory", "0")
                 idle = await e2e.wait_idle(decode)
                 status_end = (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
-            return (phases, warm_hits, stopped_s, status_down, recovery, len(keys), corrupt_seen, idle,
-                    status_end)
+            return (phases, warm_hits, stopped_s, status_down, recovery, len(keys), corrupt_seen, idle, status_end)
         finally:
             if decode is not None:
                 await decode.stop(0.5)
             await encoder.stop(0.5)
             decode_cache.close()
 
-    (phases, warm_hits, stopped_s, status_down, recovery, corrupted_keys, corrupt_seen, idle,
-     status_end) = loop_thread.run(scenario(), timeout_s=240)
+    (phases, warm_hits, stopped_s, status_down, recovery, corrupted_keys, corrupt_seen, idle, status_end) = (
+        loop_thread.run(scenario(), timeout_s=240)
+    )
     for name, outcomes in phases.items():
         record_property(f"redis_{name}", {"sent": len(outcomes), **e2e.summarize(outcomes)})
     record_property("redis_recovery_s", round(recovery, 2))
