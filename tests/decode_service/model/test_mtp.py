@@ -21,13 +21,13 @@ import torch
 from safetensors.torch import load_file
 
 from common.checkpoint import CheckpointFiles, load_decoder_weights, load_mtp_weights
-from common.config import load_model_config
+from common.config import MtpConfig, load_model_config, parse_model_config
 from common.errors import CheckpointError
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
-from decode_service.model.mtp import MTPDrafter
+from decode_service.model.mtp import MTPDrafter, depth_config
 from tests.reference.hf_mtp import build_hf_mtp, depth_forward
-from tools.make_tiny_checkpoint import make_tiny_checkpoint
+from tools.make_tiny_checkpoint import make_tiny_checkpoint, raw_config
 
 CONFIGS = {
     "make_tiny": ({}, 0),
@@ -152,3 +152,63 @@ def test_bad_depth_and_hidden_are_errors(pair):
         pair.drafter(2, pair.hidden[:4], batch)
     with pytest.raises(ValueError, match="hidden"):
         pair.drafter(0, pair.hidden[:3], batch)
+
+
+def test_log_scaling_is_exercised_in_global_depths(pair):
+    """tau (from position 24) changes the global depth's logits, so the parity test covers it."""
+    attn = pair.drafter.layers[1].transformer_block.attn
+    assert attn.log_scaling is not None
+    with_tau = pair.ours([ROWS])[1]
+    saved, attn.log_scaling = attn.log_scaling, None
+    try:
+        without_tau = pair.ours([ROWS])[1]
+    finally:
+        attn.log_scaling = saved
+    assert (with_tau - without_tau).abs().max() > 1e-3 * with_tau.abs().max()
+
+
+@torch.no_grad()
+def test_packed_sequences_equal_each_alone(pair):
+    """Two sequences of different lengths and start positions packed into one depth forward == each alone."""
+    other_ids = torch.randint(0, 200000, (22,), generator=torch.Generator().manual_seed(99))
+    other_state = pair.trunk.new_state()
+    other_hidden = pair.trunk(ForwardBatch(other_ids[:20], [SequenceSlice(0, 20, other_state.layers)]))
+    alone_a = pair.ours([ROWS])[0]
+    b_state = pair.drafter.new_state()
+    alone_b = pair.drafter.logits(
+        pair.drafter(0, other_hidden, ForwardBatch(other_ids[1:21], [SequenceSlice(0, 20, b_state.layers)]))
+    )
+    a, b = pair.drafter.new_state(), pair.drafter.new_state()
+    tokens_a = pair.depth_tokens(0)
+    first = ForwardBatch(
+        torch.cat([tokens_a[:30], other_ids[1:21]]),
+        [SequenceSlice(0, 30, a.layers), SequenceSlice(0, 20, b.layers)],
+    )
+    step1 = pair.drafter.logits(pair.drafter(0, torch.cat([pair.hidden[:30], other_hidden]), first))
+    second = ForwardBatch(tokens_a[30:], [SequenceSlice(30, ROWS - 30, a.layers)])
+    step2 = pair.drafter.logits(pair.drafter(0, pair.hidden[30:], second))
+    tol = dict(rtol=0, atol=1e-5 * alone_a.abs().max().item())
+    torch.testing.assert_close(torch.cat([step1[:30], step2]), alone_a, **tol)
+    torch.testing.assert_close(step1[30:], alone_b, **tol)
+
+
+def test_depth_config_uses_the_mtp_window():
+    """Sliding depths take `mtp_config.local_extent` as window and relative extent; global depths the trunk's."""
+    text = parse_model_config(raw_config()).text
+    mtp = MtpConfig(num_layers=3, chain_hidden_post_norm=False, sliding_layers=(True, False, True), window=8)
+    cfg = depth_config(text, mtp)
+    assert cfg.num_layers == 3 and cfg.dense_layers == (True, True, True)
+    sliding, global_ = cfg.layer_geometry(0), cfg.layer_geometry(1)
+    assert (sliding.window, sliding.rel_extent, sliding.num_kv_heads) == (8, 8, text.swa_num_kv_heads)
+    assert (global_.window, global_.rel_extent, global_.num_kv_heads) == (None, text.rel_extent, text.num_kv_heads)
+
+
+def test_bf16_drafter_keeps_convs_fp32(pair):
+    trunk = InklingDecoder.from_weights(pair.config.text, pair.trunk.state_dict(), torch.bfloat16)
+    drafter = MTPDrafter.from_weights(pair.mtp_weights, pair.config.mtp, trunk)
+    for name, p in drafter.named_parameters():
+        assert p.dtype == (torch.float32 if name.endswith("sconv.weight") else torch.bfloat16), name
+    batch = ForwardBatch(pair.depth_tokens(0)[:5], [SequenceSlice(0, 5, drafter.new_state().layers)])
+    with torch.no_grad():
+        logits = drafter.logits(drafter(0, pair.hidden[:5].to(torch.bfloat16), batch))
+    assert logits.dtype == torch.float32 and logits.shape == (5, pair.config.text.unpadded_vocab_size)
