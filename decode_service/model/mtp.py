@@ -107,6 +107,7 @@ class MTPDrafter(nn.Module):
             for key in owned
         }
         model.load_state_dict(state, strict=False, assign=True)
+        assert not any(p.is_meta for p in model.parameters()), "every drafter parameter is adopted"
         return model.eval()
 
     @property
