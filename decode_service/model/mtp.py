@@ -1,0 +1,145 @@
+"""The checkpoint's MTP drafter (spec/inkling-text.md 1.5, 6.6, 7.1-7.2): D chained depths over packed batches.
+
+One depth d, for the rows of a `ForwardBatch` whose `token_ids` are the tokens paired with those rows:
+
+    e   = embed_norm_d(backbone_embed_norm(E[tok]))                  # backbone norm FIRST (SG/VL, spec 7.6)
+    x   = input_proj_d([hidden_norm_d(g_{d-1}); e])                  # hidden part first
+    g_d = DecoderLayer_d(x)                                          # a trunk layer with a dense MLP
+    g_d = chain_norm(g_d)          only when chain_hidden_post_norm  # one norm shared by all depths
+    logits_d = U (g_d / mup)[:, :Vu]                                 # the trunk's lm_head, no final norm
+
+`g_{-1}` is the trunk's final-normed hidden `y`. The embedding, its backbone norm and the unembedding are the
+trunk's own modules (shared, not copied). Each depth is a trunk `DecoderLayer` built from `depth_config`, a
+`TextConfig` with one "layer" per depth (its sliding/global kind, dense MLP, the depths' window), so depth d reads
+and writes `seq.layers[d]` of the batch exactly like trunk layer d would: the engine gives the drafter its own
+per-request caches (`new_state()`, or paged pools of the depths' geometry) and runs one depth per forward.
+Positions are the trunk row positions at every depth (SG's convention, spec 7.2).
+
+Not here yet: multimodal rows (a depth's token at an encoder placeholder), which `forward` refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from common.config import MtpConfig, TextConfig
+from common.errors import CheckpointError
+from decode_service.model.batch import ForwardBatch
+from decode_service.model.inkling import InklingDecoder
+from decode_service.model.layers import DecoderLayer, RMSNorm
+from decode_service.model.state import SequenceState
+
+_ATTN_INPUTS = ("wq_du", "wk_dv", "wv_dv", "wr_du")  # the checkpoint's rows of `attn.qkvr`, in this order
+_FP32 = "sconv.weight"  # conv weights stay fp32 (spec 4.2)
+_SHARED = ("embed.", "embed_norm.", "unembed.")  # the trunk's tensors
+
+
+def _checkpoint_names(key: str) -> list[str]:
+    """The checkpoint tensors (in `load_mtp_weights` naming) that make up one drafter state-dict entry."""
+    if key.endswith("attn.qkvr.weight"):
+        return [key.replace("qkvr", p) for p in _ATTN_INPUTS]
+    return [key]
+
+
+def depth_config(text: TextConfig, mtp: MtpConfig) -> TextConfig:
+    """The text config seen by the depths: one layer per depth, all dense, sliding per `mtp.local_layer_ids`, the
+    depths' window (`local_extent`, else the trunk's)."""
+    n = mtp.num_layers
+    return dataclasses.replace(
+        text,
+        num_layers=n,
+        sliding_layers=mtp.sliding_layers,
+        dense_layers=(True,) * n,
+        sliding_window=mtp.window,
+    )
+
+
+class MTPDepth(nn.Module):
+    """Norms and input projection of one depth, then its decoder layer (layer index = depth)."""
+
+    def __init__(self, config: TextConfig, depth: int):
+        super().__init__()
+        h = config.hidden_size
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.embed_norm = RMSNorm(h, config.rms_norm_eps)
+        self.input_proj = nn.Linear(2 * h, h, bias=False)
+        self.transformer_block = DecoderLayer(config, depth, nvfp4=False)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """hidden `[T, H]` previous hidden, embedded `[T, H]` backbone-normed token embeddings -> `[T, H]`."""
+        x = self.input_proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(embedded)], dim=-1))  # [T, 2H]->[T, H]
+        return self.transformer_block(x, batch)
+
+
+class MTPDrafter(nn.Module):
+    """All D depths of the checkpoint's drafter. `embed`, `embed_norm` and `unembed` are the trunk's modules
+    (registered here too, not copied); everything else belongs to the drafter."""
+
+    def __init__(self, mtp: MtpConfig, trunk: InklingDecoder):
+        super().__init__()
+        self.mtp = mtp
+        self.config = depth_config(trunk.config, mtp)
+        self.embed, self.embed_norm, self.unembed = trunk.embed, trunk.embed_norm, trunk.unembed
+        self.layers = nn.ModuleList(MTPDepth(self.config, d) for d in range(mtp.num_layers))
+        h, eps = self.config.hidden_size, self.config.rms_norm_eps
+        self.chain_norm = RMSNorm(h, eps) if mtp.chain_hidden_post_norm else None
+
+    @classmethod
+    def from_weights(cls, weights: dict[str, torch.Tensor], mtp: MtpConfig, trunk: InklingDecoder) -> MTPDrafter:
+        """Adopt exactly the tensors of `common.checkpoint.load_mtp_weights` (prefix `model.mtp.` stripped, w13
+        de-interleaved), cast to the trunk's dtype (convs fp32) on its device; a missing or unexpected tensor
+        raises `CheckpointError` naming it."""
+        with torch.device("meta"):
+            model = cls(mtp, trunk)
+        owned = [k for k in model.state_dict() if not k.startswith(_SHARED)]
+        expected = {n for k in owned for n in _checkpoint_names(k)}
+        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        if missing or unexpected:
+            raise CheckpointError(f"MTP drafter weights: missing {missing}, unexpected {unexpected}")
+        device, dtype = trunk.embed.weight.device, trunk.dtype
+        state = {
+            key: torch.cat([weights[n] for n in _checkpoint_names(key)]).to(
+                device=device, dtype=torch.float32 if key.endswith(_FP32) else dtype
+            )
+            for key in owned
+        }
+        model.load_state_dict(state, strict=False, assign=True)
+        assert not any(p.is_meta for p in model.parameters()), "every drafter parameter is adopted"
+        return model.eval()
+
+    @property
+    def num_depths(self) -> int:
+        return len(self.layers)
+
+    def new_state(self) -> SequenceState:
+        """Fresh caches for one sequence: per depth its KV (the depth's geometry) and 4 conv states."""
+        weight = self.embed.weight
+        return SequenceState.fresh(self.config, device=weight.device, conv_dtype=weight.dtype)
+
+    def forward(self, depth: int, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Depth `depth` over the packed rows of `batch` -> its output hidden `[T, H]` (after chain_norm when
+        enabled): the next depth's `hidden` and, through `logits`, this depth's drafts.
+
+        `hidden` `[T, H]`: the trunk's final-normed rows for depth 0, the previous depth's output otherwise;
+        `batch.token_ids` the token paired with each row (t_{i+d+1} at row i); `batch.sequences[*].layers` the
+        drafter's caches (index = depth), `batch.decode` its paged pools.
+        """
+        if not 0 <= depth < self.num_depths:
+            raise ValueError(f"depth: expected 0..{self.num_depths - 1}, got {depth}")
+        if batch.mm_rows is not None:
+            raise ValueError("batch.mm_rows: multimodal rows are not supported by the MTP drafter yet")
+        if hidden.shape != (batch.num_tokens, self.config.hidden_size):
+            raise ValueError(
+                f"hidden: expected shape {(batch.num_tokens, self.config.hidden_size)}, got {tuple(hidden.shape)}"
+            )
+        embedded = self.embed_norm(self.embed(batch.token_ids))  # [T, H], the backbone norm first (spec 7.1)
+        g = self.layers[depth](hidden, embedded, batch)
+        return self.chain_norm(g) if self.chain_norm is not None else g
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[N, H]` depth outputs -> fp32 draft logits `[N, unpadded_vocab]` (no final norm, spec 7.1 step 6)."""
+        z = hidden / self.config.mup_multiplier  # a true division, as the trunk's (spec 9.8)
+        return self.unembed(z)[:, : self.config.unpadded_vocab_size].float()
