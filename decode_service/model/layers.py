@@ -216,9 +216,6 @@ class NVFP4Experts(nn.Module):
         )  # fmt: skip
 
 
-Experts = Bf16Experts | NVFP4Experts
-
-
 class SharedExperts(nn.Module):
     """S always-on SwiGLU experts weighted by their router gammas, summed in fp32 (spec 5.3). The down weights
     `[S, H, I]` live in `[H, S, I]` storage (the K-concatenated down projection the fast ops run as one GEMM)."""

@@ -3,7 +3,8 @@
 `Ops` is the torch reference (the math of spec/inkling-text.md sections 2-5, what test_parity compares with
 transformers); `decode_service.model.fast_path.TritonOps` overrides the same methods with the Triton kernels of
 `kernels/`. The modules of `layers.py` take their bundle at construction and never ask which one it is; where a
-kernel does not take a layer's shapes, the bundle hands that layer the reference at build time (`routed_experts`).
+kernel does not take a layer's shapes, the bundle hands that layer the reference at build time
+(`bf16_experts`, `nvfp4_experts`).
 Attention and the short convs run through an attention backend instead (`backend.py`), which asks only
 `attention_kernels`.
 """

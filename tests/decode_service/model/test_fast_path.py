@@ -18,7 +18,7 @@ from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.fast_path import FAST, resolve_ops, supports_batched_decode
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.layers import Bf16Experts, NVFP4Experts, SharedExperts
-from decode_service.model.ops import REFERENCE
+from decode_service.model.ops import REFERENCE, bf16_experts_reference, nvfp4_experts_reference
 
 # Window 8 and rel_extent 12 below the decoded lengths, tau active (n_floor 6), d_rel 4 (zero-padded to 16 for the
 # kernel), bf16 experts in layer 1 and NVFP4 experts in layers 2-3, layer 3 global.
@@ -123,6 +123,16 @@ def test_ops_are_chosen_at_build():
     assert all(layer.attn_norm.ops is FAST for layer in fast.layers)
     assert fast.embed.weight.data_ptr() == model.embed.weight.data_ptr()  # the same tensors, not a copy
     assert fast.layers[2].mlp.experts.w13_weight.data_ptr() == model.layers[2].mlp.experts.w13_weight.data_ptr()
+
+
+def test_shapes_the_kernels_do_not_take_keep_the_reference_at_build():
+    """head_dim 24 (not a power of two): no paged backend; I = 40 (no tile of >= 16 divides it): reference experts."""
+    config = parse_model_config({**TINY, "head_dim": 24, "swa_head_dim": 24, "intermediate_size": 40}).text
+    built = InklingDecoder(config, NVFP4_LAYERS, ops="fast")
+    assert built.paged is None and not supports_batched_decode(built)
+    assert built.layers[1].mlp.experts.moe is bf16_experts_reference
+    assert built.layers[2].mlp.experts.moe is nvfp4_experts_reference
+    assert tiny_model().with_ops("fast").layers[1].mlp.experts.moe is not bf16_experts_reference
 
 
 def test_paged_decode_needs_the_paged_backend():
