@@ -99,12 +99,12 @@ class Attention(nn.Module):
     def project(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """u `[T, H]` -> q `[T, nH, hd]`, r `[T, nH, d_rel]`, k0, v0 `[T, nKV*hd]` (one GEMM)."""
         geo, t = self.geo, u.shape[0]
-        q, k0, v0, r = self.qkvr(u).split(self.widths, dim=-1)
+        q, k0, v0, r = self.qkvr(u).split(self.widths, dim=-1)  # [T, nH*hd], [T, nKV*hd] x2, [T, nH*d_rel]
         return q.view(t, geo.num_heads, geo.head_dim), r.view(t, geo.num_heads, -1), k0, v0
 
     def forward(self, u: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
         q, r, k0, v0 = self.project(u)
-        out = step.attention(self, self.q_norm(q), r, k0, v0)  # [T, nH, hd]
+        out = step.attention(self, self.q_norm(q), r, k0, v0)  # [T, nH, hd]: k/v convs, KV write, attention
         return self.wo_ud(out.reshape(u.shape[0], self.geo.q_width))  # [T, H]
 
     def store_kv(
@@ -117,7 +117,7 @@ class Attention(nn.Module):
         cache.set_conv_state(K_CONV, k_state)
         cache.set_conv_state(V_CONV, v_state)
         k = self.k_norm(k.view(n, geo.num_kv_heads, geo.head_dim))  # [n, nKV, hd]
-        v = v.view(n, geo.num_kv_heads, geo.head_dim)
+        v = v.view(n, geo.num_kv_heads, geo.head_dim)  # [n, nKV, hd]
         return cache.append_kv(k, v, start)  # [m, nKV, hd] x2, position of keys[0]
 
     def attend(
@@ -157,7 +157,7 @@ class DenseMLP(nn.Module):
         self.global_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13_dn(x).split(self.width, dim=-1)
+        gate, up = self.w13_dn(x).split(self.width, dim=-1)  # [T, I] x2
         return self.w2_md(F.silu(gate) * up) * self.global_scale
 
 
