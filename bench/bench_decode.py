@@ -34,6 +34,7 @@ import argparse
 import gc
 import math
 import statistics
+from functools import partial
 
 import torch
 
@@ -41,10 +42,9 @@ from bench.floors import measure_ceilings, time_eager_ms
 from common.config import TextConfig, parse_model_config
 from decode_service.engine.decode_graphs import DecodeGraphs
 from decode_service.engine.kv_cache import CacheSpec, KVCache
-from decode_service.model import fast_path
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
-from decode_service.model.layers import Experts
+from decode_service.model.layers import Bf16Experts, NVFP4Experts
 from tools.make_tiny_checkpoint import raw_config
 
 SMALL_L6 = {
@@ -142,7 +142,7 @@ def touched_experts(model: InklingDecoder, fb: ForwardBatch) -> dict[int, int]:
     hooks = []
     for i, layer in enumerate(model.layers):
         experts = getattr(layer.mlp, "experts", None)
-        if isinstance(experts, Experts):
+        if isinstance(experts, (Bf16Experts, NVFP4Experts)):
             hooks.append(experts.register_forward_pre_hook(
                 lambda _m, args, i=i: counts.__setitem__(i, int(args[1].unique().numel()))
             ))  # fmt: skip
@@ -163,7 +163,7 @@ def step_bytes(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, i
         elif ".mlp.experts." not in name:
             total += t.numel() * t.element_size()
     for layer, n in touched.items():
-        if model.layers[layer].mlp.experts.nvfp4:
+        if isinstance(model.layers[layer].mlp.experts, NVFP4Experts):
             per_expert = 3 * h * i // 2 + 3 * h * i // 16 + 2 * 4  # codes + e4m3 block scales + scale2
         else:
             per_expert = 3 * h * i * 2
@@ -195,12 +195,14 @@ def count_launches(fn) -> tuple[int, int, float, list[tuple[str, int, float]]]:
     return len(events) - copies, copies, busy_ms, top
 
 
-def greedy_logits(model: InklingDecoder, prompts: list[list[int]], steps: int, mode: str) -> list[torch.Tensor]:
-    """Prefill each prompt alone, decode all together greedily; the logits of every decode step."""
+def greedy_logits(model: InklingDecoder, prompts: list[list[int]], steps: int, ops: str) -> list[torch.Tensor]:
+    """Prefill each prompt alone, decode all together greedily on `model`'s weights built with `ops`; the logits of
+    every decode step."""
+    model = model.with_ops(ops)
     states = [model.new_state() for _ in prompts]
     dev = model.embed.weight.device
     last, out = [], []
-    with torch.inference_mode(), fast_path.mode(mode):
+    with torch.inference_mode():
         for p, s in zip(prompts, states, strict=True):
             hidden = model(ForwardBatch(torch.tensor(p, device=dev), [SequenceSlice(0, len(p), s.layers)]))
             last.append(int(model.logits(hidden[-1:]).argmax()))
@@ -223,30 +225,27 @@ def module_errors(model: InklingDecoder, prompts: list[list[int]]) -> None:
     """Every attention and routed-expert module fed identical inputs on both paths (no error propagation), and
     how often bf16-level noise on a router input changes its top-k set (what makes whole-model runs diverge)."""
     dev = model.embed.weight.device
+    reference, fast_model = model.with_ops("reference"), model.with_ops("fast")
     states = [model.new_state() for _ in prompts]
-    with fast_path.mode("reference"):
-        for p, s in zip(prompts, states, strict=True):
-            model(ForwardBatch(torch.tensor(p, device=dev), [SequenceSlice(0, len(p), s.layers)]))
+    for p, s in zip(prompts, states, strict=True):
+        reference(ForwardBatch(torch.tensor(p, device=dev), [SequenceSlice(0, len(p), s.layers)]))
     h = model.config.hidden_size
     parts = []
     for i, layer in enumerate(model.layers):
         u = torch.randn(len(prompts), h, device=dev).to(model.dtype)
         outs = []
-        for mode in ("reference", "fast"):
+        for built in (reference, fast_model):
             seqs = [SequenceSlice(len(p), 1, s.clone().layers) for p, s in zip(prompts, states, strict=True)]
-            with fast_path.mode(mode):
-                outs.append(layer.attn(u, ForwardBatch(torch.zeros(len(seqs), dtype=torch.long), seqs)))
+            step = built.packed.prepare(ForwardBatch(torch.zeros(len(seqs), dtype=torch.long), seqs))
+            outs.append(built.layers[i].attn(u, step))
         parts.append(f"attn{i} {rel(outs[1], outs[0]):.1e}")
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is None:
+        if getattr(layer.mlp, "experts", None) is None:
             continue
         for t in (2, 600):
             x = torch.randn(t, h, device=dev).to(model.dtype)
             ids, weights, _ = layer.mlp.gate(x)
-            with fast_path.mode("reference"):
-                ref = experts(x, ids, weights)
-            with fast_path.mode("fast"):
-                fast = experts(x, ids, weights)
+            ref = reference.layers[i].mlp.experts(x, ids, weights)
+            fast = fast_model.layers[i].mlp.experts(x, ids, weights)
             parts.append(f"moe{i}/T{t} {rel(fast, ref):.1e}")
         x = torch.randn(600, h, device=dev).to(model.dtype)
         noisy = (x.float() * (1 + 2**-8 * torch.randn_like(x.float()))).to(x.dtype)
@@ -333,13 +332,12 @@ def engine_check(model: InklingDecoder, steps: int = 64) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     config = parse_model_config(raw_config(**SMALL_L6))
     tokens = {}
-    for name, mode, graphs in (("graphs", "auto", True), ("eager", "auto", False), ("reference", "reference", False)):
+    for name, ops, graphs in (("graphs", "auto", True), ("eager", "auto", False), ("reference", "reference", False)):
         settings = EngineSettings(kv_cache_bytes=4 << 30, max_num_seqs=4, device="cuda", cuda_graphs=graphs,
                                   enable_prefix_cache=False)  # fmt: skip
-        with fast_path.mode(mode):
-            engine = Engine(model, config, settings)
-            tokens[name] = [o.token_ids for o in engine.generate(Request(f"r{i}", p, greedy)
-                                                                 for i, p in enumerate(prompts))]  # fmt: skip
+        engine = Engine(model.with_ops(ops), config, settings)
+        tokens[name] = [o.token_ids for o in engine.generate(Request(f"r{i}", p, greedy)
+                                                             for i, p in enumerate(prompts))]  # fmt: skip
         del engine
         torch.cuda.empty_cache()
     agree = [
@@ -432,11 +430,11 @@ def main() -> None:
         check(model, args.check_steps)
         return
 
+    reference, model = model.with_ops("reference"), model.with_ops("fast")
     if args.prefill:
-        with fast_path.mode("fast"):
-            rate = prefill_rate(model, args.prefill, args.prefill_chunk)
-            chunk = min(args.prefill, args.prefill_chunk)
-            _, _, busy, top = count_launches(lambda: prefill_chunk(model, chunk))
+        rate = prefill_rate(model, args.prefill, args.prefill_chunk)
+        chunk = min(args.prefill, args.prefill_chunk)
+        _, _, busy, top = count_launches(lambda: prefill_chunk(model, chunk))
         kernels = "; ".join(f"{name[:50]} x{n} {us:.0f}" for name, n, us in top[:12])
         print(f"# prefill of one {chunk}-token chunk, {busy:.1f} ms GPU busy; by kernel (launches, us): {kernels}")
         floor = prefill_flops(model, args.prefill) / (ceil.bf16_tflops * 1e12)
@@ -455,7 +453,7 @@ def main() -> None:
             tokens = fb.token_ids.tolist()
             eager = DecodeGraphs(model, graphs.cache, max_num_seqs=b, max_model_len=max_model_len, use_graphs=False)
 
-            def packed(fb=fb):
+            def packed(fb=fb, model=model):
                 with torch.inference_mode():
                     return model.logits(model(fb))
 
@@ -469,14 +467,12 @@ def main() -> None:
 
             touched = touched_experts(model, fb)
             floor = ceil.floor_us(step_bytes(model, b, ctx, touched)) / 1e3
-            with fast_path.mode("fast"):
-                fast = time_eager_ms(packed, reps=3, warmup=1)
-                graphed = time_eager_ms(batched, reps=30, warmup=3)  # the first run captures B's graph
-                launches = count_launches(batched_eager)
+            fast = time_eager_ms(packed, reps=3, warmup=1)
+            graphed = time_eager_ms(batched, reps=30, warmup=3)  # the first run captures B's graph
+            launches = count_launches(batched_eager)
             ref = "skipped"
             if b <= args.ref_max_batch:
-                with fast_path.mode("reference"):
-                    ref = f"{time_eager_ms(packed, reps=3, warmup=1):.2f}"
+                ref = f"{time_eager_ms(partial(packed, model=reference), reps=3, warmup=1):.2f}"
             experts = "/".join(str(touched[i]) for i in sorted(touched))
             rows.append([ctx, b, experts, floor, ref, fast, graphed, launches[:3]])
             if ctx == args.contexts[0]:
@@ -495,7 +491,7 @@ def main() -> None:
 
     hf = {}
     if args.hf:
-        del model
+        del model, reference
         gc.collect()
         torch.cuda.empty_cache()
         try:

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.floors import Ceilings, measure_ceilings, row, time_eager_ms, time_graph_ms
-from kernels.moe import MoeConfig, bf16_moe, default_config, dequant_nvfp4, moe_reference, nvfp4_moe
+from common.nvfp4 import dequant_nvfp4
+from kernels.moe import MoeConfig, bf16_moe, default_config, moe_reference, nvfp4_moe
 
 H, I, E, TOPK = 4096, 2048, 256, 6
 SETS = 8
@@ -65,8 +66,8 @@ def baseline(x, ids, wts, w13, s13, s13b, w2, s2, s2b):
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        g13 = dequant_nvfp4(w13[e], s13[e], s13b[e : e + 1]).to(torch.bfloat16)
-        g2 = dequant_nvfp4(w2[e], s2[e], s2b[e : e + 1]).to(torch.bfloat16)
+        g13 = dequant_nvfp4(w13[e], s13[e], s13b[e]).to(torch.bfloat16)
+        g2 = dequant_nvfp4(w2[e], s2[e], s2b[e]).to(torch.bfloat16)
         gate, up = (x[tok] @ g13.T).chunk(2, dim=-1)
         out.index_add_(0, tok, ((F.silu(gate) * up) @ g2.T).float() * wts[tok, slot, None])
     return out.to(x.dtype)

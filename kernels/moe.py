@@ -6,7 +6,7 @@ accumulation; dequantised weights are never materialised) or plain bf16 stacks (
 * NVFP4: w13 uint8 ``[E, 2I, H/2]`` (rows ``[gate; up]``, low nibble = even column), w13_scale
   float8_e4m3fn ``[E, 2I, H/16]``, w13_scale2 fp32 ``[E]``; w2 uint8 ``[E, H, I/2]``, w2_scale
   ``[E, H, I/16]``, w2_scale2 ``[E]``.
-  ``W[e, r, c] = e2m1(code) * float(scale[e, r, c // 16]) * scale2[e]``.
+  ``W[e, r, c] = e2m1(code) * float(scale[e, r, c // 16]) * scale2[e]`` (`common.nvfp4.dequant_nvfp4`).
 * bf16: w13 ``[E, 2I, H]``, w2 ``[E, H, I]``, in the activation dtype.
 
 Routing: with few (token, slot) pairs each pair is its own row block (no metadata, duplicates of an expert
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+from common.nvfp4 import dequant_nvfp4
 
 
 @dataclass(frozen=True)
@@ -74,15 +74,6 @@ def default_config(n_pairs: int) -> MoeConfig:
     if n_pairs >= PREFILL_MIN_PAIRS:
         return MoeConfig(block_m=64, swap_ab=False, block_k13=128, block_k2=128)
     return base
-
-
-def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale2: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[..., R, C/2]`` + e4m3 ``[..., R, C/16]`` + fp32 scale2 ``[E]`` -> fp32 ``[..., R, C]``."""
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    codes = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).long()
-    w = lut[codes]
-    w = w * scale.float().repeat_interleave(16, dim=-1)
-    return w * scale2.float().view(-1, *([1] * (w.dim() - 1)))
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,8 +321,8 @@ def moe_reference(
     for e in torch.unique(topk_ids).tolist():
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         if w13_scale is not None:
-            g13 = dequant_nvfp4(w13[e], w13_scale[e], w13_scale2[e : e + 1])
-            g2 = dequant_nvfp4(w2[e], w2_scale[e], w2_scale2[e : e + 1])
+            g13 = dequant_nvfp4(w13[e], w13_scale[e], w13_scale2[e])
+            g2 = dequant_nvfp4(w2[e], w2_scale[e], w2_scale2[e])
         else:
             g13, g2 = w13[e].float(), w2[e].float()
         gate, up = (xf[tok] @ g13.T).chunk(2, dim=-1)

@@ -1,4 +1,4 @@
-"""RMSNorm exactly as ``RMSNorm.forward`` of decode_service/model/layers.py, optionally after a residual add:
+"""RMSNorm exactly as ``Ops.rms_norm`` of decode_service/model/ops.py, optionally after a residual add:
 
     s = residual + x                                   (rounded to x's dtype like torch's add; s = x without)
     out = weight * round(s * rsqrt(mean(s^2) + eps))   (statistics in fp32, round = to x's dtype)

@@ -1,4 +1,4 @@
-"""Inkling MoE gate (spec inkling-text 5.2, ``decode_service.model.layers.Router``) in two launches.
+"""Inkling MoE gate (spec inkling-text 5.2, ``decode_service.model.ops.Ops.route``) in two launches.
 
     logits  = x W^T                                        fp32 [T, E+S] (W rows: E routed, then S shared)
     ids     = top-k over e < E of sigmoid(logits_e) + bias_e     (largest first, like ``torch.topk``)

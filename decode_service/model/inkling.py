@@ -6,8 +6,13 @@ import torch
 from torch import nn
 
 from common.config import TextConfig
+from decode_service.model.backend import AttentionBackend
 from decode_service.model.batch import ForwardBatch
+from decode_service.model.fast_path import resolve_ops
 from decode_service.model.layers import DecoderLayer, RMSNorm
+from decode_service.model.ops import Ops
+from decode_service.model.packed import PackedBackend, kernel_head_dim
+from decode_service.model.paged import PagedBackend
 from decode_service.model.state import SequenceState
 
 
@@ -16,16 +21,32 @@ class InklingDecoder(nn.Module):
 
     `forward` returns the final-normed hidden `y` (what the MTP drafter also consumes); `logits` applies the muP
     division and the unembedding and drops the padded vocabulary columns.
+
+    The op bundle and the attention backends are fixed here, at build: `ops` is an `Ops` or a name of
+    `fast_path.OPS` ("auto" resolves against `device`, where the weights will live; a model moved to another
+    device keeps its ops, `with_ops` rebuilds it). `packed` runs `ForwardBatch`es of `SequenceSlice`s; `paged`
+    runs `PagedDecode` batches and exists only when the ops have kernels for every op of such a step.
     """
 
-    def __init__(self, config: TextConfig, nvfp4_layers: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        config: TextConfig,
+        nvfp4_layers: frozenset[int] = frozenset(),
+        ops: Ops | str = "auto",
+        device: torch.device | str = "cpu",
+    ):
         super().__init__()
-        self.config = config
+        ops = resolve_ops(ops, device)
+        self.config, self.ops, self.nvfp4_layers = config, ops, frozenset(nvfp4_layers)
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, nvfp4=i in nvfp4_layers) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, ops, nvfp4=i in nvfp4_layers) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.unembed = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed: AttentionBackend = PackedBackend(kernels=ops.attention_kernels)
+        self.paged: AttentionBackend | None = PagedBackend() if _paged_kernels(config, ops) else None
 
     @classmethod
     def from_weights(
@@ -34,15 +55,18 @@ class InklingDecoder(nn.Module):
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        ops: Ops | str = "auto",
     ) -> InklingDecoder:
-        """Build on the meta device and adopt the loader's tensors (NVFP4 layers are those with packed experts)."""
+        """Build on the meta device and adopt the loader's tensors: NVFP4 experts (`NVFP4Experts`) in the layers
+        whose routed stacks are packed, `Bf16Experts` elsewhere; `ops` as for the constructor."""
         nvfp4 = frozenset(
             i
             for i in range(config.num_layers)
             if weights.get(f"layers.{i}.mlp.experts.w13_weight", torch.empty(0)).dtype == torch.uint8
         )
+        ops = resolve_ops(ops, device)
         with torch.device("meta"):
-            model = cls(config, nvfp4)
+            model = cls(config, nvfp4, ops)
         weights = stack_attention_projections(weights, config.num_layers)
         keep = ("sconv.weight", "mlp.gate.bias", "mlp.gate.global_scale")  # fp32 by contract (spec 4.2, 5.2)
         weights = {
@@ -52,11 +76,25 @@ class InklingDecoder(nn.Module):
             )
             for name, t in weights.items()
         }
-        for name, t in weights.items():
-            if name.endswith("shared_w2_weight"):  # [S, H, I] viewed from [H, S, I] storage: K-concatenated rows
-                weights[name] = t.permute(1, 0, 2).contiguous().permute(1, 0, 2)
-        model.load_state_dict(weights, strict=True, assign=True)
+        model.adopt(weights)
         return model.eval()
+
+    def adopt(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take `weights` (named like the state dict, on their device and dtype) as this model's tensors; the
+        shared experts' down weights are re-laid in `[H, S, I]` storage unless they already are."""
+        weights = dict(weights)
+        for name, t in weights.items():
+            if name.endswith("shared_w2_weight") and not t.permute(1, 0, 2).is_contiguous():
+                weights[name] = t.permute(1, 0, 2).contiguous().permute(1, 0, 2)  # [S, H, I], K-concatenated rows
+        self.load_state_dict(weights, strict=True, assign=True)
+
+    def with_ops(self, ops: Ops | str) -> InklingDecoder:
+        """The same weight tensors (shared, not copied) in a decoder built with `ops`, resolved against the device
+        the weights are on now."""
+        with torch.device("meta"):
+            model = type(self)(self.config, self.nvfp4_layers, resolve_ops(ops, self.embed.weight.device))
+        model.adopt({name: t.detach() for name, t in self.state_dict(keep_vars=True).items()})
+        return model.train(self.training)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -70,9 +108,18 @@ class InklingDecoder(nn.Module):
         h = self.embed_norm(self.embed(batch.token_ids))  # [T, H]
         if batch.mm_rows is not None:
             h = h.index_copy(0, batch.mm_index, batch.mm_rows.to(h.dtype))  # encoder rows are not re-normed
+        step = (self.packed if batch.decode is None else self._paged()).prepare(batch)
         for layer in self.layers:
-            h = layer(h, batch)
+            h = layer(h, step)
         return self.norm(h)
+
+    def _paged(self) -> AttentionBackend:
+        if self.paged is None:
+            raise ValueError(
+                f"batch.decode: this model was built with {self.ops.name!r} ops, which have no paged decode step "
+                "for its shapes (see fast_path.supports_batched_decode)"
+            )
+        return self.paged
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, H]` final-normed rows -> fp32 logits `[N, unpadded_vocab]`."""
@@ -89,3 +136,14 @@ def stack_attention_projections(weights: dict[str, torch.Tensor], num_layers: in
         if names[0] in weights:
             weights[f"layers.{i}.attn.qkvr.weight"] = torch.cat([weights.pop(n) for n in names])
     return weights
+
+
+def _paged_kernels(config: TextConfig, ops: Ops) -> bool:
+    """Whether every op of a `PagedDecode` step has its kernel in `ops` for these shapes: attention for every
+    layer's head_dim, the routed experts of every MoE layer."""
+    if not ops.attention_kernels:
+        return False
+    if not all(kernel_head_dim(config.layer_geometry(i).head_dim) for i in range(config.num_layers)):
+        return False
+    moe = not all(config.dense_layers)
+    return not moe or ops.moe_kernels(config.hidden_size, config.moe_intermediate_size)

@@ -1,41 +1,36 @@
 """Inkling decoder building blocks, written like the math of spec/inkling-text.md sections 2-5 and 9.
 
 Packed batches: activations are `[T, H]` with the sequences of a `ForwardBatch` back to back. Everything that
-mixes tokens over time (the short convs and attention) runs per sequence against that sequence's `LayerCache`,
-or, for a `PagedDecode` batch (one token per sequence), on all rows at once against the paged pools through
-`fast_path`; everything else runs on all T rows at once.
+mixes tokens over time (the short convs and attention) goes through the step's `PreparedBatch` (`backend.py`),
+which knows where each sequence's caches live; everything else runs on all T rows at once, on the `Ops` bundle
+(`ops.py`) each module is built with.
 """
 
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.config import TextConfig
-from common.nvfp4 import dequant_nvfp4
-from decode_service.model import fast_path
-from decode_service.model.batch import ForwardBatch
+from decode_service.model.backend import PreparedBatch
+from decode_service.model.ops import REFERENCE, Ops
 from decode_service.model.state import ATTN_CONV, K_CONV, MLP_CONV, V_CONV, LayerCache
 
 
 class RMSNorm(nn.Module):
     """`w * round(x * rsqrt(mean(x^2) + eps))`: normalise in fp32, round to the activation dtype, then scale."""
 
-    def __init__(self, width: int, eps: float):
+    def __init__(self, width: int, eps: float, ops: Ops = REFERENCE):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fast_path.enabled(x):
-            return fast_path.rms_norm(self, x)
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class ShortConv(nn.Module):
@@ -56,20 +51,9 @@ class ShortConv(nn.Module):
         y = (x.float() + conv).to(x.dtype)
         return y, window[-(k - 1) :].to(x.dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Packed `[T, C]`: each sequence continues from (and updates) its own conv state; `residual + y` when a
-        residual is given (one launch on the decode path)."""
-        if batch.decode is not None:
-            return fast_path.conv_decode(self, x, batch.decode, residual)
-        outputs, offset = [], 0
-        for seq in batch.sequences:
-            cache = seq.layers[self.layer]
-            y, state = self.step(x[offset : offset + seq.num_tokens], cache.conv_state(self.index))
-            cache.set_conv_state(self.index, state)
-            outputs.append(y)
-            offset += seq.num_tokens
-        y = torch.cat(outputs)
-        return y if residual is None else residual + y
+    def forward(self, x: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
+        """x `[T, C]` -> `[T, C]`, each sequence continuing from (and updating) its own conv state."""
+        return step.conv(self, x)
 
 
 class RelativeLogits(nn.Module):
@@ -91,7 +75,7 @@ class RelativeLogits(nn.Module):
 class Attention(nn.Module):
     """q/k/v/r projections, k/v short convs, per-head q/k RMSNorm, 1/hd scores + relative bias, tau on globals."""
 
-    def __init__(self, config: TextConfig, layer: int):
+    def __init__(self, config: TextConfig, layer: int, ops: Ops = REFERENCE):
         super().__init__()
         geo = config.layer_geometry(layer)
         h, d = config.hidden_size, geo.head_dim
@@ -103,8 +87,8 @@ class Attention(nn.Module):
         self.wo_ud = nn.Linear(geo.q_width, h, bias=False)
         self.k_sconv = ShortConv(geo.kv_width, config.conv_kernel_size, layer, K_CONV)
         self.v_sconv = ShortConv(geo.kv_width, config.conv_kernel_size, layer, V_CONV)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps)
-        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, ops)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, ops)
         self.rel_logits_proj = RelativeLogits(config.d_rel, geo.rel_extent)
 
     def tau(self, positions: torch.Tensor) -> torch.Tensor:
@@ -115,36 +99,13 @@ class Attention(nn.Module):
     def project(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """u `[T, H]` -> q `[T, nH, hd]`, r `[T, nH, d_rel]`, k0, v0 `[T, nKV*hd]` (one GEMM)."""
         geo, t = self.geo, u.shape[0]
-        q, k0, v0, r = self.qkvr(u).split(self.widths, dim=-1)
+        q, k0, v0, r = self.qkvr(u).split(self.widths, dim=-1)  # [T, nH*hd], [T, nKV*hd] x2, [T, nH*d_rel]
         return q.view(t, geo.num_heads, geo.head_dim), r.view(t, geo.num_heads, -1), k0, v0
 
-    def forward(self, u: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        geo, t = self.geo, u.shape[0]
-        q_raw, r_all, k0_all, v0_all = self.project(u)
-        q_all = self.q_norm(q_raw)  # [T, nH, hd]
-        if batch.decode is not None:
-            out = fast_path.paged_decode_attention(self, q_all, r_all, k0_all, v0_all, batch.decode)  # [T, nH, hd]
-            return self.wo_ud(out.reshape(t, geo.q_width))
-        seqs = batch.sequences
-        rows, visible, offset = [], [], 0
-        for seq in seqs:
-            rows.append(slice(offset, offset + seq.num_tokens))
-            offset += seq.num_tokens
-            visible.append(
-                self.store_kv(k0_all[rows[-1]], v0_all[rows[-1]], seq.start_position, seq.layers[self.layer])
-            )
-        if fast_path.use_decode_attention(self, q_all, seqs, visible):
-            out = fast_path.decode_attention(self, q_all, r_all, visible)  # [T, nH, hd]
-        else:
-            fast = fast_path.use_prefill_attention(self, q_all)
-            attend = partial(fast_path.prefill_attention, self) if fast else self.attend
-            out = torch.cat(
-                [
-                    attend(q_all[rs], r_all[rs], seq.start_position, *kv)
-                    for rs, seq, kv in zip(rows, seqs, visible, strict=True)
-                ]
-            )  # [T, nH, hd]
-        return self.wo_ud(out.reshape(t, geo.q_width))  # [T, H]
+    def forward(self, u: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
+        q, r, k0, v0 = self.project(u)
+        out = step.attention(self, self.q_norm(q), r, k0, v0)  # [T, nH, hd]: k/v convs, KV write, attention
+        return self.wo_ud(out.reshape(u.shape[0], self.geo.q_width))  # [T, H]
 
     def store_kv(
         self, k0: torch.Tensor, v0: torch.Tensor, start: int, cache: LayerCache
@@ -156,7 +117,7 @@ class Attention(nn.Module):
         cache.set_conv_state(K_CONV, k_state)
         cache.set_conv_state(V_CONV, v_state)
         k = self.k_norm(k.view(n, geo.num_kv_heads, geo.head_dim))  # [n, nKV, hd]
-        v = v.view(n, geo.num_kv_heads, geo.head_dim)
+        v = v.view(n, geo.num_kv_heads, geo.head_dim)  # [n, nKV, hd]
         return cache.append_kv(k, v, start)  # [m, nKV, hd] x2, position of keys[0]
 
     def attend(
@@ -196,121 +157,109 @@ class DenseMLP(nn.Module):
         self.global_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13_dn(x).split(self.width, dim=-1)
+        gate, up = self.w13_dn(x).split(self.width, dim=-1)  # [T, I] x2
         return self.w2_md(F.silu(gate) * up) * self.global_scale
 
 
 class Router(nn.Module):
     """Sigmoid + bias top-k over routed experts, weights renormalised with the shared experts as a sink,
-    times route_scale * global_scale; all fp32 (spec 5.2)."""
+    times route_scale * global_scale; all fp32 (spec 5.2, `Ops.route`)."""
 
-    def __init__(self, config: TextConfig):
+    def __init__(self, config: TextConfig, ops: Ops = REFERENCE):
         super().__init__()
-        self.num_routed = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
         self.route_scale = config.route_scale
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts + config.n_shared_experts, config.hidden_size))
         self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
         self.global_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x `[T, H]` -> (expert ids `[T, k]`, routed weights `[T, k]`, shared gammas `[T, S]`), weights fp32."""
-        if fast_path.enabled(x):
-            return fast_path.route(self, x)
-        logits = x.float() @ self.weight.float().T  # [T, E+S]
-        routed, shared = logits[:, : self.num_routed], logits[:, self.num_routed :]
-        choice = torch.sigmoid(routed) + self.bias.float()
-        ids = torch.topk(choice, self.top_k, dim=-1).indices  # [T, k]
-        active = F.logsigmoid(torch.cat([routed.gather(-1, ids), shared], dim=-1))  # [T, k+S]
-        weights = torch.exp(active - torch.logsumexp(active, dim=-1, keepdim=True))
-        weights = weights * self.route_scale * self.global_scale.float()
-        return ids, weights[:, : self.top_k], weights[:, self.top_k :]
+        return self.ops.route(x, self.weight, self.bias, self.top_k, self.route_scale, self.global_scale)
 
 
-class Experts(nn.Module):
-    """Routed SwiGLU experts, bf16 stacks `w13_weight [E, 2I, H]` ([gate; up] rows) and `w2_weight [E, H, I]`,
-    or NVFP4 stacks (packed uint8 + e4m3 block scales + fp32 scale2), dequantised per used expert here."""
+class Bf16Experts(nn.Module):
+    """Routed SwiGLU experts, stacks `w13_weight [E, 2I, H]` ([gate; up] rows) and `w2_weight [E, H, I]`."""
 
-    def __init__(self, config: TextConfig, nvfp4: bool):
+    def __init__(self, config: TextConfig, ops: Ops = REFERENCE):
         super().__init__()
         e, i, h = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
-        self.nvfp4 = nvfp4
-        self.width = i
-        if nvfp4:
-            for name, rows, cols in (("w13_weight", 2 * i, h), ("w2_weight", h, i)):
-                self.register_buffer(name, torch.zeros(e, rows, cols // 2, dtype=torch.uint8))
-                self.register_buffer(f"{name}_scale", torch.zeros(e, rows, cols // 16, dtype=torch.float8_e4m3fn))
-                self.register_buffer(f"{name}_scale2", torch.zeros(e, dtype=torch.float32))
-        else:
-            self.w13_weight = nn.Parameter(torch.zeros(e, 2 * i, h))
-            self.w2_weight = nn.Parameter(torch.zeros(e, h, i))
-
-    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.nvfp4:
-            return self.w13_weight[e], self.w2_weight[e]
-        w13 = dequant_nvfp4(self.w13_weight[e], self.w13_weight_scale[e], self.w13_weight_scale2[e])
-        w2 = dequant_nvfp4(self.w2_weight[e], self.w2_weight_scale[e], self.w2_weight_scale2[e])
-        return w13.to(dtype), w2.to(dtype)
+        self.w13_weight = nn.Parameter(torch.zeros(e, 2 * i, h))
+        self.w2_weight = nn.Parameter(torch.zeros(e, h, i))
+        self.moe = ops.bf16_experts(h, i)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if fast_path.use_routed_experts(self, x):
-            return fast_path.routed_experts(self, x, ids, weights)  # same math, fused kernels
-        out = torch.zeros_like(x)  # [T, H]
-        weights = weights.to(x.dtype)
-        for e in ids.unique().tolist():
-            token, slot = torch.where(ids == e)
-            w13, w2 = self.expert_weights(e, x.dtype)
-            gate, up = (x[token] @ w13.T).split(self.width, dim=-1)
-            y = (F.silu(gate) * up) @ w2.T  # [n_e, H]
-            out.index_add_(0, token, y * weights[token, slot, None])
-        return out
+        """x `[T, H]`, ids / weights `[T, k]` -> `[T, H]`."""
+        return self.moe(x, ids, weights, self.w13_weight, self.w2_weight)
+
+
+class NVFP4Experts(nn.Module):
+    """Routed SwiGLU experts as the checkpoint stores them in NVFP4 (`common/nvfp4.py`): per stack the packed codes
+    (uint8 `[E, R, C/2]`), e4m3 block scales `[E, R, C/16]` and an fp32 scale per expert `[E]`."""
+
+    def __init__(self, config: TextConfig, ops: Ops = REFERENCE):
+        super().__init__()
+        e, i, h = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        for name, rows, cols in (("w13_weight", 2 * i, h), ("w2_weight", h, i)):
+            self.register_buffer(name, torch.zeros(e, rows, cols // 2, dtype=torch.uint8))
+            self.register_buffer(f"{name}_scale", torch.zeros(e, rows, cols // 16, dtype=torch.float8_e4m3fn))
+            self.register_buffer(f"{name}_scale2", torch.zeros(e, dtype=torch.float32))
+        self.moe = ops.nvfp4_experts(h, i)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x `[T, H]`, ids / weights `[T, k]` -> `[T, H]`."""
+        return self.moe(
+            x, ids, weights,
+            self.w13_weight, self.w13_weight_scale, self.w13_weight_scale2,
+            self.w2_weight, self.w2_weight_scale, self.w2_weight_scale2,
+        )  # fmt: skip
 
 
 class SharedExperts(nn.Module):
-    """S always-on SwiGLU experts weighted by their router gammas, summed in fp32 (spec 5.3)."""
+    """S always-on SwiGLU experts weighted by their router gammas, summed in fp32 (spec 5.3). The down weights
+    `[S, H, I]` live in `[H, S, I]` storage (the K-concatenated down projection the fast ops run as one GEMM)."""
 
-    def __init__(self, config: TextConfig):
+    def __init__(self, config: TextConfig, ops: Ops = REFERENCE):
         super().__init__()
         s, i, h = config.n_shared_experts, config.moe_intermediate_size, config.hidden_size
-        self.width = i
         self.shared_w13_weight = nn.Parameter(torch.zeros(s, 2 * i, h))
-        self.shared_w2_weight = nn.Parameter(torch.zeros(s, h, i))
+        self.shared_w2_weight = nn.Parameter(torch.zeros(h, s, i).permute(1, 0, 2))  # [S, H, I]
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
-        if fast_path.use_shared_experts(self, x):
-            return fast_path.shared_experts(self, x, gammas)
-        gate, up = (x[None] @ self.shared_w13_weight.transpose(1, 2)).split(self.width, dim=-1)  # [S, T, I] x2
-        act = F.silu(gate) * up * gammas.to(x.dtype).T[:, :, None]
-        return (act @ self.shared_w2_weight.transpose(1, 2)).float().sum(0).to(x.dtype)  # [T, H]
+        """x `[T, H]`, gammas `[T, S]` -> `[T, H]`."""
+        return self.ops.shared_experts(x, gammas, self.shared_w13_weight, self.shared_w2_weight)
 
 
 class MoE(nn.Module):
-    def __init__(self, config: TextConfig, nvfp4: bool):
+    def __init__(self, config: TextConfig, ops: Ops = REFERENCE, nvfp4: bool = False):
         super().__init__()
-        self.gate = Router(config)
-        self.experts = Experts(config, nvfp4)
-        self.shared_experts = SharedExperts(config)
+        self.gate = Router(config, ops)
+        self.experts = NVFP4Experts(config, ops) if nvfp4 else Bf16Experts(config, ops)
+        self.shared_experts = SharedExperts(config, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights, gammas = self.gate(x)
+        ids, weights, gammas = self.gate(x)  # [T, k], [T, k], [T, S]
         return self.experts(x, ids, weights) + self.shared_experts(x, gammas)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TextConfig, layer: int, nvfp4: bool):
+    def __init__(self, config: TextConfig, layer: int, ops: Ops = REFERENCE, nvfp4: bool = False):
         super().__init__()
         h, k = config.hidden_size, config.conv_kernel_size
-        self.attn_norm = RMSNorm(h, config.rms_norm_eps)
-        self.attn = Attention(config, layer)
+        self.attn_norm = RMSNorm(h, config.rms_norm_eps, ops)
+        self.attn = Attention(config, layer, ops)
         self.attn_sconv = ShortConv(h, k, layer, ATTN_CONV)
-        self.mlp_norm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp_norm = RMSNorm(h, config.rms_norm_eps, ops)
         if config.dense_layers[layer]:
             self.mlp = DenseMLP(h, config.dense_intermediate_size)
         else:
-            self.mlp = MoE(config, nvfp4)
+            self.mlp = MoE(config, ops, nvfp4)
         self.mlp_sconv = ShortConv(h, k, layer, MLP_CONV)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.attn_sconv(self.attn(self.attn_norm(h), batch), batch, residual=h)  # h + attn_sconv(...)
-        h = self.mlp_sconv(self.mlp(self.mlp_norm(h)), batch, residual=h)  # h + mlp_sconv(...)
+    def forward(self, h: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
+        """h `[T, H]` -> `[T, H]`."""
+        h = h + self.attn_sconv(self.attn(self.attn_norm(h), step), step)
+        h = h + self.mlp_sconv(self.mlp(self.mlp_norm(h)), step)
         return h

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.moe import MoeConfig, bf16_moe, default_config, dequant_nvfp4, moe_align, moe_reference, nvfp4_moe
+from kernels.moe import MoeConfig, bf16_moe, default_config, moe_align, moe_reference, nvfp4_moe
 
 SMALL = MoeConfig(block_m=16, block_n13=16, block_k13=32, block_n2=16, block_k2=32)
 
@@ -21,15 +21,6 @@ def routing(t, e, k, gen, device="cpu"):
     ids = torch.argsort(torch.rand(t, e, generator=gen), dim=1)[:, :k].to(torch.int32)
     wts = torch.softmax(torch.randn(t, k, generator=gen), dim=-1)
     return ids.to(device), wts.to(device)
-
-
-def test_dequant_nvfp4_codes_and_scales():
-    packed = torch.tensor([[[0x21, 0xF7] + [0] * 6]], dtype=torch.uint8)  # codes 1,2,7,15 then zeros
-    scale = torch.tensor([[[2.0]]]).to(torch.float8_e4m3fn)
-    w = dequant_nvfp4(packed, scale, torch.tensor([0.5]))
-    assert w.shape == (1, 1, 16)
-    assert w[0, 0, :4].tolist() == [0.5, 1.0, 6.0, -6.0]
-    assert not w[0, 0, 4:].any()
 
 
 def test_moe_align_groups_pairs_by_expert():

@@ -12,7 +12,6 @@ import torch
 from decode_service.engine.decode_graphs import DecodeGraphs
 from decode_service.engine.engine import Engine, EngineSettings
 from decode_service.engine.request import MultimodalItem, Request, SamplingParams
-from decode_service.model import fast_path
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -47,27 +46,25 @@ def test_batched_decode_equals_each_sequence_alone(cpu_interpreter, kernel_model
     g = torch.Generator().manual_seed(3)
     media = MultimodalItem(b"\x05" * 32, 2, torch.randn(5, text.hidden_size, generator=g))
     prompts = [prompt(n, i) for i, n in enumerate((3, 13, 21))]
-    with fast_path.mode("fast"):
-        engine = Engine(kernel_model, kernel_config, settings())
-        graphs = engine.runner.decode_graphs
-        assert graphs is not None and not graphs.capture
-        calls = []
-        run = graphs.run
-        graphs.run = lambda ids, handles: calls.append(len(ids)) or run(ids, handles)
-        requests = [Request(f"r{i}", p, GREEDY, mm_items=(media,) if i == 2 else ()) for i, p in enumerate(prompts)]
-        outs = engine.generate(requests)
-        again = engine.generate([Request("again", prompts[1] + [7, 8, 9, 10], GREEDY)])[0]
+    engine = Engine(kernel_model.with_ops("fast"), kernel_config, settings())
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and not graphs.capture
+    calls = []
+    run = graphs.run
+    graphs.run = lambda ids, handles: calls.append(len(ids)) or run(ids, handles)
+    requests = [Request(f"r{i}", p, GREEDY, mm_items=(media,) if i == 2 else ()) for i, p in enumerate(prompts)]
+    outs = engine.generate(requests)
+    again = engine.generate([Request("again", prompts[1] + [7, 8, 9, 10], GREEDY)])[0]
     assert 3 in calls and again.num_cached_tokens > 0
-    with fast_path.mode("reference"):
-        for out, p, request in zip(outs, prompts, requests, strict=True):
-            assert out.token_ids == reference(kernel_model, text, p, 8, mm=request.mm_items)
-        assert again.token_ids == reference(kernel_model, text, prompts[1] + [7, 8, 9, 10], 8)
+    for out, p, request in zip(outs, prompts, requests, strict=True):
+        assert out.token_ids == reference(kernel_model, text, p, 8, mm=request.mm_items)
+    assert again.token_ids == reference(kernel_model, text, prompts[1] + [7, 8, 9, 10], 8)
 
     cache = engine.cache
     for t in (*cache.k.values(), *cache.v.values(), *(s for c in cache.conv for s in c)):
         t[..., 0].fill_(-1.0)  # the padding step's writes show even where they repeat earlier ones
     before = [t.clone() for t in (*cache.k.values(), *cache.v.values(), *(s for c in cache.conv for s in c))]
-    with torch.inference_mode(), fast_path.mode("fast"):
+    with torch.inference_mode():
         graphs.warm_up(4)
     after = [*cache.k.values(), *cache.v.values(), *(s for c in cache.conv for s in c)]
     for i, (b, a) in enumerate(zip(before, after, strict=True)):
@@ -83,7 +80,7 @@ def test_batched_decode_equals_each_sequence_alone(cpu_interpreter, kernel_model
 @pytest.mark.gpu
 def test_graph_replay_equals_the_eager_step(cuda_device, kernel_model, kernel_config):
     """On CUDA: the same requests with graphs captured and with the static-buffer step run eagerly."""
-    model = kernel_model.to("cuda")
+    model = kernel_model.to("cuda").with_ops("auto")  # built on the CPU with reference ops
     prompts = [prompt(n, i) for i, n in enumerate((3, 13, 21, 30, 5))]
     tokens = {}
     for graphs in (True, False):

@@ -13,10 +13,12 @@ import torch
 
 from common.config import parse_model_config
 from common.nvfp4 import pack_nvfp4
-from decode_service.model import fast_path
+from decode_service.model import packed
 from decode_service.model.batch import ForwardBatch, SequenceSlice
+from decode_service.model.fast_path import FAST, resolve_ops, supports_batched_decode
 from decode_service.model.inkling import InklingDecoder
-from decode_service.model.layers import SharedExperts
+from decode_service.model.layers import Bf16Experts, NVFP4Experts, SharedExperts
+from decode_service.model.ops import REFERENCE, bf16_experts_reference, nvfp4_experts_reference
 
 # Window 8 and rel_extent 12 below the decoded lengths, tau active (n_floor 6), d_rel 4 (zero-padded to 16 for the
 # kernel), bf16 experts in layer 1 and NVFP4 experts in layers 2-3, layer 3 global.
@@ -85,12 +87,13 @@ def prefill(model: InklingDecoder, prompts: list[list[int]]) -> tuple[list, list
 
 
 def run(
-    model: InklingDecoder, prompts: list[list[int]], steps: int, mode: str, forced: list[list[int]] | None = None
+    model: InklingDecoder, prompts: list[list[int]], steps: int, ops: str, forced: list[list[int]] | None = None
 ) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Prefill each prompt alone, then decode all sequences together, feeding the greedy tokens (or `forced`);
-    -> the logits of every decode step and the tokens fed at each step."""
+    """Prefill each prompt alone, then decode all sequences together, feeding the greedy tokens (or `forced`), on
+    `model`'s weights built with `ops`; -> the logits of every decode step and the tokens fed at each step."""
+    model = model.with_ops(ops)
     dev, logits, fed = model.embed.weight.device, [], []
-    with torch.inference_mode(), fast_path.mode(mode):
+    with torch.inference_mode():
         states, last = prefill(model, prompts)
         lengths = [len(p) for p in prompts]
         for i in range(steps):
@@ -108,54 +111,94 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_reference_is_the_default_on_cpu():
-    x = torch.zeros(2, 64)
-    assert not fast_path.enabled(x)
-    with fast_path.mode("fast"):
-        assert fast_path.enabled(x)
-    with pytest.raises(ValueError, match="mode"):
-        with fast_path.mode("turbo"):
-            pass
-
-
-def test_decode_attention_only_for_one_token_per_sequence():
+def test_ops_are_chosen_at_build():
+    assert resolve_ops("auto", "cpu") is REFERENCE and resolve_ops("fast", "cpu") is FAST
+    assert resolve_ops("reference", "cuda") is REFERENCE
+    with pytest.raises(ValueError, match="ops 'turbo'"):
+        resolve_ops("turbo", "cpu")
     model = tiny_model()
-    attn, q = model.layers[0].attn, torch.zeros(2, 4, 16)
-    visible = [(torch.zeros(3, 1, 16), torch.zeros(3, 1, 16), 0)] * 2
-    with fast_path.mode("fast"):
-        assert fast_path.use_decode_attention(attn, q, [SequenceSlice(2, 1, []), SequenceSlice(2, 1, [])], visible)
-        assert not fast_path.use_decode_attention(attn, q, [SequenceSlice(0, 3, [])], visible[:1])
-        global_attn = model.layers[3].attn  # tau needs absolute positions: caches must start at 0
-        late = [(torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), 5)]
-        assert not fast_path.use_decode_attention(global_attn, q[:1], [SequenceSlice(7, 1, [])], late)
+    assert model.ops is REFERENCE and not supports_batched_decode(model)  # CPU, "auto"
+    fast = model.with_ops("fast")
+    assert fast.ops is FAST and supports_batched_decode(fast)
+    assert all(layer.attn_norm.ops is FAST for layer in fast.layers)
+    assert fast.embed.weight.data_ptr() == model.embed.weight.data_ptr()  # the same tensors, not a copy
+    assert fast.layers[2].mlp.experts.w13_weight.data_ptr() == model.layers[2].mlp.experts.w13_weight.data_ptr()
+
+
+def test_shapes_the_kernels_do_not_take_keep_the_reference_at_build():
+    """head_dim 24 (not a power of two): no paged backend; I = 40 (no tile of >= 16 divides it): reference experts."""
+    config = parse_model_config({**TINY, "head_dim": 24, "swa_head_dim": 24, "intermediate_size": 40}).text
+    built = InklingDecoder(config, NVFP4_LAYERS, ops="fast")
+    assert built.paged is None and not supports_batched_decode(built)
+    assert built.layers[1].mlp.experts.moe is bf16_experts_reference
+    assert built.layers[2].mlp.experts.moe is nvfp4_experts_reference
+    assert tiny_model().with_ops("fast").layers[1].mlp.experts.moe is not bf16_experts_reference
+
+
+def test_paged_decode_needs_the_paged_backend():
+    model = tiny_model()
+    batch = ForwardBatch(torch.zeros(1, dtype=torch.long), [], decode=object())  # rejected before it is read
+    with pytest.raises(ValueError, match="batch.decode"):
+        model(batch)
+
+
+def test_loader_picks_the_experts_per_layer():
+    model = tiny_model()
+    weights = {name: t.clone() for name, t in model.state_dict().items()}
+    built = InklingDecoder.from_weights(model.config, weights, torch.float32, ops="fast")
+    kinds = [type(getattr(layer.mlp, "experts", None)) for layer in built.layers]
+    assert kinds == [type(None), Bf16Experts, NVFP4Experts, NVFP4Experts]
+    assert built.ops is FAST and built.layers[2].mlp.experts.w13_weight.dtype == torch.uint8
+
+
+def test_packed_attention_picks_its_kernel_per_batch(monkeypatch):
+    """With kernels: the decode kernel when every sequence brings one token (and, on a log-scaled layer, every
+    cache starts at position 0), else the prefill kernel per sequence; without kernels, `Attention.attend`."""
+    model = tiny_model()
+    calls = []
+    monkeypatch.setattr(packed, "decode_attention", lambda attn, q, *_: calls.append("decode") or torch.zeros_like(q))
+    monkeypatch.setattr(packed, "prefill_attention", lambda attn, q, *_: calls.append("prefill") or torch.zeros_like(q))
+
+    def attend(kernels: bool, layer: int, seqs: list[tuple[int, int]]) -> str:
+        attn, calls[:] = model.layers[layer].attn, []
+        slices = [SequenceSlice(start, n, model.new_state().layers) for start, n in seqs]
+        t = sum(n for _, n in seqs)
+        step = packed.PackedBackend(kernels).prepare(ForwardBatch(torch.zeros(t, dtype=torch.long), slices))
+        q, r, k0, v0 = attn.project(torch.randn(t, 64))
+        step.attention(attn, q, r, k0, v0)
+        return ",".join(calls) or "torch"
+
+    assert attend(True, 0, [(0, 1), (0, 1)]) == "decode"
+    assert attend(True, 0, [(0, 3)]) == "prefill"
+    assert attend(True, 0, [(0, 2), (0, 1)]) == "prefill,prefill"
+    assert attend(True, 3, [(5, 1)]) == "prefill"  # global layer, tau: a cache from position 5 needs positions
+    assert attend(True, 3, [(0, 1)]) == "decode"
+    assert attend(False, 0, [(0, 1), (0, 1)]) == "torch"
 
 
 def test_linearised_shared_experts_match_the_per_expert_sum():
-    """Two shared experts, down weights stored K-concatenated as `from_weights` leaves them: one GEMM each way."""
+    """Two shared experts, down weights stored K-concatenated as `SharedExperts` keeps them: one GEMM each way."""
     config = parse_model_config({**TINY, "n_shared_experts": 2}).text
     shared = SharedExperts(config)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         shared.shared_w13_weight.copy_(torch.randn(shared.shared_w13_weight.shape, generator=gen) / 8)
-        w2 = torch.randn(shared.shared_w2_weight.shape, generator=gen) / 6
-        shared.shared_w2_weight = torch.nn.Parameter(w2.permute(1, 0, 2).contiguous().permute(1, 0, 2))
+        shared.shared_w2_weight.copy_(torch.randn(shared.shared_w2_weight.shape, generator=gen) / 6)
+    assert shared.shared_w2_weight.permute(1, 0, 2).is_contiguous()
     x, gammas = torch.randn(5, 64, generator=gen), torch.rand(5, 2, generator=gen)
-    with fast_path.mode("fast"):
-        assert fast_path.use_shared_experts(shared, x)
-        fast = shared(x, gammas)
-    with fast_path.mode("reference"):
-        ref = shared(x, gammas)
-    assert rel_err(fast, ref) < 1e-6
-    shared.shared_w2_weight = torch.nn.Parameter(w2)  # [S, H, I] contiguous: the per-expert form stays
-    with fast_path.mode("fast"):
-        assert not fast_path.use_shared_experts(shared, x)
+    w13, w2 = shared.shared_w13_weight, shared.shared_w2_weight
+    ref = REFERENCE.shared_experts(x, gammas, w13, w2)
+    assert rel_err(FAST.shared_experts(x, gammas, w13, w2), ref) < 1e-6
+    assert torch.equal(shared(x, gammas), ref)
+    with pytest.raises(ValueError, match="shared_w2_weight"):
+        FAST.shared_experts(x, gammas, w13, w2.contiguous())  # [S, H, I] storage: not the linearised layout
 
 
 def test_fast_path_matches_reference_in_the_interpreter(cpu_interpreter):
     model = tiny_model()
     prompts = [[5, 9, 11, 20, 7, 33, 2, 41, 8, 17], [12, 30, 4]]  # past window 8 / rel_extent 12 / n_floor 6
-    ref, _ = run(model, prompts, steps=4, mode="reference")
-    fast, _ = run(model, prompts, steps=4, mode="fast")
+    ref, _ = run(model, prompts, steps=4, ops="reference")
+    fast, _ = run(model, prompts, steps=4, ops="fast")
     for r, f in zip(ref, fast, strict=True):
         assert rel_err(f, r) < 1e-4
         assert torch.equal(f.argmax(-1), r.argmax(-1))
@@ -167,13 +210,14 @@ def test_chunked_prefill_matches_reference_in_the_interpreter(cpu_interpreter):
     model = tiny_model()
     ids = torch.randint(4, 90, (20,), generator=torch.Generator().manual_seed(2))
     logits = {}
-    for mode in ("reference", "fast"):
-        state, rows = model.new_state(), []
-        with torch.inference_mode(), fast_path.mode(mode):
+    for ops in ("reference", "fast"):
+        built, rows = model.with_ops(ops), []
+        state = built.new_state()
+        with torch.inference_mode():
             for start in range(0, 20, 6):
                 chunk = ids[start : start + 6]
-                rows.append(model.logits(model(ForwardBatch(chunk, [SequenceSlice(start, len(chunk), state.layers)]))))
-        logits[mode] = torch.cat(rows)
+                rows.append(built.logits(built(ForwardBatch(chunk, [SequenceSlice(start, len(chunk), state.layers)]))))
+        logits[ops] = torch.cat(rows)
     assert rel_err(logits["fast"], logits["reference"]) < 1e-5
 
 
@@ -199,32 +243,29 @@ def test_tiny_checkpoint_modules_match_reference_in_bf16(cuda_device, tmp_path):
     alone already moves the decode logits by ~60-120% (router top-k flips, measured on an H200), so the two
     bf16 paths are compared module by module; the fp32 test below compares whole runs."""
     model, _, prompts = tiny_checkpoint(tmp_path, torch.bfloat16)
+    built = {ops: model.with_ops(ops) for ops in ("reference", "fast")}
     gen = torch.Generator().manual_seed(0)
-    with fast_path.mode("reference"):
-        states, _ = prefill(model, prompts)
+    states, _ = prefill(built["reference"], prompts)
     errors = {}
     with torch.inference_mode():
         for i, layer in enumerate(model.layers):
             u = torch.randn(len(prompts), model.config.hidden_size, generator=gen).to("cuda", torch.bfloat16)
             outs = []
-            for mode in ("reference", "fast"):
+            for m in built.values():
                 seqs = [SequenceSlice(len(p), 1, s.clone().layers) for p, s in zip(prompts, states, strict=True)]
-                with fast_path.mode(mode):
-                    outs.append(layer.attn(u, ForwardBatch(torch.zeros(len(seqs), dtype=torch.long), seqs)))
+                step = m.packed.prepare(ForwardBatch(torch.zeros(len(seqs), dtype=torch.long), seqs))
+                outs.append(m.layers[i].attn(u, step))
             errors[f"attn{i}"] = rel_err(outs[1], outs[0])
             if not hasattr(layer.mlp, "experts"):
                 continue
             for t in (2, 200):  # one (token, slot) pair per row block / pairs sorted by expert
                 x = torch.randn(t, model.config.hidden_size, generator=gen).to("cuda", torch.bfloat16)
                 ids, weights, _ = layer.mlp.gate(x)
-                outs = []
-                for mode in ("reference", "fast"):
-                    with fast_path.mode(mode):
-                        outs.append(layer.mlp.experts(x, ids, weights))
+                outs = [m.layers[i].mlp.experts(x, ids, weights) for m in built.values()]
                 errors[f"moe{i}/T{t}"] = rel_err(outs[1], outs[0])
     print("tiny checkpoint bf16, per module:", {k: f"{v:.1e}" for k, v in errors.items()})
-    ref, fed = run(model, prompts, steps=64, mode="reference")
-    fast, _ = run(model, prompts, steps=64, mode="fast", forced=fed)
+    ref, fed = run(model, prompts, steps=64, ops="reference")
+    fast, _ = run(model, prompts, steps=64, ops="fast", forced=fed)
     steps = sorted(rel_err(f, r) for f, r in zip(fast, ref, strict=True))
     same = torch.cat([f.argmax(-1) == r.argmax(-1) for f, r in zip(fast, ref, strict=True)]).float().mean().item()
     print(
@@ -246,8 +287,8 @@ def test_tiny_checkpoint_fp32_fast_matches_reference(cuda_device, tmp_path):
     from decode_service.engine.request import Request, SamplingParams
 
     model, config, prompts = tiny_checkpoint(tmp_path, torch.float32)
-    ref, fed = run(model, prompts, steps=64, mode="reference")
-    fast, _ = run(model, prompts, steps=64, mode="fast", forced=fed)
+    ref, fed = run(model, prompts, steps=64, ops="reference")
+    fast, _ = run(model, prompts, steps=64, ops="fast", forced=fed)
     errors = sorted(rel_err(f, r) for f, r in zip(fast, ref, strict=True))
     rows = torch.cat([(f - r).norm(dim=-1) / r.norm(dim=-1) for f, r in zip(fast, ref, strict=True)])
     same = torch.cat([f.argmax(-1) == r.argmax(-1) for f, r in zip(fast, ref, strict=True)]).float().mean().item()
@@ -259,11 +300,11 @@ def test_tiny_checkpoint_fp32_fast_matches_reference(cuda_device, tmp_path):
 
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     tokens = {}
-    for mode in ("reference", "auto"):
-        engine = Engine(model, config, EngineSettings(device="cuda", kv_cache_bytes=64 << 20, max_num_seqs=4))
-        with fast_path.mode(mode):
-            outs = engine.generate(Request(f"r{i}", p, greedy) for i, p in enumerate(prompts))
-        tokens[mode] = [o.token_ids for o in outs]
+    for ops in ("reference", "auto"):
+        settings = EngineSettings(device="cuda", kv_cache_bytes=64 << 20, max_num_seqs=4)
+        engine = Engine(model.with_ops(ops), config, settings)
+        outs = engine.generate(Request(f"r{i}", p, greedy) for i, p in enumerate(prompts))
+        tokens[ops] = [o.token_ids for o in outs]
     agree = [
         next((i for i, (a, b) in enumerate(zip(ra, rb, strict=True)) if a != b), len(ra))
         for ra, rb in zip(tokens["reference"], tokens["auto"], strict=True)

@@ -1,0 +1,126 @@
+"""The decoder's hot ops as one bundle, chosen once when the model is built.
+
+`Ops` is the torch reference (the math of spec/inkling-text.md sections 2-5, what test_parity compares with
+transformers); `decode_service.model.fast_path.TritonOps` overrides the same methods with the Triton kernels of
+`kernels/`. The modules of `layers.py` take their bundle at construction and never ask which one it is; where a
+kernel does not take a layer's shapes, the bundle hands that layer the reference at build time
+(`bf16_experts`, `nvfp4_experts`).
+Attention and the short convs run through an attention backend instead (`backend.py`), which asks only
+`attention_kernels`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from common.nvfp4 import dequant_nvfp4
+
+# x [T, H], ids [T, k], weights [T, k], then the expert stacks -> [T, H] in x's dtype
+RoutedExperts = Callable[..., torch.Tensor]
+
+
+class Ops:
+    """The torch reference of every op."""
+
+    name = "reference"
+    attention_kernels = False  # the attention backends' kernels (packed prefill/decode, the paged decode step)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`w * round(x * rsqrt(mean(x^2) + eps))` over the last axis: normalise in fp32, round to x's dtype."""
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(x.dtype)
+
+    def route(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        top_k: int,
+        route_scale: float,
+        global_scale: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x `[T, H]`, gate weight `[E+S, H]`, bias `[E]` -> (ids `[T, k]`, routed weights `[T, k]`, shared gammas
+        `[T, S]`), weights fp32: sigmoid + bias top-k, renormalised with the shared experts as a sink (spec 5.2)."""
+        num_routed = bias.shape[0]
+        logits = x.float() @ weight.float().T  # [T, E+S]
+        routed, shared = logits[:, :num_routed], logits[:, num_routed:]
+        choice = torch.sigmoid(routed) + bias.float()
+        ids = torch.topk(choice, top_k, dim=-1).indices  # [T, k]
+        active = F.logsigmoid(torch.cat([routed.gather(-1, ids), shared], dim=-1))  # [T, k+S]
+        weights = torch.exp(active - torch.logsumexp(active, dim=-1, keepdim=True))
+        weights = weights * route_scale * global_scale.float()
+        return ids, weights[:, :top_k], weights[:, top_k:]
+
+    def moe_kernels(self, hidden: int, width: int) -> bool:
+        """Whether routed experts of these widths run on fused kernels."""
+        return False
+
+    def bf16_experts(self, hidden: int, width: int) -> RoutedExperts:
+        """The routed-expert op for plain stacks `w13 [E, 2I, H]`, `w2 [E, H, I]` of these widths."""
+        return bf16_experts_reference
+
+    def nvfp4_experts(self, hidden: int, width: int) -> RoutedExperts:
+        """The routed-expert op for NVFP4 stacks (packed, scale, scale2 for w13 and w2) of these widths."""
+        return nvfp4_experts_reference
+
+    def shared_experts(
+        self, x: torch.Tensor, gammas: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        """x `[T, H]`, gammas `[T, S]`, w13 `[S, 2I, H]`, w2 `[S, H, I]` -> `[T, H]`: the S SwiGLU experts weighted
+        by their gammas, summed in fp32 (spec 5.3)."""
+        width = w2.shape[-1]
+        gate, up = (x[None] @ w13.transpose(1, 2)).split(width, dim=-1)  # [S, T, I] x2
+        act = F.silu(gate) * up * gammas.to(x.dtype).T[:, :, None]
+        return (act @ w2.transpose(1, 2)).float().sum(0).to(x.dtype)  # [T, H]
+
+
+def _experts_loop(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """`out[t] = sum_i w[t, i] * W2_e (silu(Wg_e x_t) * (Wu_e x_t))`, one used expert at a time."""
+    out = torch.zeros_like(x)  # [T, H]
+    weights = weights.to(x.dtype)
+    for e in ids.unique().tolist():
+        token, slot = torch.where(ids == e)
+        w13, w2 = expert(e)  # [2I, H], [H, I] in x's dtype
+        gate, up = (x[token] @ w13.T).split(w2.shape[1], dim=-1)
+        y = (F.silu(gate) * up) @ w2.T  # [n_e, H]
+        out.index_add_(0, token, y * weights[token, slot, None])
+    return out
+
+
+def bf16_experts_reference(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    return _experts_loop(x, ids, weights, lambda e: (w13[e], w2[e]))
+
+
+def nvfp4_experts_reference(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_scale2: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_scale2: torch.Tensor,
+) -> torch.Tensor:
+    """Each used expert dequantised (`common.nvfp4`) to x's dtype, then the bf16 math."""
+
+    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g13 = dequant_nvfp4(w13[e], w13_scale[e], w13_scale2[e])
+        g2 = dequant_nvfp4(w2[e], w2_scale[e], w2_scale2[e])
+        return g13.to(x.dtype), g2.to(x.dtype)
+
+    return _experts_loop(x, ids, weights, expert)
+
+
+REFERENCE = Ops()

@@ -1,0 +1,145 @@
+"""The packed attention backend: the sequences of a `ForwardBatch` back to back, each against its own `LayerCache`.
+
+Any mix of prefill chunks and decode tokens. Per sequence, the k/v convs run on its conv states and the new keys
+and values are appended to its cache, which returns every key still visible; then attention over those keys, by
+one of three ops fixed when the model is built and by the batch:
+
+* torch (`Attention.attend`, the reference) without attention kernels, or for a head_dim the kernels do not take
+  (they want a power of two >= 16);
+* with kernels, a batch in which every sequence brings one token: `decode_attention` over the visible keys padded
+  into one `[B, S, nKV, hd]` buffer (two copies of the visible KV per layer; the paged backend avoids them), unless
+  a log-scaled layer's cache does not start at position 0 (the kernel addresses keys by position);
+* otherwise `prefill_attention`, one flash-style launch per sequence.
+
+Not yet here: prefill over the paged pools in place (the engine's cache gathers a chunk's visible keys first), and
+one launch for all the sequences of a packed batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+from decode_service.model.batch import ForwardBatch, SequenceSlice
+
+if TYPE_CHECKING:
+    from decode_service.model.layers import Attention, ShortConv
+
+_MIN_D_REL = 16  # the attention kernels want a power-of-two d_rel >= 16; smaller banks are zero-padded
+
+VisibleKV = tuple[torch.Tensor, torch.Tensor, int]  # keys, values `[m, nKV, hd]`, absolute position of keys[0]
+
+
+def kernel_head_dim(head_dim: int) -> bool:
+    """Whether the attention kernels take this head_dim (a power of two >= 16)."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
+def rel_bank(attn: Attention, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """P `[d_rel, R]` in r's dtype and r, zero-padded to the power-of-two d_rel >= 16 the attention kernels want
+    (zero rows of P against zero columns of r add nothing to the bias)."""
+    rel_proj = attn.rel_logits_proj.proj
+    d_rel = rel_proj.shape[0]
+    padded = max(_MIN_D_REL, 1 << (d_rel - 1).bit_length())
+    if padded != d_rel:
+        rel_proj = F.pad(rel_proj, (0, 0, 0, padded - d_rel))
+        r = F.pad(r, (0, padded - d_rel))
+    return rel_proj.to(r.dtype).contiguous(), r
+
+
+def log_scaling(attn: Attention) -> tuple[float, float] | None:
+    """The kernels' `(alpha, n_floor)` for tau, or None on layers without log-scaling."""
+    if attn.log_scaling is None:
+        return None
+    n_floor, alpha = attn.log_scaling
+    return alpha, n_floor
+
+
+@dataclass
+class PackedBackend:
+    kernels: bool  # the Triton attention kernels (`Ops.attention_kernels`) or the torch reference
+    name: str = "packed"
+
+    def prepare(self, batch: ForwardBatch) -> PackedBatch:
+        rows, offset = [], 0
+        for seq in batch.sequences:
+            rows.append(slice(offset, offset + seq.num_tokens))
+            offset += seq.num_tokens
+        one_token_each = bool(batch.sequences) and all(seq.num_tokens == 1 for seq in batch.sequences)
+        return PackedBatch(self.kernels, batch.sequences, rows, one_token_each)
+
+
+@dataclass
+class PackedBatch:
+    kernels: bool
+    sequences: list[SequenceSlice]
+    rows: list[slice]  # each sequence's rows of the packed T
+    one_token_each: bool
+
+    def attention(
+        self, attn: Attention, q: torch.Tensor, r: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor
+    ) -> torch.Tensor:
+        seqs = self.sequences
+        visible = [
+            attn.store_kv(k0[rows], v0[rows], seq.start_position, seq.layers[attn.layer])
+            for rows, seq in zip(self.rows, seqs, strict=True)
+        ]
+        attend = attn.attend
+        if self.kernels and kernel_head_dim(attn.geo.head_dim):
+            if self.one_token_each and (attn.log_scaling is None or all(first == 0 for _, _, first in visible)):
+                return decode_attention(attn, q, r, visible)  # [T, nH, hd]
+            attend = partial(prefill_attention, attn)
+        return torch.cat(
+            [
+                attend(q[rows], r[rows], seq.start_position, *kv)
+                for rows, seq, kv in zip(self.rows, seqs, visible, strict=True)
+            ]
+        )  # [T, nH, hd]
+
+    def conv(self, conv: ShortConv, x: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        for rows, seq in zip(self.rows, self.sequences, strict=True):
+            cache = seq.layers[conv.layer]
+            y, state = conv.step(x[rows], cache.conv_state(conv.index))
+            cache.set_conv_state(conv.index, state)
+            outputs.append(y)
+        return torch.cat(outputs)  # [T, C]
+
+
+def decode_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, visible: Sequence[VisibleKV]) -> torch.Tensor:
+    """q `[B, nH, hd]` (q-normed), r `[B, nH, d_rel]`, each sequence's visible keys -> `[B, nH, hd]`.
+
+    Keys are re-addressed from their first visible position: the relative bias and the window depend only on
+    query-key distances, so sequence b's query sits at slot `m_b - 1` of a `[B, max m, nKV, hd]` buffer.
+    """
+    from kernels.attention import decode_attention as kernel
+
+    keys = pad_sequence([k for k, _, _ in visible], batch_first=True).to(q.dtype)  # [B, S, nKV, hd]
+    values = pad_sequence([v for _, v, _ in visible], batch_first=True).to(q.dtype)
+    lengths = [k.shape[0] for k, _, _ in visible]
+    seq_lens = torch.tensor(lengths, dtype=torch.int32).to(q.device, non_blocking=True)
+    rel_proj, r = rel_bank(attn, r)
+    return kernel(
+        q.contiguous(), r.contiguous(), rel_proj, keys, values, seq_lens,
+        window=attn.geo.window, log_scaling=log_scaling(attn), max_seq_len=max(lengths),
+    )  # fmt: skip
+
+
+def prefill_attention(
+    attn: Attention, q: torch.Tensor, r: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor, first: int
+) -> torch.Tensor:
+    """`Attention.attend` on the prefill kernel: q `[n, nH, hd]` (q-normed) and r `[n, nH, d_rel]` of the queries at
+    `start..`, the visible keys/values `[m, nKV, hd]` from position `first` (cast to q's dtype) -> `[n, nH, hd]`."""
+    from kernels.attention import prefill_attention as kernel
+
+    rel_proj, r = rel_bank(attn, r)
+    return kernel(
+        q, r, rel_proj, keys.to(q.dtype), values.to(q.dtype), start, first,
+        window=attn.geo.window, log_scaling=log_scaling(attn),
+    )  # fmt: skip

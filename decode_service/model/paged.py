@@ -1,0 +1,67 @@
+"""The paged attention backend: B sequences each bringing one token, their caches in the engine's paged pools.
+
+Every field of a `PagedDecode` is a device tensor of static shape and every op here is a kernel free of host
+syncs, so the engine captures the step in CUDA graphs (`engine/decode_graphs.py`). Per layer: `kv_prologue` (the
+k/v short convs with their states updated in place, k-norm, the KV write into the layer's pool) and
+`paged_decode_attention` (split-KV attention through the block tables); the residual-stream convs run
+`conv_decode`. A model is built with this backend only when its ops have the attention kernels and every layer's
+shapes fit them (`InklingDecoder.paged`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from decode_service.model.batch import ForwardBatch, PagedDecode
+from decode_service.model.packed import log_scaling, rel_bank
+from decode_service.model.state import K_CONV, V_CONV
+
+if TYPE_CHECKING:
+    from decode_service.model.layers import Attention, ShortConv
+
+
+@dataclass
+class PagedBackend:
+    name: str = "paged"
+
+    def prepare(self, batch: ForwardBatch) -> PagedBatch:
+        if batch.decode is None:
+            raise ValueError("batch.decode: the paged backend runs PagedDecode batches only")
+        return PagedBatch(batch.decode)
+
+
+@dataclass
+class PagedBatch:
+    decode: PagedDecode
+
+    def attention(
+        self, attn: Attention, q: torch.Tensor, r: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor
+    ) -> torch.Tensor:
+        """q `[B, nH, hd]` (q-normed), r `[B, nH, d_rel]`, k0/v0 `[B, nKV*hd]` -> `[B, nH, hd]`."""
+        from kernels.attention import paged_decode_attention
+        from kernels.short_conv import kv_prologue
+
+        decode = self.decode
+        pools, layer = decode.pools, attn.layer
+        k_pool, v_pool, sliding = pools.kv_pool(layer)
+        kv_prologue(
+            k0, v0, pools.conv_pool(layer, K_CONV), pools.conv_pool(layer, V_CONV), decode.conv_slots,
+            attn.k_sconv.weight[:, 0, :], attn.v_sconv.weight[:, 0, :], attn.k_norm.weight, attn.k_norm.eps,
+            k_pool, v_pool, decode.kv_rows[sliding],
+        )  # fmt: skip
+        rel_proj, r = rel_bank(attn, r)
+        return paged_decode_attention(
+            q, r, rel_proj, k_pool, v_pool, decode.block_tables[sliding], decode.seq_lens, pools.page_size,
+            window=attn.geo.window, log_scaling=log_scaling(attn), max_seq_len=decode.max_seq_len,
+        )  # fmt: skip
+
+    def conv(self, conv: ShortConv, x: torch.Tensor) -> torch.Tensor:
+        """x `[B, C]`, the states read and written in their pool."""
+        from kernels.short_conv import conv_decode
+
+        decode = self.decode
+        y, _ = conv_decode(x, decode.pools.conv_pool(conv.layer, conv.index), decode.conv_slots, conv.weight[:, 0, :])
+        return y
