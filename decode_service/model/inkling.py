@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from common.config import TextConfig
-from decode_service.model.backend import AttentionBackend
+from decode_service.model.backend import AttentionBackend, PreparedBatch
 from decode_service.model.batch import ForwardBatch
 from decode_service.model.fast_path import resolve_ops
 from decode_service.model.layers import DecoderLayer, RMSNorm
@@ -108,10 +108,14 @@ class InklingDecoder(nn.Module):
         h = self.embed_norm(self.embed(batch.token_ids))  # [T, H]
         if batch.mm_rows is not None:
             h = h.index_copy(0, batch.mm_index, batch.mm_rows.to(h.dtype))  # encoder rows are not re-normed
-        step = (self.packed if batch.decode is None else self._paged()).prepare(batch)
+        step = self.prepare(batch)
         for layer in self.layers:
             h = layer(h, step)
         return self.norm(h)
+
+    def prepare(self, batch: ForwardBatch) -> PreparedBatch:
+        """The batch's per-step attention metadata from the backend for its kind (packed or paged)."""
+        return (self.packed if batch.decode is None else self._paged()).prepare(batch)
 
     def _paged(self) -> AttentionBackend:
         if self.paged is None:

@@ -27,9 +27,11 @@ from torch import nn
 
 from common.config import MtpConfig, TextConfig
 from common.errors import CheckpointError
+from decode_service.model.backend import PreparedBatch
 from decode_service.model.batch import ForwardBatch
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.layers import DecoderLayer, RMSNorm
+from decode_service.model.ops import Ops
 from decode_service.model.state import SequenceState
 
 _ATTN_INPUTS = ("wq_du", "wk_dv", "wv_dv", "wr_du")  # the checkpoint's rows of `attn.qkvr`, in this order
@@ -60,18 +62,18 @@ def depth_config(text: TextConfig, mtp: MtpConfig) -> TextConfig:
 class MTPDepth(nn.Module):
     """Norms and input projection of one depth, then its decoder layer (layer index = depth)."""
 
-    def __init__(self, config: TextConfig, depth: int):
+    def __init__(self, config: TextConfig, depth: int, ops: Ops):
         super().__init__()
         h = config.hidden_size
-        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
-        self.embed_norm = RMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps, ops)
+        self.embed_norm = RMSNorm(h, config.rms_norm_eps, ops)
         self.input_proj = nn.Linear(2 * h, h, bias=False)
-        self.transformer_block = DecoderLayer(config, depth, nvfp4=False)
+        self.transformer_block = DecoderLayer(config, depth, ops, nvfp4=False)
 
-    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
         """hidden `[T, H]` previous hidden, embedded `[T, H]` backbone-normed token embeddings -> `[T, H]`."""
         x = self.input_proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(embedded)], dim=-1))  # [T, 2H]->[T, H]
-        return self.transformer_block(x, batch)
+        return self.transformer_block(x, step)
 
 
 class MTPDrafter(nn.Module):
@@ -83,9 +85,10 @@ class MTPDrafter(nn.Module):
         self.mtp = mtp
         self.config = depth_config(trunk.config, mtp)
         self.embed, self.embed_norm, self.unembed = trunk.embed, trunk.embed_norm, trunk.unembed
-        self.layers = nn.ModuleList(MTPDepth(self.config, d) for d in range(mtp.num_layers))
+        self._prepare = trunk.prepare  # the trunk's attention backends, chosen at its build
+        self.layers = nn.ModuleList(MTPDepth(self.config, d, trunk.ops) for d in range(mtp.num_layers))
         h, eps = self.config.hidden_size, self.config.rms_norm_eps
-        self.chain_norm = RMSNorm(h, eps) if mtp.chain_hidden_post_norm else None
+        self.chain_norm = RMSNorm(h, eps, trunk.ops) if mtp.chain_hidden_post_norm else None
 
     @classmethod
     def from_weights(cls, weights: dict[str, torch.Tensor], mtp: MtpConfig, trunk: InklingDecoder) -> MTPDrafter:
@@ -136,7 +139,7 @@ class MTPDrafter(nn.Module):
                 f"hidden: expected shape {(batch.num_tokens, self.config.hidden_size)}, got {tuple(hidden.shape)}"
             )
         embedded = self.embed_norm(self.embed(batch.token_ids))  # [T, H], the backbone norm first (spec 7.1)
-        g = self.layers[depth](hidden, embedded, batch)
+        g = self.layers[depth](hidden, embedded, self._prepare(batch))
         return self.chain_norm(g) if self.chain_norm is not None else g
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
