@@ -12,8 +12,9 @@ import common.checkpoint_files
 from common.checkpoint import CheckpointFiles, load_decoder_weights, load_mtp_weights, plan_decoder_weights
 from common.checkpoint_shard import load_decoder_shard, load_mtp_shard
 from common.config import load_model_config
+from common.errors import ConfigError
 from common.nvfp4 import dequant_nvfp4
-from common.tensor_parallel import assemble, take
+from common.tensor_parallel import Shard, assemble, take
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 # Vocab not divisible by 4 (padded last shard); 6 experts over 4 ranks (uneven expert parallelism); I = 64 so
@@ -59,6 +60,7 @@ def test_released_layout_shards_equal_the_full_load(checkpoints, nvfp4, size, ep
     for weights, rank_report, plan in per_rank:
         assert sorted(weights) == sorted(full)
         assert rank_report.consumed == report.consumed and rank_report.ignored == report.ignored
+        assert len(rank_report.consumed) + len(rank_report.ignored) == len(CheckpointFiles(checkpoints[nvfp4]).names())
         assert plan.nvfp4_layers == report.nvfp4_layers
     check_reassembles(full, per_rank)
     if size == 2 and not ep:  # global layers have 1 KV head: both ranks hold all of it
@@ -75,7 +77,7 @@ def test_nvfp4_local_slices_dequantise_to_slices_of_the_full_tensor(checkpoints,
             local = dequant_nvfp4(weights[key], weights[key + "_scale"], weights[key + "_scale2"])
             logical = plan.shards[key]
             if stack == "w2_weight" and not ep:  # the packed shard is in bytes; the logical one in elements
-                logical = type(logical)(logical.rule, 2, tuple((2 * a, 2 * b) for a, b in logical.ranges))
+                logical = Shard(logical.rule, 2, tuple((2 * a, 2 * b) for a, b in logical.ranges))
             assert torch.equal(local, take(whole, logical)), key
 
 
@@ -162,3 +164,11 @@ def test_progress_bar_names_the_rank(checkpoints, capsys) -> None:
     directory = checkpoints[False]
     load_decoder_shard(CheckpointFiles(directory), load_model_config(directory), 2, 1, progress=True)
     assert "loading decoder weights (rank 1/2)" in capsys.readouterr().err
+
+
+def test_a_size_that_cannot_shard_the_heads_is_named(checkpoints) -> None:
+    directory = checkpoints[False]
+    with pytest.raises(
+        ConfigError, match=r"tensor_parallel_size=3 does not divide the sliding layers' query heads \(4\)"
+    ):
+        load_decoder_shard(CheckpointFiles(directory), load_model_config(directory), 3, 0, progress=False)
