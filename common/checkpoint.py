@@ -220,6 +220,30 @@ def _decoder_ignore(name: str) -> str | None:
     return None
 
 
+def _decoder_plan(
+    files: CheckpointFiles, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, progress: bool | None
+) -> tuple[_Loader, dict]:
+    view = RawView(files)
+    quant = read_quant_config(files.directory, config)
+    loader = _Loader(view, device, progress, "decoder weights")
+    plan: dict = {}
+    missing: list[str] = []
+    nvfp4 = _plan_stack(loader, LLM, decoder_tensor_shapes(config), dtype, quant, plan, missing)
+    loader.commit(plan)
+    loader.report.nvfp4_layers = tuple(nvfp4)
+    loader.finish(missing, _decoder_ignore)
+    return loader, plan
+
+
+def plan_decoder_weights(
+    files: CheckpointFiles, config: ModelConfig, dtype: torch.dtype = torch.bfloat16
+) -> tuple[RawView, dict, LoadReport]:
+    """What `load_decoder_weights` checks and reads, reading only headers (and NVFP4 `original_shape` sidecars):
+    (raw view, plan: in-memory key -> (raw name, transform of the tensor as stored), report)."""
+    loader, plan = _decoder_plan(files, config, dtype, "cpu", False)
+    return loader.view, plan, loader.report
+
+
 def load_decoder_weights(
     files: CheckpointFiles,
     config: ModelConfig,
@@ -231,26 +255,13 @@ def load_decoder_weights(
 
     `progress=None` shows a progress bar only for checkpoints above 1 GiB.
     """
-    view = RawView(files)
-    quant = read_quant_config(files.directory, config)
-    loader = _Loader(view, device, progress, "decoder weights")
-    plan: dict = {}
-    missing: list[str] = []
-    nvfp4 = _plan_stack(loader, LLM, decoder_tensor_shapes(config), dtype, quant, plan, missing)
-    loader.commit(plan)
-    loader.report.nvfp4_layers = tuple(nvfp4)
-    report = loader.finish(missing, _decoder_ignore)
-    return loader.read_all(plan), report
+    loader, plan = _decoder_plan(files, config, dtype, device, progress)
+    return loader.read_all(plan), loader.report
 
 
-def load_mtp_weights(
-    files: CheckpointFiles,
-    config: ModelConfig,
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str = "cpu",
-    progress: bool | None = None,
-) -> tuple[dict[str, torch.Tensor], LoadReport]:
-    """The MTP drafter's weights (prefix `model.mtp.` stripped, w13 de-interleaved); all bf16 in releases."""
+def _mtp_plan(
+    files: CheckpointFiles, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, progress: bool | None
+) -> tuple[_Loader, dict]:
     if config.mtp is None:
         raise CheckpointError("config has no mtp_config: no MTP weights to load")
     view = RawView(files)
@@ -263,8 +274,28 @@ def load_mtp_weights(
         return None if name.startswith(MTP) else "not part of the MTP drafter"
 
     loader.commit(plan)
-    report = loader.finish(missing, ignore)
-    return loader.read_all(plan), report
+    loader.finish(missing, ignore)
+    return loader, plan
+
+
+def plan_mtp_weights(
+    files: CheckpointFiles, config: ModelConfig, dtype: torch.dtype = torch.bfloat16
+) -> tuple[RawView, dict, LoadReport]:
+    """`plan_decoder_weights` for `load_mtp_weights`."""
+    loader, plan = _mtp_plan(files, config, dtype, "cpu", False)
+    return loader.view, plan, loader.report
+
+
+def load_mtp_weights(
+    files: CheckpointFiles,
+    config: ModelConfig,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    progress: bool | None = None,
+) -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """The MTP drafter's weights (prefix `model.mtp.` stripped, w13 de-interleaved); all bf16 in releases."""
+    loader, plan = _mtp_plan(files, config, dtype, device, progress)
+    return loader.read_all(plan), loader.report
 
 
 _TOWER_IGNORED = {

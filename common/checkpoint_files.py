@@ -124,11 +124,18 @@ class CheckpointFiles:
         self._lookup(name)
         return self._file[name]
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         path = self.file_of(name)
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path].get_tensor(name)
+        return self._handles[path]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows `[start, stop)` along `dim`, read lazily: only those bytes leave the file."""
+        return self._handle(name).get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
 
     def close(self) -> None:
         self._handles.clear()

@@ -174,6 +174,21 @@ class RawView:
         tensors = [self.files.get(p) for p in src.parts]
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=src.cat_dim)
 
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """`get(name)` narrowed to `[start, stop)` along `dim`, reading only those rows of each stored part."""
+        src = self._sources[name]
+        if dim != src.cat_dim or len(src.parts) == 1:
+            tensors = [self.files.read_slice(p, dim, start, stop) for p in src.parts]
+            return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=src.cat_dim)
+        pieces, offset = [], 0
+        for p in src.parts:
+            n = self.files.shape(p)[dim]
+            a, b = max(start, offset), min(stop, offset + n)
+            if a < b:
+                pieces.append(self.files.read_slice(p, dim, a - offset, b - offset))
+            offset += n
+        return torch.cat(pieces, dim=dim)
+
 
 # ----------------------------------------------------------------------------------------------------
 # Gate/up interleaving
