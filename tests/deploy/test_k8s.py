@@ -324,6 +324,7 @@ def test_gpus_for_decode_only_in_the_gpu_overlays(overlay):
         assert cli_value(overlay, "decode", "--device") == "cpu"
         assert "--tensor-parallel-size" not in decode["args"]
         return
+    assert float(cli_value(overlay, "decode", "--kv-budget-mb")) >= 16384  # not the CPU-demo default (512)
     assert resources["limits"]["nvidia.com/gpu"] == str(gpus)
     assert resources["requests"]["nvidia.com/gpu"] == str(gpus)
     assert cli_value(overlay, "decode", "--tensor-parallel-size") == str(gpus)
@@ -445,6 +446,19 @@ def test_pods_run_as_the_images_non_root_user(overlay):
             assert cs["readOnlyRootFilesystem"] is True, c["name"]
             assert "privileged" not in cs and "runAsUser" not in cs, c["name"]
             assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"]) or name == "redis", c["name"]
+
+
+@requires_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pools_spread_over_nodes_and_the_router_admits_what_an_api_pod_relays(overlay):
+    for name in POOLS:
+        (spread,) = pod_spec(overlay, name)["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "kubernetes.io/hostname", name
+        assert spread["labelSelector"] == deployment(overlay, name)["spec"]["selector"], name
+    # One api pod is one client address to the router: its per-client cap must not throttle the HTTP front.
+    router = cli_args(overlay, "router")
+    live_per_replica = build_parser().parse_args(["decode", "--checkpoint", "x"]).max_live_requests
+    assert router.max_streams_per_client == 0 or router.max_streams_per_client >= live_per_replica
 
 
 @requires_kubectl
