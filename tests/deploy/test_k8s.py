@@ -253,6 +253,24 @@ def test_hpas_scale_both_pools_on_the_metrics_they_export(overlay):
 
 
 @requires_kubectl
+def test_the_documented_adapter_rule_serves_every_hpa_metric():
+    """docs/deploy.md's Prometheus-adapter rule must expose each metric an HPA asks for, under its own name."""
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    (block,) = re.findall(r"```yaml\n(rules:\n.*?)```", doc, re.S)
+    (rule,) = yaml.safe_load(block)["rules"]
+    selector = re.fullmatch(r'\{__name__=~"(.+?)",namespace!="",pod!=""\}', rule["seriesQuery"])
+    assert selector, rule["seriesQuery"]
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    assert (rule["name"]["matches"], rule["name"]["as"]) == ("^(.*)$", "${1}")
+    for overlay in OVERLAYS:
+        for hpa in objects(overlay, "HorizontalPodAutoscaler").values():
+            for metric in hpa["spec"]["metrics"]:
+                name = metric["pods"]["metric"]["name"]
+                assert re.fullmatch(selector.group(1), name), (overlay, name)
+                assert f"`{name}`" in doc, name  # in the metrics reference too
+
+
+@requires_kubectl
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_container_has_readiness_and_liveness_probes(overlay):
     for name, doc in objects(overlay, "Deployment").items():
