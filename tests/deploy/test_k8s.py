@@ -10,6 +10,7 @@ overlays, and container args that the real `inkling-epd` parser accepts.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import copy
 import functools
@@ -131,6 +132,48 @@ def dns_target(value: str) -> tuple[str, int]:
     return match.group(1), int(match.group(2))
 
 
+def container_of(deployment_doc: dict) -> dict:
+    return deployment_doc["spec"]["template"]["spec"]["containers"][0]
+
+
+def cli_value(overlay: str, name: str, option: str) -> str:
+    """An option's value in a container's args, read without the parser (for checks independent of it)."""
+    args = expanded_args(pod_spec(overlay, name), container(overlay, name))
+    assert option in args, (name, option, args)
+    return args[args.index(option) + 1]
+
+
+def served_port(overlay: str, name: str) -> int:
+    """A gRPC server's --port, checked to be its named `grpc` container port (and --metrics-port `metrics`)."""
+    c = container(overlay, name)
+    port = int(cli_value(overlay, name, "--port"))
+    assert {"name": "grpc", "containerPort": port} in c["ports"], (name, c["ports"])
+    assert int(cli_value(overlay, name, "--metrics-port")) == METRICS_PORT
+    assert {"name": "metrics", "containerPort": METRICS_PORT} in c["ports"], name
+    return port
+
+
+def decoded(secret: dict) -> dict[str, str]:
+    return {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
+
+
+def pool_case(overlay: str, name: str):
+    """(overlay, pool), expected to fail (strictly) while the CLI lacks what its args need."""
+    marks = []
+    if name == "api":
+        marks.append(pytest.mark.xfail(not has_api_command(), reason="api front lands with issue 18", strict=True))
+    if name == "decode" and overlay in GPU_OVERLAYS:
+        marks.append(
+            pytest.mark.xfail(
+                not has_tensor_parallel(), reason="decode --tensor-parallel-size lands with issue 14", strict=True
+            )
+        )
+    return pytest.param(overlay, name, marks=marks, id=f"{overlay}-{name}")
+
+
+POOL_CASES = [pool_case(o, n) for o in OVERLAYS for n in POOLS]
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Rendering and schema validation
 
@@ -175,10 +218,6 @@ def test_strict_validation_catches_the_mistakes_that_matter():
         pytest.fail(f"the 1.32 schema accepted a {what}")
 
 
-def container_of(deployment_doc: dict) -> dict:
-    return deployment_doc["spec"]["template"]["spec"]["containers"][0]
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Shape
 
@@ -221,13 +260,6 @@ def test_replica_pools_are_headless_services_found_by_dns(overlay):
     host, _, port = cli_value(overlay, "api", "--upstream").rpartition(":")
     assert (host, int(port)) == ("router", GRPC_PORTS["router"])
     service_port(host, int(port))
-
-
-def cli_value(overlay: str, name: str, option: str) -> str:
-    """An option's value in a container's args, read without the parser (for checks independent of it)."""
-    args = expanded_args(pod_spec(overlay, name), container(overlay, name))
-    assert option in args, (name, option, args)
-    return args[args.index(option) + 1]
 
 
 @requires_kubectl
@@ -278,7 +310,7 @@ def test_every_container_has_readiness_and_liveness_probes(overlay):
             assert "readinessProbe" in c and "livenessProbe" in c, (name, c["name"])
     for name, port in GRPC_PORTS.items():
         c = container(overlay, name)
-        assert parse_port(overlay, name) == port
+        assert served_port(overlay, name) == port
         # Readiness = SERVING on grpc.health.v1, checked by the kubelet's native gRPC probe.
         assert c["readinessProbe"]["grpc"] == {"port": port}, name
         if name == "router":
@@ -291,15 +323,6 @@ def test_every_container_has_readiness_and_liveness_probes(overlay):
     assert api["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert {"name": "http", "containerPort": API_PORT} in api["ports"]
     assert cli_value(overlay, "api", "--port") == str(API_PORT)
-
-
-def parse_port(overlay: str, name: str) -> int:
-    c = container(overlay, name)
-    port = int(cli_value(overlay, name, "--port"))
-    assert {"name": "grpc", "containerPort": port} in c["ports"], (name, c["ports"])
-    assert int(cli_value(overlay, name, "--metrics-port")) == METRICS_PORT
-    assert {"name": "metrics", "containerPort": METRICS_PORT} in c["ports"], name
-    return port
 
 
 @requires_kubectl
@@ -395,12 +418,6 @@ def test_pools_read_redis_from_the_secret(overlay):
     assert "redis://redis:6379/0" in [t for s in secrets.values() for t in decoded(s).values()]
 
 
-def decoded(secret: dict) -> dict[str, str]:
-    import base64
-
-    return {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
-
-
 @requires_kubectl
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_pool_has_a_disruption_budget(overlay):
@@ -493,19 +510,6 @@ def test_every_container_requests_resources(overlay):
 # Container args through the real parser
 
 
-def args_case(overlay: str, name: str):
-    marks = []
-    if name == "api":
-        marks.append(pytest.mark.xfail(not has_api_command(), reason="api front lands with issue 18", strict=True))
-    if name == "decode" and overlay in GPU_OVERLAYS:
-        marks.append(
-            pytest.mark.xfail(
-                not has_tensor_parallel(), reason="decode --tensor-parallel-size lands with issue 14", strict=True
-            )
-        )
-    return pytest.param(overlay, name, marks=marks, id=f"{overlay}-{name}")
-
-
 def check_server_settings(name: str, args: argparse.Namespace) -> None:
     """Build the settings each server builds from its flags at start-up (value checks beyond argparse)."""
     from common.settings import GrpcSettings, encoder_settings, redis_settings, security_settings
@@ -523,7 +527,7 @@ def check_server_settings(name: str, args: argparse.Namespace) -> None:
 
 
 @requires_kubectl
-@pytest.mark.parametrize(("overlay", "name"), [args_case(o, n) for o in OVERLAYS for n in POOLS])
+@pytest.mark.parametrize(("overlay", "name"), POOL_CASES)
 def test_container_args_parse_with_the_real_cli(overlay, name, monkeypatch):
     c = container(overlay, name)
     assert c["image"].startswith("inkling-epd/"), c["image"]
@@ -624,21 +628,8 @@ SECURITY_FLAGS = {
 }
 
 
-def security_case(overlay: str, name: str):
-    marks = []
-    if name == "api":
-        marks.append(pytest.mark.xfail(not has_api_command(), reason="api front lands with issue 18", strict=True))
-    if name == "decode" and overlay in GPU_OVERLAYS:
-        marks.append(
-            pytest.mark.xfail(
-                not has_tensor_parallel(), reason="decode --tensor-parallel-size lands with issue 14", strict=True
-            )
-        )
-    return pytest.param(overlay, name, marks=marks, id=f"{overlay}-{name}")
-
-
 @requires_kubectl
-@pytest.mark.parametrize(("overlay", "name"), [security_case(o, n) for o in OVERLAYS for n in POOLS])
+@pytest.mark.parametrize(("overlay", "name"), POOL_CASES)
 def test_security_component_gives_every_tier_the_token_and_mtls(overlay, name):
     """Every tier serves and dials with the token and mTLS from the two Secrets, and (the kubelet's gRPC probes
     being plaintext) is probed by tools.healthcheck over TLS."""
