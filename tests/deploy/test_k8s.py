@@ -628,30 +628,58 @@ SECURITY_FLAGS = {
 }
 
 
-@requires_kubectl
-@pytest.mark.parametrize(("overlay", "name"), POOL_CASES)
-def test_security_component_gives_every_tier_the_token_and_mtls(overlay, name):
-    """Every tier serves and dials with the token and mTLS from the two Secrets, and (the kubelet's gRPC probes
-    being plaintext) is probed by tools.healthcheck over TLS."""
+def security_options(overlay: str, name: str) -> tuple[dict, dict, list[str]]:
+    """A pool's pod spec and container under the security component, and the container's expanded args."""
     spec = by_kind(render_with(overlay, "security"), "Deployment")[name]["spec"]["template"]["spec"]
     (c,) = spec["containers"]
-    args = parse(expanded_args(spec, c))
-    assert {flag: getattr(args, flag) for flag in SECURITY_FLAGS} == SECURITY_FLAGS
+    return spec, c, expanded_args(spec, c)
+
+
+def option(flag: str) -> str:
+    return f"--{flag.replace('_', '-')}"
+
+
+@requires_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("name", POOLS)
+def test_security_component_gives_every_tier_the_token_and_mtls(overlay, name):
+    """Every tier serves and dials with the token and mTLS from the Secrets (the api also checks an API key),
+    and (the kubelet's gRPC probes being plaintext) the gRPC servers are probed by tools.healthcheck over TLS."""
+    spec, c, argv = security_options(overlay, name)
+    options = dict(zip(argv[1::2], argv[2::2], strict=True))  # every arg after the subcommand is a pair
+    assert {flag: options[option(flag)] for flag in SECURITY_FLAGS} == SECURITY_FLAGS
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes["auth"]["secret"]["secretName"] == "inkling-auth"
-    assert volumes["tls"]["secret"]["secretName"] == "inkling-tls"
     mounts = {m["name"]: m for m in c["volumeMounts"]}
-    for volume, path in (("auth", args.auth_token_file), ("tls", args.tls_cert), ("tls", args.tls_ca)):
-        assert mounts[volume]["readOnly"] is True and path.startswith(mounts[volume]["mountPath"] + "/")
+    files = {"auth": ["auth_token_file"], "tls": ["tls_cert", "tls_key", "tls_ca"]}
+    secrets = {"auth": "inkling-auth", "tls": "inkling-tls"}
+    if name == "api":  # /health and /metrics need no key
+        files["api-key"], secrets["api-key"] = ["api_key_file"], "inkling-api-key"
+    else:
+        assert "api-key" not in volumes and "--api-key-file" not in options
+    for volume, flags in files.items():
+        assert volumes[volume]["secret"]["secretName"] == secrets[volume], volume
+        assert mounts[volume]["readOnly"] is True, volume
+        for flag in flags:
+            assert options[option(flag)].startswith(mounts[volume]["mountPath"] + "/"), flag
     if name not in GRPC_PORTS:
         return
+    tls = {k: v for k, v in SECURITY_FLAGS.items() if k.startswith("tls_")}  # health needs no token
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         if probe not in c or (name == "router" and probe == "livenessProbe"):
             continue
         assert "grpc" not in c[probe], (name, probe)
         command = c[probe]["exec"]["command"]
-        assert command[:4] == ["python", "-m", "tools.healthcheck", f"127.0.0.1:{args.port}"], command
+        assert command[:4] == ["python", "-m", "tools.healthcheck", f"127.0.0.1:{options['--port']}"], command
         given = dict(zip(command[4::2], command[5::2], strict=True))
-        tls = {k: v for k, v in SECURITY_FLAGS.items() if k.startswith("tls_")}  # health needs no token
-        assert {k: given[f"--{k.replace('_', '-')}"] for k in tls} == tls, (name, probe)
+        assert {k: given[option(k)] for k in tls} == tls, (name, probe)
         assert float(given["--timeout"]) < c[probe]["timeoutSeconds"], (name, probe)
+
+
+@requires_kubectl
+@pytest.mark.parametrize(("overlay", "name"), POOL_CASES)
+def test_security_component_args_parse_with_the_real_cli(overlay, name):
+    _, _, argv = security_options(overlay, name)
+    args = parse(argv)
+    assert {flag: getattr(args, flag) for flag in SECURITY_FLAGS} == SECURITY_FLAGS
+    if name == "api":
+        assert args.api_key_file == "/etc/inkling/api/key"
