@@ -509,6 +509,22 @@ def test_pools_spread_over_nodes_and_the_router_admits_what_an_api_pod_relays(ov
 
 @requires_kubectl
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_images_are_the_ones_docker_compose_builds(overlay):
+    """Same image names and tags as docker-compose.yml (one version to bump); the api image is issue 18's."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    built = {s["image"] for s in compose["services"].values() if "build" in s}
+    for name, doc in objects(overlay, "Deployment").items():
+        spec = doc["spec"]["template"]["spec"]
+        for c in spec["containers"] + spec.get("initContainers", []):
+            if name == "redis":
+                assert c["image"] == compose["services"]["redis"]["image"]
+            elif name != "api":
+                assert c["image"] in built, (name, c["image"])
+    assert container(overlay, "api")["image"] == "inkling-epd/api:0.1.0"
+
+
+@requires_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_container_requests_resources(overlay):
     for name, doc in objects(overlay, "Deployment").items():
         spec = doc["spec"]["template"]["spec"]
