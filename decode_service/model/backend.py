@@ -28,8 +28,9 @@ class PreparedBatch(Protocol):
         `[T, nH, hd]`: convolve and k-norm the new keys/values, store them in the layer's cache, attend."""
         ...
 
-    def conv(self, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """`layers.ShortConv` `conv` over x `[T, C]`, each sequence continuing from (and updating) its state."""
+    def conv(self, conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`layers.ShortConv` `conv` over x `[T, C]`, each sequence continuing from (and updating) its state;
+        `residual + conv(x)` when a residual `[T, C]` is given (one launch on the paged path)."""
         ...
 
 

@@ -51,9 +51,10 @@ class ShortConv(nn.Module):
         y = (x.float() + conv).to(x.dtype)
         return y, window[-(k - 1) :].to(x.dtype)
 
-    def forward(self, x: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
-        """x `[T, C]` -> `[T, C]`, each sequence continuing from (and updating) its own conv state."""
-        return step.conv(self, x)
+    def forward(self, x: torch.Tensor, step: PreparedBatch, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[T, C]` -> `[T, C]` (`residual + y` when given), each sequence continuing from (and updating) its
+        own conv state."""
+        return step.conv(self, x, residual)
 
 
 class RelativeLogits(nn.Module):
@@ -260,6 +261,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
         """h `[T, H]` -> `[T, H]`."""
-        h = h + self.attn_sconv(self.attn(self.attn_norm(h), step), step)
-        h = h + self.mlp_sconv(self.mlp(self.mlp_norm(h)), step)
+        h = self.attn_sconv(self.attn(self.attn_norm(h), step), step, residual=h)  # h + attn_sconv(attn(...))
+        h = self.mlp_sconv(self.mlp(self.mlp_norm(h)), step, residual=h)  # h + mlp_sconv(mlp(mlp_norm(h)))
         return h

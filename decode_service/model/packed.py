@@ -102,14 +102,15 @@ class PackedBatch:
             ]
         )  # [T, nH, hd]
 
-    def conv(self, conv: ShortConv, x: torch.Tensor) -> torch.Tensor:
+    def conv(self, conv: ShortConv, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         outputs = []
         for rows, seq in zip(self.rows, self.sequences, strict=True):
             cache = seq.layers[conv.layer]
             y, state = conv.step(x[rows], cache.conv_state(conv.index))
             cache.set_conv_state(conv.index, state)
             outputs.append(y)
-        return torch.cat(outputs)  # [T, C]
+        y = torch.cat(outputs)  # [T, C]
+        return y if residual is None else residual + y
 
 
 def decode_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, visible: Sequence[VisibleKV]) -> torch.Tensor:

@@ -58,10 +58,10 @@ class PagedBatch:
             window=attn.geo.window, log_scaling=log_scaling(attn), max_seq_len=decode.max_seq_len,
         )  # fmt: skip
 
-    def conv(self, conv: ShortConv, x: torch.Tensor) -> torch.Tensor:
-        """x `[B, C]`, the states read and written in their pool."""
+    def conv(self, conv: ShortConv, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[B, C]`, the states read and written in their pool; the residual add fused into the launch."""
         from kernels.short_conv import conv_decode
 
-        decode = self.decode
-        y, _ = conv_decode(x, decode.pools.conv_pool(conv.layer, conv.index), decode.conv_slots, conv.weight[:, 0, :])
+        pool = self.decode.pools.conv_pool(conv.layer, conv.index)
+        y, _ = conv_decode(x, pool, self.decode.conv_slots, conv.weight[:, 0, :], residual)
         return y
