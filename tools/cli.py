@@ -290,6 +290,12 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     router.add_argument("--decoders", required=True, help="comma-separated host:port list or dns:///name:port")
     router.set_defaults(func=_lazy("decode_service.router", "serve"))
 
+    api = sub.add_parser("api", help="serve the OpenAI-compatible HTTP API in front of a router or decode replica")
+    from decode_service.http_api.config import add_api_args
+
+    add_api_args(api)
+    api.set_defaults(func=_lazy("decode_service.http_api.server", "serve"))
+
     up = sub.add_parser("up", help="run the docker-compose topology as local processes")
     up.add_argument("--checkpoint", required=True)
     up.add_argument("--encoders", type=int, default=1)
