@@ -179,7 +179,7 @@ def build_app(
         try:
             # The first message decides the HTTP status (bad media, too-long prompts, ... are found upstream),
             # so even a stream answers an error with its status and OpenAI error JSON.
-            first = await _until_disconnect(request, call.read())
+            first = await _until_disconnect(request, call.read(), parsed)
         except BaseException:
             call.cancel()
             metrics.running.dec()
@@ -187,15 +187,15 @@ def build_app(
         if not parsed.stream:
             try:
                 reply = reply_cls()
-                await _until_disconnect(request, _collect(call, first, reply, timer))
+                await _until_disconnect(request, _collect(call, first, reply, timer), parsed)
             finally:
                 call.cancel()
                 metrics.running.dec()
             return JSONResponse(reply.json(meta, parsed.logprobs, parsed.top_logprobs))
         chunks = chunks_cls(meta, parsed.include_usage, parsed.logprobs, parsed.top_logprobs)
-        return EventSourceResponse(_events(call, first, chunks, timer), ping=15)
+        return EventSourceResponse(_events(call, first, chunks, timer, parsed), ping=15)
 
-    async def _until_disconnect(request: Request, work: Any) -> Any:
+    async def _until_disconnect(request: Request, work: Any, parsed: Parsed) -> Any:
         task = asyncio.ensure_future(work)
         watch = asyncio.ensure_future(_wait_disconnect(request))
         try:
@@ -211,7 +211,7 @@ def build_app(
         try:
             return task.result()
         except grpc.aio.AioRpcError as exc:
-            raise from_grpc(exc.code(), exc.details()) from None
+            raise from_grpc(exc.code(), exc.details(), parsed.media_paths) from None
 
     async def _collect(call: Any, first: Any, reply: Any, timer: RequestTimer) -> None:
         message = first
@@ -222,7 +222,7 @@ def build_app(
         if reply.final is None:
             raise ApiError(502, "upstream stream ended without a Final message")
 
-    async def _events(call: Any, first: Any, chunks: Any, timer: RequestTimer) -> AsyncIterator[str]:
+    async def _events(call: Any, first: Any, chunks: Any, timer: RequestTimer, parsed: Parsed) -> AsyncIterator[str]:
         """SSE data lines; an upstream failure after the first chunk becomes an `error` event (the status line
         is already sent). Cancellation (client gone) cancels the upstream call in `finally`."""
         try:
@@ -237,7 +237,7 @@ def build_app(
                 message = await call.read()
             yield "[DONE]"
         except grpc.aio.AioRpcError as exc:
-            yield json.dumps(from_grpc(exc.code(), exc.details()).body())
+            yield json.dumps(from_grpc(exc.code(), exc.details(), parsed.media_paths).body())
         except asyncio.CancelledError:
             metrics.disconnects.inc()
             raise

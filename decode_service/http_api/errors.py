@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 import grpc
 
 # OpenAI's error `type` per HTTP status (what the official SDKs switch on is the status itself).
@@ -53,15 +56,26 @@ def bad_request(param: str, problem: str) -> ApiError:
     return ApiError(400, f"{param}: {problem}", param=param)
 
 
+# Upstream messages start with the field they are about, possibly behind the router's "replica ...: CODE: ".
+_TOO_LONG_PROMPT = re.compile(r"(^|: )prompt: \d+ tokens|prompt tokens leave no room")
+_MEDIA_ITEM = re.compile(r"(?:^|: )media\[(\d+)\]")
+
+
 def _too_long_prompt(details: str) -> bool:
-    return details.startswith("prompt:") or "prompt tokens" in details
+    return _TOO_LONG_PROMPT.search(details) is not None
 
 
-def from_grpc(code: grpc.StatusCode, details: str | None) -> ApiError:
+def from_grpc(code: grpc.StatusCode, details: str | None, media_paths: Sequence[str] = ()) -> ApiError:
     """The upstream's status -> HTTP. RESOURCE_EXHAUSTED is 429 (busy: retry later) except for a prompt
-    too long for the budget, which no retry fixes: 400 `context_length_exceeded`."""
+    too long for the budget, which no retry fixes: 400 `context_length_exceeded`. An upstream message about
+    `media[N]` is prefixed with the OpenAI path of that item (`media_paths[N]`, e.g. messages[0].content[1])."""
     details = details or code.name
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _too_long_prompt(details):
         return ApiError(400, details, code="context_length_exceeded")
     status = _HTTP_STATUS.get(code, 500)
-    return ApiError(status, details, code=code.name.lower())
+    param = None
+    match = _MEDIA_ITEM.search(details)
+    if match and int(match.group(1)) < len(media_paths):
+        param = media_paths[int(match.group(1))]
+        details = f"{param}: {details}"
+    return ApiError(status, details, param=param, code=code.name.lower())

@@ -74,6 +74,7 @@ class Parsed:
     include_usage: bool
     logprobs: bool  # return logprobs in the reply
     top_logprobs: int
+    media_paths: tuple[str, ...] = ()  # OpenAI path of each media item, in the upstream's media[N] order
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -398,7 +399,16 @@ async def parse_chat(body: Any, request_id: str, loader: MediaLoader) -> Parsed:
     if (effort := _reasoning_effort(body)) is not None:
         chat.reasoning_effort = effort
     wanted, top = _logprobs(body, request)
-    return Parsed(request, stream, include_usage, wanted, top)
+    return Parsed(request, stream, include_usage, wanted, top, _media_paths(chat))
+
+
+def _media_paths(chat: pb.ChatPrompt) -> tuple[str, ...]:
+    return tuple(
+        f"messages[{m}].content[{p}]"
+        for m, message in enumerate(chat.messages)
+        for p, part in enumerate(message.content)
+        if part.WhichOneof("part") == "media"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
