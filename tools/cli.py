@@ -304,6 +304,9 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--redis-url", default=None)
     up.add_argument("--device", default="cpu")
     up.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    up.add_argument(
+        "--api-port", type=int, default=None, help="also start the OpenAI-compatible HTTP API on this port (0: free)"
+    )
     add_security_args(up, max_streams_per_client=None)  # passed on to every server
     up.set_defaults(func=_lazy("deploy.launch", "main"))
 
