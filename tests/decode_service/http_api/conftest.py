@@ -129,9 +129,27 @@ class FakeUpstream:
     health: health.HealthServicer
 
 
-@pytest.fixture(scope="module")
-def fake_upstream() -> Iterator[FakeUpstream]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+class _RequireToken(grpc.ServerInterceptor):
+    """UNAUTHENTICATED unless the call carries `authorization: Bearer <token>` (health stays open)."""
+
+    def __init__(self, token: str) -> None:
+        self.expected = f"Bearer {token}"
+
+    def intercept_service(self, continuation, handler_call_details):
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if handler_call_details.method.startswith("/grpc.health") or metadata.get("authorization") == self.expected:
+            return continuation(handler_call_details)
+
+        def refuse(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def start_fake(token: str | None = None) -> tuple[grpc.Server, FakeUpstream]:
+    """A scripted Generator + health server on a free port; with `token`, every non-health call needs it."""
+    interceptors = [_RequireToken(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=interceptors)
     servicer = FakeGenerator()
     generator_pb2_grpc.add_GeneratorServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
@@ -139,7 +157,22 @@ def fake_upstream() -> Iterator[FakeUpstream]:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    return server, FakeUpstream(f"127.0.0.1:{port}", servicer, health_servicer)
+
+
+@pytest.fixture(scope="module")
+def fake_upstream() -> Iterator[FakeUpstream]:
+    server, upstream = start_fake()
     try:
-        yield FakeUpstream(f"127.0.0.1:{port}", servicer, health_servicer)
+        yield upstream
+    finally:
+        server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def fake_upstream_with_token() -> Iterator[FakeUpstream]:
+    server, upstream = start_fake(token="upstream-secret")
+    try:
+        yield upstream
     finally:
         server.stop(0)

@@ -11,6 +11,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2
 
+from common.settings import SecuritySettings
 from decode_service.http_api.config import ApiSettings
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import media_pb2
@@ -260,6 +261,26 @@ def test_disconnect_mid_stream_cancels_the_upstream_call(api, fake_upstream):
             lines = response.iter_lines()
             assert any(line.startswith("data:") and '"x"' in line for line in lines)
     assert fake_upstream.servicer.cancelled.wait(5), "the upstream Generate call was not cancelled"
+
+
+def test_disconnect_while_waiting_for_a_plain_reply_cancels_the_upstream_call(api, fake_upstream):
+    fake_upstream.servicer.cancelled.clear()
+    body = {"model": "inkling-test", "messages": user("slow")}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{api.url}/v1/chat/completions", json=body, timeout=1.0)
+    assert fake_upstream.servicer.cancelled.wait(5), "the upstream Generate call was not cancelled"
+
+
+def test_upstream_bearer_token_is_passed_through(api_thread, fake_upstream_with_token):
+    def client(token: str | None) -> openai.OpenAI:
+        security = SecuritySettings(token=token)
+        settings = ApiSettings(upstream=fake_upstream_with_token.address, upstream_security=security)
+        return openai.OpenAI(base_url=f"{api_thread(settings).url}/v1", api_key="x", max_retries=0)
+
+    with pytest.raises(openai.AuthenticationError, match="bearer token"):
+        client(None).chat.completions.create(model="fake-inkling", messages=user("hello"))
+    reply = client("upstream-secret").chat.completions.create(model="fake-inkling", messages=user("hello"))
+    assert reply.choices[0].message.content == "Hello world"
 
 
 def test_api_key_is_required_when_configured(api_thread, fake_upstream, tmp_path):
