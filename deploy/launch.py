@@ -261,7 +261,7 @@ class Cluster:
         """`inkling-epd api` in front of the router (upstream token / TLS flags as the servers got them);
         ready when its /health answers 200."""
         argv = [*self.spec.command("api"), "--upstream", self.router_address, "--host", self.spec.host]
-        argv += ["--port", str(port), *self.spec.security_flags]
+        argv += ["--port", str(port), *self.spec.security_flags, *self.spec.extra_args.get("api", ())]
         self.api = self._spawn("api", argv, address=f"{self.spec.host}:{port}")
         deadline = time.monotonic() + self.spec.startup_timeout_s
         while not http_ok(f"http://{self.api.address}/health"):
