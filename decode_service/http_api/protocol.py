@@ -449,8 +449,8 @@ def parse_completion(body: Any, request_id: str) -> Parsed:
     return Parsed(request, stream, include_usage, top is not None, top or 0)
 
 
-def check_model(body: dict, served: str) -> None:
-    model = body.get("model") if isinstance(body, dict) else None
+def check_model(body: Any, served: str) -> None:
+    model = _string(_object(body, "body"), "model")
     if model is None:
         raise bad_request("model", "required")
     if model != served:

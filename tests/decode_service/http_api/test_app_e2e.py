@@ -162,6 +162,18 @@ def test_stop_string_ends_the_reply_before_it(client):
     assert stopped.choices[0].message.content == text[: text.index(stop)]
 
 
+def test_video_data_url_is_encoded_as_frames(client):
+    question = {"type": "text", "text": "What moves?"}
+    video = {"type": "video_url", "video_url": {"url": data_url("video/mp4", MEDIA["moving.mp4"])}}
+    text_only = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": [question]}], max_tokens=1
+    )
+    with_video = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": [video, question]}], max_tokens=1
+    )
+    assert with_video.usage.prompt_tokens > text_only.usage.prompt_tokens + 16  # the frames' placeholder runs
+
+
 def test_tool_call_history_renders(client):
     tools = [
         {
