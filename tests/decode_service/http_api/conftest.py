@@ -4,11 +4,14 @@ fake Generator upstream for the fast tests, and the e2e cluster fixtures re-expo
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import pytest
@@ -146,8 +149,9 @@ class _RequireToken(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-def start_fake(token: str | None = None) -> tuple[grpc.Server, FakeUpstream]:
-    """A scripted Generator + health server on a free port; with `token`, every non-health call needs it."""
+def start_fake(token: str | None = None, credentials=None) -> tuple[grpc.Server, FakeUpstream]:
+    """A scripted Generator + health server on a free port; with `token`, every non-health call needs it; with
+    `credentials` (grpc.ServerCredentials) it listens with TLS."""
     interceptors = [_RequireToken(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=interceptors)
     servicer = FakeGenerator()
@@ -155,7 +159,8 @@ def start_fake(token: str | None = None) -> tuple[grpc.Server, FakeUpstream]:
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    address = "127.0.0.1:0"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     server.start()
     return server, FakeUpstream(f"127.0.0.1:{port}", servicer, health_servicer)
 
@@ -172,6 +177,42 @@ def fake_upstream() -> Iterator[FakeUpstream]:
 @pytest.fixture(scope="module")
 def fake_upstream_with_token() -> Iterator[FakeUpstream]:
     server, upstream = start_fake(token="upstream-secret")
+    try:
+        yield upstream
+    finally:
+        server.stop(0)
+
+
+def _openssl(directory: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """A CA plus server (127.0.0.1) and client certificates signed by it."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = tmp_path_factory.mktemp("pki")
+    _openssl(d, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+             "-subj", "/CN=inkling-test-ca")  # fmt: skip
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        _openssl(d, "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}")  # fmt: skip
+        _openssl(d, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext")  # fmt: skip
+    return d
+
+
+@pytest.fixture(scope="module")
+def fake_upstream_mtls(pki) -> Iterator[FakeUpstream]:
+    """The scripted upstream behind mTLS: clients must present a certificate signed by the test CA."""
+    credentials = grpc.ssl_server_credentials(
+        [((pki / "server.key").read_bytes(), (pki / "server.pem").read_bytes())],
+        root_certificates=(pki / "ca.pem").read_bytes(),
+        require_client_auth=True,
+    )
+    server, upstream = start_fake(credentials=credentials)
     try:
         yield upstream
     finally:

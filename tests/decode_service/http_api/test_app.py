@@ -283,6 +283,24 @@ def test_upstream_bearer_token_is_passed_through(api_thread, fake_upstream_with_
     assert reply.choices[0].message.content == "Hello world"
 
 
+def test_upstream_mtls_flags_are_passed_through(api_thread, fake_upstream_mtls, pki):
+    from decode_service.http_api.config import api_settings
+    from tools.cli import build_parser
+
+    def front(*tls: str):
+        argv = ["api", "--upstream", fake_upstream_mtls.address, "--served-model-name", "m", *tls]
+        return api_thread(api_settings(build_parser().parse_args(argv)))
+
+    mtls = front(
+        "--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(pki / "client.pem"), "--tls-key", str(pki / "client.key")
+    )
+    assert httpx.get(f"{mtls.url}/health").status_code == 200
+    client = openai.OpenAI(base_url=f"{mtls.url}/v1", api_key="x", max_retries=0)
+    assert client.chat.completions.create(model="m", messages=user("hello")).choices[0].message.content == "Hello world"
+    no_client_cert = front("--tls-ca", str(pki / "ca.pem"))
+    assert httpx.get(f"{no_client_cert.url}/health").status_code == 503
+
+
 def test_api_key_is_required_when_configured(api_thread, fake_upstream, tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text("s3cret\n")
