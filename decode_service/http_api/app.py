@@ -229,12 +229,16 @@ def build_app(
             opening = chunks.first()
             if opening is not None:
                 yield json.dumps(opening)
-            message = first
+            message, finished = first, False
             while message is not grpc.aio.EOF:
                 timer.feed(message)
+                finished = finished or message.WhichOneof("response") == "final"
                 for chunk in chunks.feed(message):
                     yield json.dumps(chunk)
                 message = await call.read()
+            if not finished:
+                yield json.dumps(ApiError(502, "upstream stream ended without a Final message").body())
+                return
             yield "[DONE]"
         except grpc.aio.AioRpcError as exc:
             yield json.dumps(from_grpc(exc.code(), exc.details(), parsed.media_paths).body())

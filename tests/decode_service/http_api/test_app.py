@@ -241,6 +241,14 @@ def test_upstream_status_maps_to_http(client, code, message, error, status, stre
     assert info.value.status_code == status and message in str(info.value)
 
 
+def test_a_stream_without_final_is_an_error_not_a_reply(client):
+    with pytest.raises(openai.InternalServerError, match="without a Final") as info:
+        client.chat.completions.create(model="inkling-test", messages=user("no final"))
+    assert info.value.status_code == 502
+    with pytest.raises(openai.APIError, match="without a Final"):
+        list(client.chat.completions.create(model="inkling-test", messages=user("no final"), stream=True))
+
+
 def test_completions_with_token_ids(client, fake_upstream):
     reply = client.completions.create(model="inkling-test", prompt=[1, 2, 3], max_tokens=2)
     request = fake_upstream.servicer.requests[-1]
