@@ -242,6 +242,8 @@ def build_app(
             yield "[DONE]"
         except grpc.aio.AioRpcError as exc:
             yield json.dumps(from_grpc(exc.code(), exc.details(), parsed.media_paths).body())
+        except ApiError as exc:
+            yield json.dumps(exc.body())
         except asyncio.CancelledError:
             metrics.disconnects.inc()
             raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from decode_service.http_api.errors import ApiError
 from proto.inkling_epd.v1 import generator_pb2 as pb
 
 FINISH_REASONS = {
@@ -38,7 +39,9 @@ def usage_json(usage: pb.Usage) -> dict:
 
 
 def finish_reason(final: pb.Final) -> str:
-    return FINISH_REASONS.get(final.finish_reason, "stop")
+    if final.finish_reason not in FINISH_REASONS:
+        raise ApiError(502, f"upstream Final has no known finish_reason ({final.finish_reason})")
+    return FINISH_REASONS[final.finish_reason]
 
 
 def tool_call_json(call: pb.ToolCall) -> dict:

@@ -75,6 +75,7 @@ def _delta(text: str = "", channel: int = pb.CHANNEL_CONTENT, ids=(1,), **kw) ->
 SCRIPTS = {
     # last user text -> the responses (or an abort) the fake streams
     "no final": [_delta("partial")],  # a broken upstream: the stream ends without its Final
+    "no reason": [_delta("partial"), pb.GenerateResponse(final=pb.Final(usage=_usage()))],  # Final, reason unset
     "hello": [
         _delta("Let me think.", pb.CHANNEL_REASONING, ids=(10, 11)),
         _delta("Hello", ids=(12,), logprobs=[pb.TokenLogprob(token_id=12, logprob=-0.5)]),

@@ -241,12 +241,13 @@ def test_upstream_status_maps_to_http(client, code, message, error, status, stre
     assert info.value.status_code == status and message in str(info.value)
 
 
-def test_a_stream_without_final_is_an_error_not_a_reply(client):
-    with pytest.raises(openai.InternalServerError, match="without a Final") as info:
-        client.chat.completions.create(model="inkling-test", messages=user("no final"))
+@pytest.mark.parametrize("script, problem", [("no final", "without a Final"), ("no reason", "no known finish_reason")])
+def test_a_broken_upstream_stream_is_an_error_not_a_reply(client, script, problem):
+    with pytest.raises(openai.InternalServerError, match=problem) as info:
+        client.chat.completions.create(model="inkling-test", messages=user(script))
     assert info.value.status_code == 502
-    with pytest.raises(openai.APIError, match="without a Final"):
-        list(client.chat.completions.create(model="inkling-test", messages=user("no final"), stream=True))
+    with pytest.raises(openai.APIError, match=problem):
+        list(client.chat.completions.create(model="inkling-test", messages=user(script), stream=True))
 
 
 def test_completions_with_token_ids(client, fake_upstream):
