@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from common.auth import aio_channel
 from common.grpc_util import channel_options
@@ -193,7 +194,11 @@ def build_app(
                 metrics.running.dec()
             return JSONResponse(reply.json(meta, parsed.logprobs, parsed.top_logprobs))
         chunks = chunks_cls(meta, parsed.include_usage, parsed.logprobs, parsed.top_logprobs)
-        return EventSourceResponse(_events(call, first, chunks, timer, parsed), ping=15)
+        release = _Release(call, metrics)
+        # `release` runs when the event generator ends and again as the response's background task, which also
+        # covers a client gone before the generator ever started (its `finally` would never run).
+        events = _events(call, first, chunks, timer, parsed, release)
+        return EventSourceResponse(events, ping=15, background=BackgroundTask(release))
 
     async def _until_disconnect(request: Request, work: Any, parsed: Parsed) -> Any:
         task = asyncio.ensure_future(work)
@@ -222,7 +227,9 @@ def build_app(
         if reply.final is None:
             raise ApiError(502, "upstream stream ended without a Final message")
 
-    async def _events(call: Any, first: Any, chunks: Any, timer: RequestTimer, parsed: Parsed) -> AsyncIterator[str]:
+    async def _events(
+        call: Any, first: Any, chunks: Any, timer: RequestTimer, parsed: Parsed, release: _Release
+    ) -> AsyncIterator[str]:
         """SSE data lines; an upstream failure after the first chunk becomes an `error` event (the status line
         is already sent). Cancellation (client gone) cancels the upstream call in `finally`."""
         try:
@@ -248,10 +255,22 @@ def build_app(
             metrics.disconnects.inc()
             raise
         finally:
-            call.cancel()
-            metrics.running.dec()
+            release()
 
     return app
+
+
+class _Release:
+    """Cancels one upstream call and counts it out of `num_requests_running`, once."""
+
+    def __init__(self, call: Any, metrics: ApiMetrics) -> None:
+        self.call, self.metrics, self.done = call, metrics, False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.call.cancel()
+            self.metrics.running.dec()
 
 
 _ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")

@@ -353,3 +353,5 @@ def test_metrics_are_prometheus_text(client, api):
         'inkling_api_http_requests_total{route="/v1/chat/completions",status="200"}',
     ):
         assert name in text
+    # every call of this module, disconnected ones included, was counted out again
+    assert "inkling_api_num_requests_running 0.0" in text
