@@ -28,7 +28,9 @@ from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from common.auth import aio_channel
+from common.errors import InvalidInputError
 from common.grpc_util import channel_options
+from common.request_ids import check_request_id
 from decode_service.http_api.config import ApiSettings
 from decode_service.http_api.errors import ApiError, bad_request, from_grpc
 from decode_service.http_api.media import MediaLoader
@@ -156,7 +158,7 @@ def build_app(
         body = await _body(request, settings.max_body_bytes)
         upstream = state["upstream"]
         check_model(body, await upstream.model_id())
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = _request_id(request, "chatcmpl")
         parsed = await parse_chat(body, rid, loader)
         meta = ReplyMeta(rid, body["model"], int(time.time()))
         return await _generate(request, upstream, parsed, meta, ChatReply, ChatChunks)
@@ -166,7 +168,7 @@ def build_app(
         body = await _body(request, settings.max_body_bytes)
         upstream = state["upstream"]
         check_model(body, await upstream.model_id())
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = _request_id(request, "cmpl")
         parsed = parse_completion(body, rid)
         meta = ReplyMeta(rid, body["model"], int(time.time()))
         return await _generate(request, upstream, parsed, meta, CompletionReply, CompletionChunks)
@@ -271,6 +273,18 @@ class _Release:
             self.done = True
             self.call.cancel()
             self.metrics.running.dec()
+
+
+def _request_id(request: Request, kind: str) -> str:
+    """The caller's `X-Request-Id` (a gateway's, so logs line up end to end) or a fresh `<kind>-<hex>`; it is
+    the upstream request id and the reply's `id`."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return f"{kind}-{uuid.uuid4().hex}"
+    try:
+        return check_request_id(given, "X-Request-Id") or f"{kind}-{uuid.uuid4().hex}"
+    except InvalidInputError as exc:
+        raise ApiError(400, str(exc), param="X-Request-Id") from None
 
 
 _ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")

@@ -112,6 +112,19 @@ def test_stream_with_usage_matches_the_plain_reply(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_x_request_id_travels_upstream_and_back(client, fake_upstream):
+    reply = client.chat.completions.create(
+        model="inkling-test", messages=user("hello"), extra_headers={"X-Request-Id": "gw-42"}
+    )
+    assert reply.id == fake_upstream.servicer.requests[-1].request_id == "gw-42"
+    plain = client.chat.completions.create(model="inkling-test", messages=user("hello"))
+    assert plain.id.startswith("chatcmpl-") and plain.id == fake_upstream.servicer.requests[-1].request_id
+    with pytest.raises(openai.BadRequestError, match="X-Request-Id"):
+        client.chat.completions.create(
+            model="inkling-test", messages=user("hello"), extra_headers={"X-Request-Id": "x" * 200}
+        )
+
+
 def test_logprobs_name_token_ids(client, fake_upstream):
     reply = client.chat.completions.create(model="inkling-test", messages=user("hello"), logprobs=True, top_logprobs=2)
     assert fake_upstream.servicer.requests[-1].sampling.logprobs == 2
