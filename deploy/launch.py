@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REDIS_CONF = Path(__file__).resolve().with_name("redis.conf")
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-ROLES = ("encoder", "decode", "router")
+ROLES = ("encoder", "decode", "router", "api")
 
 
 class ClusterError(InklingError):
@@ -63,6 +63,7 @@ class ClusterSpec:
     security_flags: Sequence[str] = ()  # token / TLS flags given to every server (common.settings)
     security: SecuritySettings = field(default_factory=SecuritySettings)  # how the launcher dials them
     commands: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role -> argv prefix override
+    api_port: int | None = None  # the OpenAI-compatible HTTP front in front of the router (0: a free port)
 
     def __post_init__(self) -> None:
         if self.encoders < 0 or self.decoders < 1:
@@ -112,6 +113,17 @@ def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
         client.close()
 
 
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 class Cluster:
     """Redis + encoders + decode replicas + router as child processes; a context manager."""
 
@@ -122,6 +134,7 @@ class Cluster:
         self.encoders: list[ManagedProcess] = []
         self.decoders: list[ManagedProcess] = []
         self.router: ManagedProcess | None = None
+        self.api: ManagedProcess | None = None  # address: the HTTP front's host:port
         self._redis: ManagedProcess | None = None
         self._ports = iter(range(spec.base_port, spec.base_port + 1 + spec.decoders + spec.encoders))
         self._taken: set[int] = set()
@@ -147,6 +160,7 @@ class Cluster:
             self.encoders,
             self.decoders,
             [self.router] if self.router else [],
+            [self.api] if self.api else [],
         ]
         return [p for tier in tiers for p in tier]
 
@@ -240,6 +254,20 @@ class Cluster:
             "router", "router", ports["router"], ["--decoders", ",".join(self.decoder_addresses)]
         )
         self._wait_serving([self.router])
+        if spec.api_port is not None:
+            self._start_api(spec.api_port or free_port(spec.host))
+
+    def _start_api(self, port: int) -> None:
+        """`inkling-epd api` in front of the router (upstream token / TLS flags as the servers got them);
+        ready when its /health answers 200."""
+        argv = [*self.spec.command("api"), "--upstream", self.router_address, "--host", self.spec.host]
+        argv += ["--port", str(port), *self.spec.security_flags, *self.spec.extra_args.get("api", ())]
+        self.api = self._spawn("api", argv, address=f"{self.spec.host}:{port}")
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        while not http_ok(f"http://{self.api.address}/health"):
+            if self.api.exited() or time.monotonic() > deadline:
+                raise ClusterError(f"api did not become healthy; log {self.api.log_path}:\n{self.api.log_tail()}")
+            time.sleep(0.2)
 
     def _spawn_server(self, name: str, role: str, port: int, args: list[str]) -> ManagedProcess:
         extra = self.spec.extra_args.get(role, ())
@@ -292,6 +320,7 @@ class Cluster:
     def stop(self) -> None:
         """Tier by tier, router first: SIGTERM, wait, SIGKILL what is left. Safe to call twice."""
         tiers = [
+            [self.api] if self.api else [],
             [self.router] if self.router else [],
             self.decoders,
             self.encoders,
@@ -347,6 +376,7 @@ def main(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         security_flags=security_flags(args),
         security=security_settings(args),
+        api_port=args.api_port,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_terminated)
@@ -354,6 +384,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         with cluster:
             print(f"router: {cluster.router_address}")
+            if cluster.api is not None:
+                print(f"openai api: http://{cluster.api.address}/v1")
             print(f"decoders: {', '.join(cluster.decoder_addresses)}")
             print(f"encoders: {', '.join(cluster.encoder_addresses) or '(none)'}")
             print(f"redis: {cluster.redis_url or '(none: no shared cache)'}")

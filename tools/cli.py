@@ -290,6 +290,12 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     router.add_argument("--decoders", required=True, help="comma-separated host:port list or dns:///name:port")
     router.set_defaults(func=_lazy("decode_service.router", "serve"))
 
+    api = sub.add_parser("api", help="serve the OpenAI-compatible HTTP API in front of a router or decode replica")
+    from decode_service.http_api.config import add_api_args
+
+    add_api_args(api)
+    api.set_defaults(func=_lazy("decode_service.http_api.server", "serve"))
+
     up = sub.add_parser("up", help="run the docker-compose topology as local processes")
     up.add_argument("--checkpoint", required=True)
     up.add_argument("--encoders", type=int, default=1)
@@ -298,6 +304,9 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--redis-url", default=None)
     up.add_argument("--device", default="cpu")
     up.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    up.add_argument(
+        "--api-port", type=int, default=None, help="also start the OpenAI-compatible HTTP API on this port (0: free)"
+    )
     add_security_args(up, max_streams_per_client=None)  # passed on to every server
     up.set_defaults(func=_lazy("deploy.launch", "main"))
 

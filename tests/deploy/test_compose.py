@@ -112,7 +112,7 @@ def test_every_service_command_parses_with_the_real_cli(compose):
 
 
 def test_services_and_commands_parse_with_the_real_cli(compose):
-    assert set(compose["services"]) == {"redis", "encoder", "decode", "decode-cpu", "router"}
+    assert set(compose["services"]) == {"redis", "encoder", "decode", "decode-cpu", "router", "api"}
     parser = build_parser()
     for name, port in GRPC_SERVICES.items():
         args = parser.parse_args(cli_args(compose["services"][name]))
@@ -138,7 +138,7 @@ def test_scalable_services_have_no_fixed_names_or_host_ports(compose):
         assert "hostname" not in service, name
     assert compose["services"]["router"]["ports"] == ["${INKLING_ROUTER_PORT:-50050}:50050"]
     published = [n for n, s in compose["services"].items() if "ports" in s]
-    assert published == ["router"]  # the single client entry point
+    assert published == ["router", "api"]  # the client entry points: gRPC and the OpenAI HTTP API
 
 
 def test_every_service_is_health_checked_and_started_in_order(compose):
@@ -160,6 +160,15 @@ def test_every_service_is_health_checked_and_started_in_order(compose):
     assert set(services["decode"]["depends_on"]) == {"redis", "encoder"}
     router_deps = services["router"]["depends_on"]
     assert router_deps["decode"]["required"] is False and router_deps["decode-cpu"]["required"] is False
+
+
+def test_api_fronts_the_router_with_the_real_cli(compose):
+    api = compose["services"]["api"]
+    args = build_parser().parse_args(cli_args(api))
+    assert (args.command, args.upstream, args.host, args.port) == ("api", "router:50050", "0.0.0.0", 8000)
+    assert api["image"] == compose["services"]["router"]["image"] and api["ports"] == ["${INKLING_API_PORT:-8000}:8000"]
+    assert "127.0.0.1:8000/health" in api["healthcheck"]["test"][-1]
+    assert api["depends_on"] == {"router": {"condition": "service_healthy"}}
 
 
 def test_gpu_reservation_and_cpu_variant(compose):

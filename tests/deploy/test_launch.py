@@ -171,3 +171,18 @@ def test_token_flags_reach_every_server_and_guard_the_router(fake_spec, tmp_path
                 )
             )
         assert out[-1].HasField("final")
+
+
+def test_api_port_puts_the_openai_front_before_the_router(fake_spec):
+    import httpx
+
+    spec = fake_spec(api_port=0, extra_args={"api": ["--served-model-name", "fake"]})
+    with Cluster(spec) as cluster:
+        base = f"http://{cluster.api.address}"
+        assert httpx.get(f"{base}/health").status_code == 200
+        body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+        reply = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=10).json()
+        assert reply["choices"][0]["message"]["content"].startswith("decode@")
+        api = cluster.api
+        assert api.argv[api.argv.index("--upstream") + 1] == cluster.router_address
+    assert api.popen.returncode == 0
