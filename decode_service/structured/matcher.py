@@ -53,3 +53,11 @@ class ConstraintMatcher:
             raise ValueError(f"cannot roll back {num_tokens} of {self.num_accepted} accepted tokens")
         self._matcher.rollback(num_tokens)
         self.num_accepted -= num_tokens
+
+
+def finish_detail(matcher: ConstraintMatcher | None, finish_reason: str, num_tokens: int) -> str:
+    """What the final event says about an output that hit its token limit (max_tokens or the context) before
+    its constraint was met; "" otherwise."""
+    if matcher is None or matcher.is_terminated or finish_reason != "length":
+        return ""
+    return f"{matcher.description}: not satisfied within {num_tokens} tokens; the output is incomplete"
