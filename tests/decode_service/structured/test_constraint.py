@@ -112,3 +112,37 @@ async def test_invalid_schema_is_invalid_argument_before_any_token(stub):
     assert not responses
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details() == "constraint.json_schema: Value must be a number"
+
+
+def test_cli_flags_set_the_constraint(tmp_path):
+    from tools.cli import _generate_request, build_parser
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    grammar_file = tmp_path / "g.ebnf"
+    grammar_file.write_text('root ::= "a"')
+
+    def request(*flags):
+        return _generate_request(build_parser().parse_args(["generate", "--local", "--prompt", "hi", *flags]))
+
+    assert request("--json-schema", str(schema_file), "--flexible-whitespace").constraint == pb.OutputConstraint(
+        json_schema=json.dumps(SCHEMA), flexible_whitespace=True
+    )
+    assert request("--regex", "a|b").constraint == pb.OutputConstraint(regex="a|b")
+    assert request("--grammar", str(grammar_file)).constraint == pb.OutputConstraint(grammar='root ::= "a"')
+    assert request("--json-object").constraint == pb.OutputConstraint(json_object=True)
+    assert not request().HasField("constraint")
+    with pytest.raises(SystemExit, match="--flexible-whitespace needs"):
+        request("--flexible-whitespace")
+
+
+def test_cli_generate_local_with_a_json_schema(checkpoint, tmp_path, capsys):
+    from tools.cli import main
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    flags = ["--checkpoint", str(checkpoint), "--prompt", "JSON please", "--max-tokens", "48", "--json"]
+    assert main(["generate", "--local", *flags, "--json-schema", str(schema_file)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(out["text"]), SCHEMA)
