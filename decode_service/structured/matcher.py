@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 import xgrammar as xgr
@@ -42,6 +43,10 @@ class ConstraintMatcher:
         """Write the allowed next tokens into row `row` of a packed int32 bitmask `[N, cdiv(V, 32)]` (CPU)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    @property
+    def grammar_matcher(self) -> xgr.GrammarMatcher:
+        return self._matcher
+
     def accept(self, token_id: int) -> None:
         if not self._matcher.accept_token(token_id):
             raise RuntimeError(f"{self.description}: token {token_id} was sampled outside the grammar mask")
@@ -53,6 +58,19 @@ class ConstraintMatcher:
             raise ValueError(f"cannot roll back {num_tokens} of {self.num_accepted} accepted tokens")
         self._matcher.rollback(num_tokens)
         self.num_accepted -= num_tokens
+
+
+def fill_bitmasks(matchers: Sequence[ConstraintMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """`matchers[i]` fills row `rows[i]` of `bitmask`; several at once in parallel on xgrammar's threads."""
+    if len(matchers) == 1:
+        matchers[0].fill_bitmask(bitmask, rows[0])
+        return
+    _batch_matcher().batch_fill_next_token_bitmask([m.grammar_matcher for m in matchers], bitmask, list(rows))
+
+
+@lru_cache(maxsize=1)
+def _batch_matcher() -> xgr.BatchGrammarMatcher:
+    return xgr.BatchGrammarMatcher("auto")  # half the hardware threads
 
 
 def finish_detail(matcher: ConstraintMatcher | None, finish_reason: str, num_tokens: int) -> str:

@@ -1,8 +1,9 @@
 """The sampler's hooks: grammar masks on the logits before sampling, matchers advanced after it.
 
-Masks are filled on the host (xgrammar) into one packed `[N, cdiv(V, 32)]` bitmask per step (unconstrained rows
-all ones), copied to the logits' device and applied by `kernels.token_mask` (Triton on CUDA, torch elsewhere).
-The masked logits are a copy: logprobs stay those of the raw model distribution.
+Masks are filled on the host (xgrammar, rows in parallel on its threads) into one packed `[N, cdiv(V, 32)]`
+bitmask per step (unconstrained rows all ones), copied to the logits' device and applied by `kernels.token_mask`
+(Triton on CUDA, torch elsewhere). The masked logits are a copy: logprobs stay those of the raw model
+distribution.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from decode_service.engine.request import Request
+from decode_service.structured.matcher import fill_bitmasks
 from kernels.token_mask import apply_token_mask, token_mask_reference
 
 
@@ -21,8 +23,7 @@ def mask_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tens
     if not rows:
         return logits
     bitmask = torch.full((logits.shape[0], -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
-    for i in rows:
-        requests[i].constraint.fill_bitmask(bitmask, i)
+    fill_bitmasks([requests[i].constraint for i in rows], bitmask, rows)
     masked = logits.clone()
     if masked.is_cuda:
         apply_token_mask(masked, bitmask.pin_memory().to(masked.device, non_blocking=True))
