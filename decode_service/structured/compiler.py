@@ -60,6 +60,7 @@ class ConstraintCompiler:
         self._cache: OrderedDict[bytes, CompiledConstraint] = OrderedDict()
         self._lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
+        self._executor.submit(self._xgr)  # the vocabulary's TokenizerInfo (~1 s) before the first request needs it
 
     async def compile(self, constraint: Constraint, tools: Sequence[ToolSpec] = ()) -> CompiledConstraint:
         """Compile on the compiler's threads; raises `InvalidInputError` naming the field."""
