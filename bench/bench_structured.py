@@ -1,5 +1,6 @@
 """Structured outputs per decode step: grammar mask computation (xgrammar, host) + its application to the logits
-(`kernels/token_mask`: Triton on CUDA, torch on CPU) + matcher advance, at batch 1 and 64, next to the decode step.
+(`kernels/token_mask`: Triton on CUDA, torch on CPU, on a copy of the logits) + matcher advance, at batch 1 and
+64, next to the decode step. The host fill (xgrammar's bitmask rows) is also timed alone.
 
 Every row of the batch holds a JSON-schema constraint over the full Inkling vocabulary (200058 logits), walked by
 a "random model": each step the masked logits of random scores pick the token, so the matchers pass through
@@ -25,7 +26,7 @@ from decode_service.chat import MESSAGE_USER
 from decode_service.engine.request import Request
 from decode_service.structured.compiler import ConstraintCompiler
 from decode_service.structured.constraint import OutputConstraint
-from decode_service.structured.matcher import ConstraintMatcher
+from decode_service.structured.matcher import ConstraintMatcher, fill_bitmasks
 from decode_service.structured.sampling import advance_matchers, mask_logits
 
 VOCAB = 200058  # Inkling's unpadded vocabulary: the logits width
@@ -78,9 +79,13 @@ def run_batch(compiler: ConstraintCompiler, batch: int, steps: int, device: torc
 
     requests = [fresh(i) for i in range(batch)]
     gen = torch.Generator(device=device).manual_seed(0)
-    mask_ms, advance_ms = [], []
+    fill_ms, mask_ms, advance_ms = [], [], []
+    scratch = torch.empty((batch, -(-VOCAB // 32)), dtype=torch.int32)
     for _ in range(steps):
         logits = torch.randn(batch, VOCAB, generator=gen, device=device)
+        t0 = time.perf_counter()
+        fill_bitmasks([r.constraint for r in requests], scratch, list(range(batch)))  # the host part alone
+        fill_ms.append((time.perf_counter() - t0) * 1e3)
         _sync(device)
         t0 = time.perf_counter()
         masked = mask_logits(logits, requests)
@@ -99,6 +104,7 @@ def run_batch(compiler: ConstraintCompiler, batch: int, steps: int, device: torc
         logits.argmax(-1).tolist()
         baseline.append((time.perf_counter() - t0) * 1e3)
     return {
+        "fill_ms": statistics.median(fill_ms),
         "mask_ms": statistics.median(mask_ms) - statistics.median(baseline),
         "advance_ms": statistics.median(advance_ms),
     }
@@ -120,13 +126,14 @@ def main() -> None:
     for i, (cold, cached) in enumerate(compile_times(compiler)):
         print(f"| {i} | {cold:.1f} | {cached:.3f} |")
     print()
-    print("| B | mask fill + apply ms | advance ms | structured ms | decode step floor ms | share |")
-    print("|---|---|---|---|---|---|")
+    print("| B | host fill ms | mask fill + apply ms | advance ms | structured ms | decode step floor ms | share |")
+    print("|---|---|---|---|---|---|---|")
     for batch in args.batches:
         r = run_batch(compiler, batch, args.steps, device)
         total = r["mask_ms"] + r["advance_ms"]
         floor = decode_step_floor_ms(batch)
         cells = [
+            f"{r['fill_ms']:.3f}",
             f"{r['mask_ms']:.3f}",
             f"{r['advance_ms']:.3f}",
             f"{total:.3f}",

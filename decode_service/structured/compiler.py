@@ -156,6 +156,10 @@ def library_message(exc: BaseException) -> str:
 
 def _tool_call_format(tool: ToolSpec, index: int) -> dict:
     where = f"chat.tools[{index}].parameters_json"
+    if tool.parameters.get("type", "object") != "object":
+        raise InvalidInputError(
+            f"{where}: a forced tool call needs an object schema, got type {tool.parameters['type']!r}"
+        )
     schema = json.dumps(tool.parameters or {"type": "object"}, ensure_ascii=False)
     try:
         args = _json_grammar(schema, flexible=False)

@@ -37,9 +37,17 @@ def test_forced_tool_call_needs_tools(compiler):
 
 
 def test_bad_tool_schema_names_the_tool(compiler):
-    tools = (*TOOLS, ToolSpec("bad", "", {"type": "nonsense"}))
+    tools = (*TOOLS, ToolSpec("bad", "", {"type": "object", "properties": {"a": {"type": "nonsense"}}}))
     with pytest.raises(InvalidInputError, match=r"^chat\.tools\[1\]\.parameters_json: Unsupported type"):
         compiler.compile_sync(ForcedToolCall(), tools)
+
+
+def test_tool_arguments_must_be_an_object_schema(compiler):
+    tools = (ToolSpec("echo", "", {"type": "string"}),)
+    with pytest.raises(
+        InvalidInputError, match=r"^chat\.tools\[0\]\.parameters_json: .*object schema, got type 'string'"
+    ):
+        compiler.compile_sync(ForcedToolCall("echo"), tools)
 
 
 def test_cache_is_keyed_by_the_constraint_hash(compiler):
