@@ -265,3 +265,26 @@ def test_mask_keeps_unconstrained_rows_and_raw_logits(compiler, engine):
     allowed = torch.isfinite(masked[0]).nonzero().flatten().tolist()
     assert allowed == [MESSAGE_MODEL]
     assert mask_logits(logits, [b, b]) is logits
+
+
+def test_matchers_survive_preemption(compiler, checkpoint):
+    """A preempted request is recomputed from its prompt and output; its matcher keeps its state meanwhile."""
+    from decode_service.service import build_engine
+
+    small = build_engine(
+        checkpoint,
+        dtype="float32",
+        kv_cache_bytes=256 << 10,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_prefix_cache=False,
+    )
+    names = ["nested", "any_of", "array_bounds", "optional"]
+    schemas = [OutputConstraint("json_schema", json.dumps(SCHEMAS[n])) for n in names]
+    prompt = [MESSAGE_USER, CONTENT_TEXT, *encode_text(" Give me some JSON, please." * 6), END_MESSAGE]
+    requests = [constrained(compiler, small, f"p-{n}", c, prompt=prompt) for n, c in zip(names, schemas, strict=True)]
+    outs = small.generate(requests)
+    assert sum(r.num_preemptions for r in requests) > 0
+    for name, out in zip(names, outs, strict=True):
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(parse(out.token_ids)[0]), SCHEMAS[name])
