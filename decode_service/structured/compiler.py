@@ -58,7 +58,8 @@ class ConstraintCompiler:
         self._threads = threads
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[bytes, CompiledConstraint] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and its counters
+        self._init_lock = threading.Lock()  # the xgrammar compiler, built once
         self._compiler: xgr.GrammarCompiler | None = None
         self._executor.submit(self._xgr)  # the vocabulary's TokenizerInfo (~1 s) before the first request needs it
 
@@ -92,7 +93,7 @@ class ConstraintCompiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _xgr(self) -> xgr.GrammarCompiler:
-        with self._lock:
+        with self._init_lock:
             if self._compiler is None:
                 info = tokenizer_info(self.vocab_size, self.eos_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._threads)
