@@ -146,3 +146,17 @@ def test_cli_generate_local_with_a_json_schema(checkpoint, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["finish_reason"] == "stop"
     jsonschema.validate(json.loads(out["text"]), SCHEMA)
+
+
+@pytest.mark.anyio
+async def test_forced_tool_call_through_grpc(stub):
+    params = {"type": "object", "properties": {"q": {"enum": ["a", "b"]}}, "required": ["q"]}
+    tools = [pb.Tool(name="search", parameters_json=json.dumps(params)), pb.Tool(name="noop", parameters_json="{}")]
+    req = chat_request(
+        tools=tools, tool_choice=pb.ToolChoice(function="search"), sampling=pb.SamplingParams(max_tokens=48)
+    )
+    responses = [r async for r in stub.Generate(req)]
+    calls = [r.delta.tool_call for r in responses[:-1] if r.delta.HasField("tool_call")]
+    assert responses[-1].final.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    assert [c.name for c in calls] == ["search"] and calls[0].id == "functions.search:0"
+    jsonschema.validate(json.loads(calls[0].arguments_json), params)
