@@ -54,7 +54,10 @@ def token_mask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Packed int32 ``[N, W]`` -> bool ``[N, vocab_size]`` (True = allowed)."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]; arithmetic shift, then the low bit
+    """Packed int32 ``[N, W]`` -> bool ``[N, vocab_size]`` (True = allowed).
+
+    Read as little-endian bytes (every platform torch serves on), byte ``4w + k`` of a row holds the bits of
+    tokens ``32w + 8k ..``, so unpacking bytes keeps token order with an intermediate a quarter of int32 bits'."""
+    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
+    bits = (bitmask.contiguous().view(torch.uint8).unsqueeze(-1) >> shifts) & 1  # [N, 4W, 8]
     return bits.flatten(1)[:, :vocab_size].bool()
