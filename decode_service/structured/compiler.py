@@ -4,7 +4,8 @@ The grammar covers the model's own framing (spec multimodal 6.1), so the output 
 
 * content: `<|message_model|> <|content_text|> BODY <|end_message|>`;
 * forced tool call: `<|message_model|> NAME <|content_invoke_tool_json|> {"name":NAME,"args":ARGS} <|end_message|>`
-  with ARGS valid against the tool's parameter schema, one alternative per allowed tool;
+  with ARGS valid against the tool's parameter schema, one alternative per declared tool; a named tool choice
+  gives exactly one call to it, "required" one or more calls (OpenAI semantics);
 
 then the matcher allows only the stop tokens (the model's EOS, `<|content_model_end_sampling|>`, and the
 request's stop token ids), so a satisfied constraint finishes with `stop`. Special tokens appear only where the
@@ -117,7 +118,9 @@ def output_format(constraint: Constraint, tools: Sequence[ToolSpec]) -> dict:
         return _sequence(_token(MESSAGE_MODEL), _token(CONTENT_TEXT), body_format(constraint), _token(END_MESSAGE))
     allowed = allowed_tools(constraint, tools)
     calls = [_tool_call_format(t, i) for i, t in enumerate(tools) if t in allowed]
-    return calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+    if constraint.function is not None:
+        return calls[0]
+    return {"type": "plus", "content": calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}}
 
 
 def allowed_tools(choice: ForcedToolCall, tools: Sequence[ToolSpec]) -> list[ToolSpec]:

@@ -45,8 +45,9 @@ class OutputConstraint:
 
 @dataclass(frozen=True)
 class ForcedToolCall:
-    """The output is one call, in the model's tool-call format, to `function` (None: any declared tool),
-    with arguments valid against that tool's parameter schema (OpenAI `tool_choice` "required" / named)."""
+    """The output is tool calls in the model's tool-call format with arguments valid against the tool's
+    parameter schema: exactly one call to `function`, or (None, OpenAI "required") one or more calls to any
+    of the declared tools."""
 
     function: str | None = None
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from decode_service.chat import (
+    CONTENT_INVOKE_TOOL_JSON,
     CONTENT_TEXT,
     END_MESSAGE,
     MESSAGE_MODEL,
@@ -208,11 +209,12 @@ def test_forced_tool_calls_parse_with_schema_valid_arguments(compiler, engine, f
     out = engine.generate([constrained(compiler, engine, "tool", ForcedToolCall(function), sampling, TOOLS)])[0]
     assert out.finish_reason == "stop"
     _, calls, reason = parse(out.token_ids)
-    assert reason == "tool_calls" and len(calls) == 1
-    call = calls[0]
-    assert function is None or call.name == function
-    schema = {t.name: t.parameters for t in TOOLS}[call.name]
-    jsonschema.validate(json.loads(call.arguments), schema)
+    assert reason == "tool_calls" and calls
+    assert len(calls) == 1 or function is None  # "required": one or more calls
+    for call in calls:
+        assert function is None or call.name == function
+        schema = {t.name: t.parameters for t in TOOLS}[call.name]
+        jsonschema.validate(json.loads(call.arguments), schema)
 
 
 def test_seeded_sampling_is_constrained_and_reproducible(compiler, engine):
@@ -288,3 +290,20 @@ def test_matchers_survive_preemption(compiler, checkpoint):
     for name, out in zip(names, outs, strict=True):
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(parse(out.token_ids)[0]), SCHEMAS[name])
+
+
+@pytest.mark.parametrize(
+    "function,after_call", [("add", {MODEL_END_SAMPLING}), (None, {MODEL_END_SAMPLING, MESSAGE_MODEL})]
+)
+def test_required_allows_more_calls_named_exactly_one(compiler, engine, function, after_call):
+    request = constrained(compiler, engine, "calls", ForcedToolCall(function), tools=TOOLS)
+    call = [
+        MESSAGE_MODEL,
+        *encode_text("add"),
+        CONTENT_INVOKE_TOOL_JSON,
+        *encode_text('{"name":"add","args":{"xs":[1]}}'),
+    ]
+    for token in [*call, END_MESSAGE]:
+        request.constraint.accept(token)
+    logits = torch.zeros(1, engine.config.text.unpadded_vocab_size)
+    assert set(torch.isfinite(mask_logits(logits, [request])[0]).nonzero().flatten().tolist()) == after_call
