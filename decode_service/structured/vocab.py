@@ -8,6 +8,7 @@ grammar names them as tokens.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -27,9 +28,17 @@ def encoded_vocab(vocab_size: int) -> list[bytes]:
     return out
 
 
-@lru_cache(maxsize=4)
 def tokenizer_info(vocab_size: int, stop_token_ids: tuple[int, ...]) -> xgr.TokenizerInfo:
-    """Built once per (vocab, stops): about a second for the 200k-token vocabulary."""
+    """Built once per (vocab, stops) and process, whichever thread asks first: about a second for 200k tokens."""
+    with _build_lock:
+        return _tokenizer_info(vocab_size, stop_token_ids)
+
+
+_build_lock = threading.Lock()
+
+
+@lru_cache(maxsize=4)
+def _tokenizer_info(vocab_size: int, stop_token_ids: tuple[int, ...]) -> xgr.TokenizerInfo:
     return xgr.TokenizerInfo(
         encoded_vocab(vocab_size), xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
     )
