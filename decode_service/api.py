@@ -11,6 +11,7 @@ from common.errors import InklingError
 from common.wire import EncodedItem
 from decode_service.chat import ChatMessage, ToolSpec
 from decode_service.output_parser import ParsedToolCall
+from decode_service.structured.constraint import Constraint
 from encoder_service.service import MediaInput
 
 
@@ -47,6 +48,7 @@ class GenerateInput:
     cache_salt: str = ""
     priority: int = 0
     timeout_s: float | None = None  # remaining deadline of the call
+    constraint: Constraint | None = None  # structured output or a forced tool call (decode_service/structured)
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class FinalEvent:
     timings: Timings
     matched_stop: str = ""
     matched_stop_token_id: int | None = None
+    finish_detail: str = ""  # why an output is incomplete (a constraint unmet within max_tokens)
 
 
 Event = DeltaEvent | FinalEvent

@@ -37,6 +37,7 @@ from decode_service.chat import ChatMessage, MediaPart, TextPart, ToolCall, Tool
 from decode_service.encoder_client import ClientSettings, EncoderClient, parse_targets
 from decode_service.router import PrefixDirectory, request_prefix_hashes
 from decode_service.service import DecodeService, build_engine
+from decode_service.structured.constraint import constraint_from_proto
 from encoder_service.server import media_from_proto
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc
@@ -162,6 +163,7 @@ def generate_input(request: pb.GenerateRequest, timeout_s: float | None) -> Gene
         cache_salt=request.cache_salt,
         priority=request.priority,
         timeout_s=timeout_s,
+        constraint=constraint_from_proto(request),
     )
     kind = request.WhichOneof("prompt")
     if kind == "tokens":
@@ -250,6 +252,7 @@ def final_message(event: FinalEvent) -> pb.GenerateResponse:
             queue_s=t.queue_s, encode_s=t.encode_s, prefill_s=t.prefill_s, ttft_s=t.ttft_s, decode_s=t.decode_s
         ),
         matched_stop=event.matched_stop,
+        finish_detail=event.finish_detail,
     )
     if event.matched_stop_token_id is not None:
         final.matched_stop_token_id = event.matched_stop_token_id

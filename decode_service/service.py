@@ -73,6 +73,8 @@ from decode_service.engine.redis_prefix import PrefixStore
 from decode_service.engine.request import MultimodalItem, Request, RequestStatus, SamplingParams
 from decode_service.model.inkling import InklingDecoder
 from decode_service.output_parser import OutputParser
+from decode_service.structured.compiler import ConstraintCompiler
+from decode_service.structured.matcher import ConstraintMatcher, finish_detail
 from encoder_service.service import MediaInput
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,7 @@ class DecodeService:
         self._prompt_tokens_seen = 0
         self._cached_tokens_seen = 0
         self._wake = threading.Event()
+        self.structured = ConstraintCompiler(self.config.text.unpadded_vocab_size, self.config.eos_token_ids)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -152,6 +155,7 @@ class DecodeService:
         self._commands.put(("wake",))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
+        self.structured.close()
 
     # -- public API ------------------------------------------------------------------------------------------
 
@@ -221,6 +225,7 @@ class DecodeService:
             )
         sampling = self._sampling(inp.sampling)
         self._check_media(inp)
+        compiled = None if inp.constraint is None else await self.structured.compile(inp.constraint, inp.tools)
         self._live[rid] = False
         submitted = False
         finished = False
@@ -237,7 +242,14 @@ class DecodeService:
                 if self.limits.max_completion_tokens is not None:
                     room = min(room, self.limits.max_completion_tokens)
                 sampling = dataclasses.replace(sampling, max_tokens=room)
-            request = Request(rid, prompt.token_ids, sampling, mm_items, inp.priority, inp.cache_salt or None)
+            matcher = None
+            if compiled is not None:
+                matcher = ConstraintMatcher(
+                    compiled, prompt.token_ids, self.config.eos_token_ids, sampling.stop_token_ids
+                )
+            request = Request(
+                rid, prompt.token_ids, sampling, mm_items, inp.priority, inp.cache_salt or None, constraint=matcher
+            )
             counts = _MediaCounts.of(prompt, encoded)
             if self._live.get(rid):
                 finished = True
@@ -346,7 +358,8 @@ class DecodeService:
                 ttft_s=first - started,
                 decode_s=finished_at - first,
             )
-            yield FinalEvent(parser.finish_reason or reason, usage, timings, matched_stop, stop_id)
+            detail = finish_detail(sink.request.constraint if sink.request else None, reason, completion)
+            yield FinalEvent(parser.finish_reason or reason, usage, timings, matched_stop, stop_id, detail)
             return
 
     # -- validation and prompt building ----------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -48,6 +49,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--stop-token-id", action="append", type=int, default=[], metavar="ID", help="stop token id (repeatable)"
     )
     s.add_argument("--ignore-eos", action="store_true")
+    c = p.add_argument_group("structured output (the answer matches one of these; JSON is compact by default)")
+    cx = c.add_mutually_exclusive_group()
+    cx.add_argument("--json-schema", metavar="FILE", help="JSON Schema document the answer must satisfy")
+    cx.add_argument("--json-object", action="store_true", help="the answer is any JSON object")
+    cx.add_argument("--regex", metavar="RE", help="regular expression the whole answer matches")
+    cx.add_argument("--grammar", metavar="FILE", help="xgrammar EBNF grammar file (root rule `root`)")
+    cx.add_argument("--lark", metavar="FILE", help="Lark grammar file")
+    c.add_argument("--flexible-whitespace", action="store_true", help="JSON: allow any whitespace")
     p.add_argument("--stream", action="store_true", help="print text as it arrives (reasoning dimmed or marked)")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of the Generate call in seconds")
     p.add_argument(
@@ -115,7 +124,7 @@ def _generate_request(args: argparse.Namespace):
     )
     messages = load_messages(args.messages, args.no_rescale) if args.messages else ()
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
-    return build_request(
+    request = build_request(
         sampling,
         messages=messages,
         prompt=args.prompt,
@@ -123,6 +132,26 @@ def _generate_request(args: argparse.Namespace):
         prompt_ids=prompt_ids,
         reasoning_effort=args.reasoning_effort,
     )
+    _set_constraint(request.constraint, args)
+    return request
+
+
+def _set_constraint(constraint, args: argparse.Namespace) -> None:
+    """--json-schema / --json-object / --regex / --grammar / --lark -> `GenerateRequest.constraint`."""
+    if args.json_schema:
+        constraint.json_schema = Path(args.json_schema).read_text()
+    elif args.json_object:
+        constraint.json_object = True
+    elif args.regex is not None:
+        constraint.regex = args.regex
+    elif args.grammar:
+        constraint.grammar = Path(args.grammar).read_text()
+    elif args.lark:
+        constraint.lark = Path(args.lark).read_text()
+    elif args.flexible_whitespace:
+        raise SystemExit("generate: --flexible-whitespace needs --json-schema or --json-object")
+    if args.flexible_whitespace:
+        constraint.flexible_whitespace = True
 
 
 def _responses(args: argparse.Namespace, request):

@@ -14,6 +14,7 @@ from common.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from decode_service.engine.kv_cache import CacheHandle
+    from decode_service.structured.matcher import ConstraintMatcher
 
 _arrival_counter = itertools.count()
 
@@ -104,6 +105,7 @@ class Request:
     mm_items: tuple[MultimodalItem, ...] = ()
     priority: int = 0  # lower runs first; ties by arrival
     cache_salt: str | None = None
+    constraint: ConstraintMatcher | None = None  # structured output: masks the logits, advanced per token
     arrival_time: float = field(default_factory=time.monotonic)
 
     # Engine-owned state.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from decode_service.engine.request import FinishReason, Request, TokenLogprobs
+from decode_service.structured.sampling import advance_matchers, mask_logits
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Sampler:
         assert logits.shape[0] == len(requests)
         logits = logits.float()
         params = [r.sampling for r in requests]
-        x = apply_penalties(logits, requests)
+        x = mask_logits(apply_penalties(logits, requests), requests)
         greedy = torch.tensor([p.greedy for p in params], device=x.device)
         tokens = x.argmax(-1)
         if not bool(greedy.all()):
@@ -55,6 +56,7 @@ class Sampler:
             )
             tokens = torch.where(greedy, tokens, (probs / noise).argmax(-1))
         results, token_list = [], tokens.tolist()
+        advance_matchers(requests, token_list)
         want = [p.logprobs for p in params]
         raw = torch.log_softmax(logits, -1) if any(n is not None for n in want) else None
         for row, (token, n) in enumerate(zip(token_list, want, strict=True)):
@@ -114,6 +116,8 @@ def check_stop(request: Request, eos_token_ids: Sequence[int], max_model_len: in
     """After a token was appended: EOS (unless ignore_eos) or a stop token id -> STOP; max_tokens or the
     context limit -> LENGTH."""
     p, token = request.sampling, request.output_token_ids[-1]
+    if request.constraint is not None and request.constraint.is_terminated:
+        return FinishReason.STOP
     if (not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids:
         return FinishReason.STOP
     if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= max_model_len:

@@ -1,0 +1,27 @@
+"""Triton code for the grammar token mask. Public entry: kernels/token_mask.py.
+
+Program ``(r, b)`` covers tokens ``b * BLOCK_V ..`` of row r: it loads each token's 32-bit word (neighbouring
+tokens share a word, so the loads hit the same cache lines), extracts the token's bit, and stores -inf where
+the bit is 0. Allowed logits are never written.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def token_mask_kernel(
+    Logits,
+    Bitmask,
+    n_vocab,
+    stride_lm,
+    stride_bm,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_vocab = cols < n_vocab
+    words = tl.load(Bitmask + row * stride_bm + cols // 32, mask=in_vocab, other=-1)
+    allowed = ((words >> (cols % 32)) & 1) != 0
+    neg_inf = tl.full((BLOCK_V,), float("-inf"), Logits.dtype.element_ty)
+    tl.store(Logits + row * stride_lm + cols, neg_inf, mask=in_vocab & ~allowed)

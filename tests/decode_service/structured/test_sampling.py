@@ -1,0 +1,309 @@
+"""Constrained generation through the engine on the tiny checkpoint (random weights, the real vocabulary):
+whatever a random model prefers, the output is one complete block that matches, and it stops on its own."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from decode_service.chat import (
+    CONTENT_INVOKE_TOOL_JSON,
+    CONTENT_TEXT,
+    END_MESSAGE,
+    MESSAGE_MODEL,
+    MESSAGE_USER,
+    MODEL_END_SAMPLING,
+    ToolSpec,
+    encode_text,
+)
+from decode_service.engine.request import Request, SamplingParams
+from decode_service.output_parser import OutputParser
+from decode_service.structured.constraint import ForcedToolCall, OutputConstraint
+from decode_service.structured.matcher import ConstraintMatcher
+from decode_service.structured.sampling import mask_logits
+
+PROMPT = [MESSAGE_USER, CONTENT_TEXT, *encode_text("Give me JSON"), END_MESSAGE]
+MAX_TOKENS = 160
+
+SCHEMAS = {
+    "enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    "nested": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "minLength": 1, "maxLength": 6},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                },
+                "required": ["name", "age"],
+            },
+            "active": {"type": "boolean"},
+        },
+        "required": ["user", "active"],
+    },
+    "array_bounds": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 2, "maxItems": 4}},
+        "required": ["tags"],
+    },
+    "integer_range": {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": -5, "maximum": 5},
+            "m": {"type": "integer", "minimum": 100, "maximum": 99999},
+        },
+        "required": ["n", "m"],
+    },
+    "optional": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 9},
+            "note": {"type": "string", "maxLength": 4},
+            "flag": {"type": "boolean"},
+        },
+        "required": ["id"],
+    },
+    "any_of": {
+        "type": "object",
+        "properties": {
+            "value": {
+                "anyOf": [
+                    {"type": "integer", "minimum": 0, "maximum": 50},
+                    {"type": "string", "enum": ["none", "many"]},
+                    {"type": "null"},
+                ]
+            }
+        },
+        "required": ["value"],
+    },
+}
+
+TOOLS = (
+    ToolSpec(
+        "get_weather",
+        "Weather for a city",
+        {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    ),
+    ToolSpec(
+        "add",
+        "Add numbers",
+        {
+            "type": "object",
+            "properties": {
+                "xs": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3}
+            },
+            "required": ["xs"],
+        },
+    ),
+)
+
+
+def constrained(compiler, engine, rid, constraint, sampling=None, tools=(), prompt=PROMPT) -> Request:
+    sampling = sampling or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    compiled = compiler.compile_sync(constraint, tools)
+    matcher = ConstraintMatcher(compiled, prompt, engine.config.eos_token_ids, sampling.stop_token_ids)
+    return Request(rid, list(prompt), sampling, constraint=matcher)
+
+
+def parse(token_ids):
+    parser = OutputParser()
+    deltas = [d for t in token_ids for d in parser.feed(t)]
+    deltas += parser.finish("stop")
+    content = "".join(d.text for d in deltas if d.channel == "content")
+    calls = [d.tool_call for d in deltas if d.tool_call is not None]
+    return content, calls, parser.finish_reason
+
+
+def test_json_schemas_give_valid_json_that_stops(compiler, engine):
+    requests = [
+        constrained(compiler, engine, f"schema-{name}", OutputConstraint("json_schema", json.dumps(schema)))
+        for name, schema in SCHEMAS.items()
+    ]
+    for out in engine.generate(requests):
+        name = out.request_id.removeprefix("schema-")
+        assert out.finish_reason == "stop", (name, out.token_ids)
+        assert len(out.token_ids) < MAX_TOKENS // 2
+        assert out.token_ids[:2] == [MESSAGE_MODEL, CONTENT_TEXT] and out.token_ids[-2:] == [
+            END_MESSAGE,
+            MODEL_END_SAMPLING,
+        ]
+        content, calls, _ = parse(out.token_ids)
+        assert not calls
+        jsonschema.validate(json.loads(content), SCHEMAS[name])
+        assert content == json.dumps(
+            json.loads(content), separators=(",", ":"), ensure_ascii=False
+        )  # compact by default
+
+
+def test_json_object_is_an_object_or_says_length(compiler, engine):
+    """Any-JSON has no bound a random model must meet; what it writes is still an object as far as it goes."""
+    request = constrained(compiler, engine, "object", OutputConstraint("json_object"), SamplingParams(max_tokens=24))
+    out = engine.generate([request])[0]
+    content, _, _ = parse(out.token_ids)
+    assert content.startswith("{")
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:
+        assert out.finish_reason == "length" and not request.constraint.is_terminated
+
+
+def allowed_after(compiler, engine, constraint, text):
+    """Token ids the matcher allows after the block opener and `text`."""
+    prompt = [*PROMPT, MESSAGE_MODEL]
+    request = constrained(compiler, engine, "probe", constraint, prompt=prompt)
+    for token in [CONTENT_TEXT, *encode_text(text)]:
+        request.constraint.accept(token)
+    logits = torch.zeros(1, engine.config.text.unpadded_vocab_size)
+    return set(torch.isfinite(mask_logits(logits, [request])[0]).nonzero().flatten().tolist())
+
+
+def test_whitespace_is_compact_unless_flexible(compiler, engine):
+    schema = json.dumps(SCHEMAS["enum"])
+    space, newline = encode_text(" ")[0], encode_text("\n")[0]
+    compact = allowed_after(compiler, engine, OutputConstraint("json_schema", schema), '{"color":')
+    flexible = allowed_after(
+        compiler, engine, OutputConstraint("json_schema", schema, flexible_whitespace=True), '{"color":'
+    )
+    assert space not in compact and newline not in compact
+    assert {space, newline} <= flexible
+    assert encode_text('"red"')[0] in compact
+
+
+@pytest.mark.parametrize("pattern", [r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)", r"(yes|no|maybe)", r"\d{3}-\d{4}"])
+def test_regex_outputs_fully_match(compiler, engine, pattern):
+    out = engine.generate([constrained(compiler, engine, "regex", OutputConstraint("regex", pattern))])[0]
+    assert out.finish_reason == "stop"
+    content, _, _ = parse(out.token_ids)
+    assert re.fullmatch(pattern, content), content
+
+
+def test_ebnf_and_lark_grammars(compiler, engine):
+    ebnf = 'root ::= "(" item ("," item){0,2} ")"\nitem ::= [0-9] | "x"'
+    lark = 'start: GREETING " " NAME\nGREETING: "hi" | "hello"\nNAME: /[A-Z][a-z]{1,4}/'
+    outs = engine.generate(
+        [
+            constrained(compiler, engine, "ebnf", OutputConstraint("grammar", ebnf)),
+            constrained(compiler, engine, "lark", OutputConstraint("lark", lark)),
+        ]
+    )
+    assert [o.finish_reason for o in outs] == ["stop", "stop"]
+    assert re.fullmatch(r"\(([0-9]|x)(,([0-9]|x)){0,2}\)", parse(outs[0].token_ids)[0])
+    assert re.fullmatch(r"(hi|hello) [A-Z][a-z]{1,4}", parse(outs[1].token_ids)[0])
+
+
+@pytest.mark.parametrize("function", [None, "get_weather", "add"])
+def test_forced_tool_calls_parse_with_schema_valid_arguments(compiler, engine, function):
+    sampling = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS)
+    out = engine.generate([constrained(compiler, engine, "tool", ForcedToolCall(function), sampling, TOOLS)])[0]
+    assert out.finish_reason == "stop"
+    _, calls, reason = parse(out.token_ids)
+    assert reason == "tool_calls" and calls
+    assert len(calls) == 1 or function is None  # "required": one or more calls
+    for call in calls:
+        assert function is None or call.name == function
+        schema = {t.name: t.parameters for t in TOOLS}[call.name]
+        jsonschema.validate(json.loads(call.arguments), schema)
+
+
+def test_seeded_sampling_is_constrained_and_reproducible(compiler, engine):
+    constraint = OutputConstraint("json_schema", json.dumps(SCHEMAS["nested"]))
+
+    def run(seed, rid):
+        sampling = SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=MAX_TOKENS)
+        return constrained(compiler, engine, rid, constraint, sampling)
+
+    outs = engine.generate([run(1, "s1"), run(1, "s1-again"), run(2, "s2")])
+    assert outs[0].token_ids == outs[1].token_ids
+    for out in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(parse(out.token_ids)[0]), SCHEMAS["nested"])
+
+
+def test_unmet_constraint_finishes_with_length(compiler, engine):
+    sampling = SamplingParams(temperature=0.0, max_tokens=4)
+    request = constrained(
+        compiler, engine, "short", OutputConstraint("json_schema", json.dumps(SCHEMAS["nested"])), sampling
+    )
+    out = engine.generate([request])[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert not request.constraint.is_terminated
+
+
+def test_prompt_that_opens_the_model_message(compiler, engine):
+    prompt = [*PROMPT, MESSAGE_MODEL]
+    request = constrained(compiler, engine, "open", OutputConstraint("regex", "(yes|no)"), prompt=prompt)
+    out = engine.generate([request])[0]
+    assert out.finish_reason == "stop" and out.token_ids[0] == CONTENT_TEXT
+    assert parse([MESSAGE_MODEL, *out.token_ids])[0] in ("yes", "no")
+
+
+def test_stop_token_ids_are_allowed_once_the_grammar_is_complete(compiler, engine):
+    stop_id = encode_text("!")[0]
+    sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=(stop_id,), ignore_eos=True)
+    request = constrained(compiler, engine, "stop-id", OutputConstraint("regex", "(yes|no)"), sampling)
+    out = engine.generate([request])[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in (stop_id, MODEL_END_SAMPLING) and request.constraint.is_terminated
+
+
+def test_mask_keeps_unconstrained_rows_and_raw_logits(compiler, engine):
+    a = constrained(compiler, engine, "a", OutputConstraint("regex", "(yes|no)"))
+    b = Request("b", list(PROMPT))
+    logits = torch.randn(2, engine.config.text.unpadded_vocab_size)
+    masked = mask_logits(logits, [a, b])
+    assert masked is not logits and torch.equal(masked[1], logits[1])
+    allowed = torch.isfinite(masked[0]).nonzero().flatten().tolist()
+    assert allowed == [MESSAGE_MODEL]
+    assert mask_logits(logits, [b, b]) is logits
+
+
+def test_matchers_survive_preemption(compiler, checkpoint):
+    """A preempted request is recomputed from its prompt and output; its matcher keeps its state meanwhile."""
+    from decode_service.service import build_engine
+
+    small = build_engine(
+        checkpoint,
+        dtype="float32",
+        kv_cache_bytes=256 << 10,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_prefix_cache=False,
+    )
+    names = ["nested", "any_of", "array_bounds", "optional"]
+    schemas = [OutputConstraint("json_schema", json.dumps(SCHEMAS[n])) for n in names]
+    prompt = [MESSAGE_USER, CONTENT_TEXT, *encode_text(" Give me some JSON, please." * 6), END_MESSAGE]
+    requests = [constrained(compiler, small, f"p-{n}", c, prompt=prompt) for n, c in zip(names, schemas, strict=True)]
+    outs = small.generate(requests)
+    assert sum(r.num_preemptions for r in requests) > 0
+    for name, out in zip(names, outs, strict=True):
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(parse(out.token_ids)[0]), SCHEMAS[name])
+
+
+@pytest.mark.parametrize(
+    "function,after_call", [("add", {MODEL_END_SAMPLING}), (None, {MODEL_END_SAMPLING, MESSAGE_MODEL})]
+)
+def test_required_allows_more_calls_named_exactly_one(compiler, engine, function, after_call):
+    request = constrained(compiler, engine, "calls", ForcedToolCall(function), tools=TOOLS)
+    call = [
+        MESSAGE_MODEL,
+        *encode_text("add"),
+        CONTENT_INVOKE_TOOL_JSON,
+        *encode_text('{"name":"add","args":{"xs":[1]}}'),
+    ]
+    for token in [*call, END_MESSAGE]:
+        request.constraint.accept(token)
+    logits = torch.zeros(1, engine.config.text.unpadded_vocab_size)
+    assert set(torch.isfinite(mask_logits(logits, [request])[0]).nonzero().flatten().tolist()) == after_call

@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+from kernels.token_mask import apply_token_mask, token_mask_reference, unpack_bitmask
+
+
+def random_bitmask(n: int, v: int, gen: torch.Generator, words: int | None = None) -> torch.Tensor:
+    words = words or -(-v // 32)
+    return torch.randint(-(2**31), 2**31, (n, words), generator=gen, dtype=torch.int64).to(torch.int32)
+
+
+def test_unpack_bitmask_bit_order():
+    bitmask = torch.tensor([[0b101, -(2**31)]], dtype=torch.int32)  # tokens 0 and 2; token 63 (the sign bit)
+    allowed = unpack_bitmask(bitmask, 64)[0]
+    assert allowed.nonzero().flatten().tolist() == [0, 2, 63]
+
+
+@pytest.mark.parametrize(
+    "n,v,dtype,extra_words",
+    [
+        (1, 33, torch.float32, 0),  # one token in the second word
+        (3, 200, torch.float32, 2),  # padded bitmask rows (xgrammar may allocate more words)
+        (4, 5000, torch.bfloat16, 0),  # two column blocks, a partial last one
+        (2, 100, torch.float16, 0),
+    ],
+)
+def test_token_mask_matches_reference(cpu_interpreter, n, v, dtype, extra_words):
+    gen = torch.Generator().manual_seed(n * v)
+    logits = torch.randn(n, v + 7, generator=gen).to(dtype)[:, :v]  # strided rows, a slice of padded logits
+    bitmask = random_bitmask(n, v, gen, -(-v // 32) + extra_words)
+    out, ref = logits.clone(), logits.clone()
+    apply_token_mask(out, bitmask)
+    token_mask_reference(ref, bitmask)
+    assert torch.equal(out, ref)
+    allowed = unpack_bitmask(bitmask, v)
+    assert torch.equal(out[allowed], logits[allowed])  # allowed logits untouched
+    assert bool(torch.isneginf(out[~allowed]).all())
+
+
+def test_token_mask_rejects_bad_shapes():
+    logits = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="words per row"):
+        token_mask_reference(logits, torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        token_mask_reference(logits, torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"\[N, W\]"):
+        token_mask_reference(logits, torch.zeros(3, 2, dtype=torch.int32))
