@@ -233,7 +233,7 @@ def _serve_common(p: argparse.ArgumentParser, port: int, max_streams_per_client:
 
 
 def _add_servers(sub: argparse._SubParsersAction) -> None:
-    from common.settings import add_encoder_args, add_security_args
+    from common.settings import add_encoder_args
 
     enc = sub.add_parser("encoder", help="serve the Encoder gRPC service")
     _serve_common(enc, 50061)
@@ -290,15 +290,10 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     router.add_argument("--decoders", required=True, help="comma-separated host:port list or dns:///name:port")
     router.set_defaults(func=_lazy("decode_service.router", "serve"))
 
-    up = sub.add_parser("up", help="run the docker-compose topology as local processes")
-    up.add_argument("--checkpoint", required=True)
-    up.add_argument("--encoders", type=int, default=1)
-    up.add_argument("--decoders", type=int, default=1)
-    up.add_argument("--base-port", type=int, default=50050)
-    up.add_argument("--redis-url", default=None)
-    up.add_argument("--device", default="cpu")
-    up.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    add_security_args(up, max_streams_per_client=None)  # passed on to every server
+    from deploy.launch import add_up_args
+
+    up = sub.add_parser("up", help="run the docker-compose topology as local processes (restarting dead ones)")
+    add_up_args(up)
     up.set_defaults(func=_lazy("deploy.launch", "main"))
 
 
