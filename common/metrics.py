@@ -31,8 +31,9 @@ class MetricsServer:
         self.server.server_close()
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> MetricsServer:
-    """Serve `registry` on http://addr:port/metrics in a daemon thread (port 0 picks a free port)."""
+def start_metrics_server(port: int, registry: CollectorRegistry, addr: str) -> MetricsServer:
+    """Serve `registry` on http://addr:port/metrics in a daemon thread (port 0 picks a free port). `addr` is the
+    server's --host: no default, so an exporter never binds wider than its gRPC port."""
     server, _thread = start_http_server(port, addr=addr, registry=registry)
     return MetricsServer(server, server.server_port)
 

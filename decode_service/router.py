@@ -579,7 +579,9 @@ class Router:
         await self._update_health()
         await self.server.start()
         if self.config.metrics_port:
-            self._metrics_server = start_metrics_server(self.config.metrics_port, self.metrics.registry)
+            self._metrics_server = start_metrics_server(
+                self.config.metrics_port, self.metrics.registry, self.config.grpc.host
+            )
         self._monitor = asyncio.create_task(self._watch_replicas())
         log.info("router serving on %s, replicas %s", self.address, ",".join(self.pool.replicas) or "(none yet)")
         return self.port

@@ -29,6 +29,7 @@ from decode_service.router import (
     request_prefix_hashes,
     resolve_targets,
 )
+from deploy.launch import free_port
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc
 
@@ -393,3 +394,11 @@ def test_stop_drains_running_streams():
 
     rest, code = asyncio.run(scenario())
     assert code == grpc.StatusCode.OK and rest[-1].final.finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_metrics_port_binds_the_router_host():
+    async def scenario():
+        async with routed(FakeReplica("a"), metrics_port=free_port()) as router:
+            return router._metrics_server.server.server_address[0]
+
+    assert asyncio.run(scenario()) == "127.0.0.1"
