@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+import redis
 
 from common.settings import security_settings
 from decode_service.router import REPLICA_METADATA_KEY
@@ -235,3 +236,15 @@ def test_bad_role_flags_and_redis_choice_are_named():
         launch.extra_args(parser.parse_args(["--checkpoint", "x", "--router-args", "'unclosed"]))
     with pytest.raises(ClusterError, match="redis: expected auto, private, none"):
         ClusterSpec(checkpoint="x", redis="localhost:6379")
+
+
+def test_private_redis_is_started_even_when_one_answers_locally(fake_spec):
+    if shutil.which("redis-server") is None or not redis_reachable(launch.DEFAULT_REDIS_URL):
+        pytest.skip("needs redis-server and a Redis on 127.0.0.1:6379")
+    with Cluster(fake_spec(redis="private")) as cluster:
+        assert cluster.redis_url != launch.DEFAULT_REDIS_URL and redis_reachable(cluster.redis_url)
+        assert cluster.redis_origin.startswith("private")
+        assert redis.Redis.from_url(cluster.redis_url).dbsize() == 0  # a cold start
+    reused = Cluster(fake_spec(redis="auto"))
+    with reused:
+        assert reused.redis_url == launch.DEFAULT_REDIS_URL and reused.redis_origin.startswith("reused")
