@@ -220,7 +220,9 @@ def delta_message(event: DeltaEvent) -> pb.GenerateResponse:
     )
     if event.tool_call is not None:
         call = event.tool_call
-        delta.tool_call.CopyFrom(pb.ToolCall(id=call.id, name=call.name, arguments_json=call.arguments))
+        delta.tool_call.CopyFrom(
+            pb.ToolCall(id=call.id, name=call.name, arguments_json=call.arguments, text=call.text or "")
+        )
     for lp in event.logprobs:
         delta.logprobs.append(
             pb.TokenLogprob(

@@ -11,9 +11,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.metrics import new_registry
 from common.settings import EncoderSettings, GrpcSettings
+from decode_service.api import DeltaEvent
 from decode_service.encoder_client import EncoderClient
 from decode_service.local_encoder import LocalEncoder
-from decode_service.server import DecodeMetrics, build_server
+from decode_service.output_parser import ParsedToolCall
+from decode_service.server import DecodeMetrics, build_server, delta_message
 from decode_service.service import DecodeService, build_engine
 from encoder_service.server import build_server as build_encoder_server
 from encoder_service.service import load_engine
@@ -263,3 +265,10 @@ async def test_graceful_stop_reports_not_serving_and_drains_running_calls(engine
         await stopping
     finally:
         await channel.close()
+
+
+def test_a_raw_text_tool_call_keeps_its_body_on_the_wire():
+    call = ParsedToolCall(0, "functions.unknown:0", "", "", "search x")
+    delta = delta_message(DeltaEvent(channel="tool_call", tool_call=call)).delta
+    assert delta.channel == pb.CHANNEL_TOOL_CALL
+    assert (delta.tool_call.id, delta.tool_call.name, delta.tool_call.text) == ("functions.unknown:0", "", "search x")
