@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import re
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -459,7 +460,7 @@ class EncoderClient:
             index = indices[local_index]
             if isinstance(result, ItemFailure):
                 if result.code == "INVALID_ARGUMENT":
-                    raise InvalidInputError(f"media[{index}] ({items[index].modality}): {result.message}")
+                    raise InvalidInputError(item_error(index, items[index].modality, result.message))
                 raise EncoderCallError(f"{replica.address}: media[{index}]: {result.code} {result.message}")
             if result.mm_key != keys[index]:
                 log.warning(
@@ -582,6 +583,15 @@ class EncoderClient:
             if serving:
                 replica.failures, replica.open_until = 0, 0.0
         self._changed.set()
+
+
+_ENCODER_ITEM_PREFIX = re.compile(r"^item \d+ \(\w+\): ")
+
+
+def item_error(index: int, modality: str, message: str) -> str:
+    """An encoder's item error named after the request's `media[index]`: the encoder's own `item N (modality): `
+    prefix (its position in one Encode call, not in the request) is replaced, not repeated."""
+    return f"media[{index}] ({modality}): {_ENCODER_ITEM_PREFIX.sub('', message)}"
 
 
 def _reindex(item: EncodedItem, index: int, key: bytes | None = None) -> EncodedItem:
