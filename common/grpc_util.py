@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from common.errors import ConfigError, InvalidInputError, ResourceExhaustedError, UnavailableError
 from common.settings import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REQUEST_BYTES
@@ -89,9 +89,25 @@ def add_port(server: grpc.aio.Server, address: str, add: Callable[[str], int]) -
     return bound
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
 def enable_reflection(server: grpc.aio.Server, service_full_names: Sequence[str]) -> None:
-    names = (*service_full_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
+    """Server reflection as `grpc.reflection.v1` (what current grpcurl / grpcui / Postman ask for first) and
+    `grpc.reflection.v1alpha`. grpcio-reflection ships only v1alpha; v1 is the same protocol under a new package
+    name (identical messages and field numbers), so the same servicer answers both."""
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    names = (*service_full_names, health_name, REFLECTION_V1, reflection.SERVICE_NAME)
+    servicer = reflection.aio.ReflectionServicer(names)
+    for service in (REFLECTION_V1, reflection.SERVICE_NAME):
+        handlers = {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+            )
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
