@@ -20,6 +20,7 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -509,7 +510,9 @@ async def _serve(args: argparse.Namespace) -> None:
         max_media_items=getattr(args, "max_media_items", defaults.max_media_items),
         max_live_requests=getattr(args, "max_live_requests", defaults.max_live_requests),
     )
-    service = DecodeService(engine, encoder, limits, model_id=str(args.checkpoint))
+    service = DecodeService(
+        engine, encoder, limits, model_id=served_model_name(args.checkpoint, getattr(args, "model_name", None))
+    )
     directory = None
     if redis is not None and args.replica_id:
         import redis.asyncio as aioredis
@@ -532,6 +535,16 @@ async def _serve(args: argparse.Namespace) -> None:
     if cache is not None:
         cache.close()
     stopper.cancel()
+
+
+def served_model_name(checkpoint: str, name: str | None = None) -> str:
+    """The model id clients see (`ModelInfo.model_id`, the `model_name` metric label): `--model-name`, else the
+    checkpoint directory's name, never the server's filesystem path."""
+    if name is not None:
+        if not name.strip():
+            raise ConfigError("--model-name: must not be empty")
+        return name.strip()
+    return Path(checkpoint).resolve().name
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -140,13 +140,13 @@ def _responses(args: argparse.Namespace, request):
 
     from decode_service.api import FinalEvent
     from decode_service.local_encoder import LocalEncoder
-    from decode_service.server import delta_message, final_message, generate_input
+    from decode_service.server import delta_message, final_message, generate_input, served_model_name
     from decode_service.service import DecodeService, build_engine
 
     async def run() -> list:
         engine = build_engine(args.checkpoint, args.device, args.dtype, 256 << 20, 4, 2048)
         encoder = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
-        service = DecodeService(engine, encoder, model_id=args.checkpoint)
+        service = DecodeService(engine, encoder, model_id=served_model_name(args.checkpoint))
         await service.start(warm_up=False)
         try:
             return [
@@ -228,7 +228,7 @@ def _serve_common(p: argparse.ArgumentParser, port: int, max_streams_per_client:
         help="redis:// or rediss:// URL of the shared cache (default: INKLING_REDIS_URL, else no Redis)",
     )
     p.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_security_args(p, max_streams_per_client)
 
 
@@ -262,6 +262,9 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
         help="run decode steps eagerly on CUDA (same kernels; for debugging)",
     )
     dec.add_argument("--replica-id", default="", help="name published to the router's prefix directory")
+    dec.add_argument(
+        "--model-name", default=None, help="model id clients and metrics see (default: the checkpoint directory's name)"
+    )
     dec.add_argument(
         "--max-prompt-tokens",
         type=int,
@@ -306,8 +309,18 @@ def _lazy(module: str, function: str):
     return run
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"inkling-epd {version('inkling-epd')}"
+    except PackageNotFoundError:
+        return "inkling-epd (not installed: running from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inkling-epd", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_make_tiny(sub)
@@ -317,8 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    from common.errors import ConfigError, InvalidInputError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, InvalidInputError) as exc:  # a bad flag value found past argparse: no traceback
+        parser.exit(2, f"inkling-epd {args.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":
