@@ -114,7 +114,7 @@ class EncoderMetrics:
         self.cache = PrometheusCacheObserver(registry, "inkling_encoder")
 
 
-class _Bound:
+class ModelLabelled:
     """A labelled metric with its leading `model_name` label fixed: `.labels(*rest)` as on the metric itself."""
 
     def __init__(self, metric: Counter | Gauge | Histogram, model_name: str) -> None:
@@ -141,8 +141,8 @@ class DecodeMetrics:
         def one(kind: Callable[..., Any], name: str, doc: str, **kw: Any) -> Any:
             return kind(name, doc, m, registry=registry, **kw).labels(model_name)
 
-        def labelled(kind: Callable[..., Any], name: str, doc: str, labels: list[str], **kw: Any) -> _Bound:
-            return _Bound(kind(name, doc, m + labels, registry=registry, **kw), model_name)
+        def labelled(kind: Callable[..., Any], name: str, doc: str, labels: list[str], **kw: Any) -> ModelLabelled:
+            return ModelLabelled(kind(name, doc, m + labels, registry=registry, **kw), model_name)
 
         self.requests = labelled(Counter, "inkling_decode_requests", "Generate calls by outcome", ["status"])
         self.ttft = one(Histogram, "inkling_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS)

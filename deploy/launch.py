@@ -281,9 +281,10 @@ class Cluster:
                 args.append("--local-encode")
             self.decoders.append(self._spawn_server(f"decode-{i}", "decode", port, args))
         self._wait_serving(self.decoders)
-        self.router = self._spawn_server(
-            "router", "router", ports["router"], ["--decoders", ",".join(self.decoder_addresses)]
-        )
+        # the decode replicas serve the checkpoint directory's name as their model id: label the router alike
+        model_name = Path(spec.checkpoint).resolve().name
+        router_args = ["--decoders", ",".join(self.decoder_addresses), "--model-name", model_name]
+        self.router = self._spawn_server("router", "router", ports["router"], router_args)
         self._wait_serving([self.router])
 
     def _spawn_server(self, name: str, role: str, port: int, args: list[str]) -> ManagedProcess:

@@ -291,6 +291,7 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     router = sub.add_parser("router", help="serve the Generator gRPC service in front of decode replicas")
     _serve_common(router, 50050, max_streams_per_client=128)
     router.add_argument("--decoders", required=True, help="comma-separated host:port list or dns:///name:port")
+    router.add_argument("--model-name", default="inkling", help="the model id the replicas serve (metrics label)")
     router.set_defaults(func=_lazy("decode_service.router", "serve"))
 
     from deploy.launch import add_up_args

@@ -402,3 +402,34 @@ def test_metrics_port_binds_the_router_host():
             return router._metrics_server.server.server_address[0]
 
     assert asyncio.run(scenario()) == "127.0.0.1"
+
+
+def test_cancelled_and_expired_calls_are_counted_with_the_model_name():
+    hang = FakeReplica("hang", mode="hang")
+
+    async def counted(router: Router, code: str) -> float:
+        for _ in range(100):
+            value = router.metrics.registry.get_sample_value(
+                "inkling_router_requests_total", {"model_name": "inkling-tiny", "code": code}
+            )
+            if value:
+                return value
+            await asyncio.sleep(0.05)
+        return 0.0
+
+    async def scenario():
+        async with routed(hang, model_name="inkling-tiny") as router:
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                call = _stub(channel).Generate(_request("c1"), timeout=20)
+                assert (await call.read()).delta.text == "hang"
+                call.cancel()
+                cancelled = await counted(router, "CANCELLED")
+                expiring = _stub(channel).Generate(_request("d1"), timeout=0.5)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in expiring:
+                        pass
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                expired = await counted(router, "DEADLINE_EXCEEDED")
+            return cancelled, expired
+
+    assert asyncio.run(scenario()) == (1.0, 1.0)

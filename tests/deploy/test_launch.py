@@ -227,6 +227,7 @@ def test_up_passes_metrics_ports_redis_prefix_and_role_flags_through(fake_spec):
         assert "--redis-prefix" in decode_log
         assert f"--metrics-port {metrics + 2}" in (cluster.log_dir / "encoder-0.log").read_text()
         assert f"--metrics-port {metrics}" in " ".join(cluster.router.argv)
+        assert "--model-name ckpt" in " ".join(cluster.router.argv)  # the decoders' default model id
 
 
 def test_bad_role_flags_and_redis_choice_are_named():
