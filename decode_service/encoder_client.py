@@ -130,6 +130,11 @@ class _Group:
     indices: list[int] = field(default_factory=list)
 
 
+class EncoderPoolUnavailableError(UnavailableError):
+    """No encoder can serve the request's uncached media. The decode replica itself is fine, and every replica
+    shares the encoder pool: the router does not retry elsewhere or mark the replica down."""
+
+
 class EncoderCallError(InklingError):
     """One Encode call failed in a way another replica may not (transport, status, garbled stream)."""
 
@@ -508,7 +513,7 @@ class EncoderClient:
 
     async def _local_or_fail(self, items: Sequence[MediaInput], request_id: str, why: str) -> list[EncodedItem]:
         if self.local is None:
-            raise UnavailableError(f"request {request_id}: cannot encode media: {why}")
+            raise EncoderPoolUnavailableError(f"request {request_id}: cannot encode media: {why}")
         self.observer.local_fallback()
         log.info("request %s: encoding %d item(s) in-process (%s)", request_id, len(items), why)
         return await self.local.encode(items, request_id)

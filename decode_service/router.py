@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 GENERATOR_SERVICE = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
 # Initial-metadata key naming the decode replica (its address) that serves a routed Generate call.
 REPLICA_METADATA_KEY = "inkling-replica"
+# Trailing metadata of an UNAVAILABLE from a healthy decode replica whose dependency (the shared encoder pool)
+# cannot serve: the router neither retries on another replica nor marks this one down.
+UNAVAILABLE_DEPENDENCY_KEY = "inkling-unavailable-dependency"
 
 # ----------------------------------------------------------------------------------------------------------
 # Prefix directory
@@ -447,7 +450,8 @@ class RouterServicer(generator_pb2_grpc.GeneratorServicer):
                     await context.abort(
                         surfaced, f"decode replica {replica.address} failed after {forwarded} messages: {exc.details()}"
                     )
-                if code not in _REPLICA_FAILURES:
+                dependency = any(k == UNAVAILABLE_DEPENDENCY_KEY for k, _ in exc.trailing_metadata() or ())
+                if code not in _REPLICA_FAILURES or dependency:
                     self.metrics.requests.labels(code.name).inc()
                     await context.abort(code, exc.details() or code.name)
                 if code == grpc.StatusCode.UNAVAILABLE:

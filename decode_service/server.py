@@ -34,8 +34,8 @@ from common.settings import GrpcSettings, env_log_level, redis_settings, securit
 from common.wire import modality_to_proto
 from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingInput, ServiceLimits
 from decode_service.chat import ChatMessage, MediaPart, TextPart, ToolCall, ToolSpec
-from decode_service.encoder_client import ClientSettings, EncoderClient, parse_targets
-from decode_service.router import PrefixDirectory, request_prefix_hashes
+from decode_service.encoder_client import ClientSettings, EncoderClient, EncoderPoolUnavailableError, parse_targets
+from decode_service.router import UNAVAILABLE_DEPENDENCY_KEY, PrefixDirectory, request_prefix_hashes
 from decode_service.service import DecodeService, build_engine
 from encoder_service.server import media_from_proto
 from proto.inkling_epd.v1 import generator_pb2 as pb
@@ -295,7 +295,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         code, message = status_for(exc)
         self._count(code.name)
         log.info("generate %s failed: %s %s", request_id, code.name, message)
-        await context.abort(code, message)
+        dependency = ((UNAVAILABLE_DEPENDENCY_KEY, "encoder"),) if isinstance(exc, EncoderPoolUnavailableError) else ()
+        await context.abort(code, message, trailing_metadata=dependency)
 
     def _publish_prefix(self, request: pb.GenerateRequest, event: FinalEvent) -> None:
         """Tell the router's prefix directory that this replica now caches the request's prompt (best effort,

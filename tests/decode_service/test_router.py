@@ -21,6 +21,7 @@ from decode_service.router import (
     GENERATOR_SERVICE,
     PREFIX_DIRECTORY_PREFIX,
     ROUTING_BLOCK_TOKENS,
+    UNAVAILABLE_DEPENDENCY_KEY,
     PrefixDirectory,
     Router,
     RouterConfig,
@@ -55,6 +56,12 @@ class FakeReplica(generator_pb2_grpc.GeneratorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica going down")
         if self.mode == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: empty")
+        if self.mode == "encoders_down":
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "cannot encode media: no healthy encoder replica",
+                trailing_metadata=((UNAVAILABLE_DEPENDENCY_KEY, "encoder"),),
+            )
         yield pb.GenerateResponse(delta=pb.Delta(token_ids=[1], text=self.name))
         if self.mode == "fail_after":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica crashed")
@@ -433,3 +440,21 @@ def test_cancelled_and_expired_calls_are_counted_with_the_model_name():
             return cancelled, expired
 
     assert asyncio.run(scenario()) == (1.0, 1.0)
+
+
+def test_an_unavailable_dependency_is_surfaced_without_retry_and_the_replica_stays_routable():
+    a, b = FakeReplica("a", mode="encoders_down"), FakeReplica("b", mode="encoders_down")
+
+    async def scenario():
+        async with routed(a, b) as router:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _generate(router, _request("m1"))
+            healthy = len(router.pool.healthy())
+            a.mode = b.mode = "ok"
+            out = await _generate(router, _request("t1"))  # no poll needed: nobody was marked down
+            return err.value, healthy, out
+
+    error, healthy, out = asyncio.run(scenario())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "no healthy encoder" in error.details()
+    assert len(a.calls + b.calls) == 2 and healthy == 2  # one attempt for m1, then t1
+    assert out[-1].HasField("final")

@@ -9,13 +9,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.errors import UnavailableError
 from common.metrics import DecodeMetrics, new_registry
 from common.settings import EncoderSettings, GrpcSettings
 from decode_service.api import DeltaEvent
-from decode_service.encoder_client import EncoderClient
+from decode_service.encoder_client import EncoderClient, EncoderPoolUnavailableError
 from decode_service.local_encoder import LocalEncoder
 from decode_service.output_parser import ParsedToolCall
-from decode_service.server import build_server, delta_message
+from decode_service.router import UNAVAILABLE_DEPENDENCY_KEY
+from decode_service.server import GeneratorServicer, build_server, delta_message
 from decode_service.service import DecodeService, build_engine
 from encoder_service.server import build_server as build_encoder_server
 from encoder_service.service import load_engine
@@ -287,3 +289,26 @@ def test_a_raw_text_tool_call_keeps_its_body_on_the_wire():
     delta = delta_message(DeltaEvent(channel="tool_call", tool_call=call)).delta
     assert delta.channel == pb.CHANNEL_TOOL_CALL
     assert (delta.tool_call.id, delta.tool_call.name, delta.tool_call.text) == ("functions.unknown:0", "", "search x")
+
+
+class _AbortRecorder:
+    def __init__(self) -> None:
+        self.aborted: tuple | None = None
+
+    async def abort(self, code, details, trailing_metadata=()):
+        self.aborted = (code, details, tuple(trailing_metadata))
+        raise grpc.aio.AbortError()
+
+
+@pytest.mark.parametrize(
+    ("exc", "trailing"),
+    [
+        (EncoderPoolUnavailableError("cannot encode media"), ((UNAVAILABLE_DEPENDENCY_KEY, "encoder"),)),
+        (UnavailableError("engine stopped"), ()),
+    ],
+)
+def test_an_encoder_pool_outage_is_flagged_for_the_router(exc, trailing):
+    context = _AbortRecorder()
+    with pytest.raises(grpc.aio.AbortError):
+        asyncio.run(GeneratorServicer(None)._abort(context, "r1", exc))
+    assert context.aborted == (grpc.StatusCode.UNAVAILABLE, str(exc), trailing)
