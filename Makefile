@@ -3,16 +3,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
 ARTIFACTS ?= artifacts
 
 .PHONY: venv test lint proto demo tiny clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch first and pinned: on CPU machines 2.13.0 is the local CPU wheel; GPU images already ship >= 2.11.
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[test]"
+	# torch first and pinned (TORCH_VERSION, as in deploy/Dockerfile): on CPU machines the local CPU wheel; GPU
+	# images already ship >= 2.11. Everything else at the versions of deploy/constraints.txt, as in the images.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==$(TORCH_VERSION)"
+	$(PIP) install -q -c deploy/constraints.txt -e ".[test]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from common.errors import ConfigError
+from common.grpc_util import add_port
 from common.settings import SecuritySettings
 
 log = logging.getLogger(__name__)
@@ -281,13 +282,8 @@ def server_credentials(security: SecuritySettings) -> grpc.ServerCredentials | N
 def bind_server(server: grpc.aio.Server, host: str, port: int, security: SecuritySettings) -> int:
     """Bind a TLS port when a certificate is configured, else a plaintext one; returns the bound port."""
     credentials = server_credentials(security)
-    address = f"{host}:{port}"
-    bound = (
-        server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
-    )
-    if bound == 0:
-        raise ConfigError(f"cannot bind gRPC server to {address}")
-    return bound
+    add = server.add_insecure_port if credentials is None else lambda a: server.add_secure_port(a, credentials)
+    return add_port(server, f"{host}:{port}", add)
 
 
 def channel_credentials(security: SecuritySettings) -> grpc.ChannelCredentials | None:

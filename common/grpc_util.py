@@ -4,7 +4,7 @@
   tolerate long silent streams;
 - `ServerHealth`: a `grpc.health.v1` servicer (its `Watch` streams every status change and ends at graceful
   shutdown) registered with the server, plus helpers to flip all services between SERVING and NOT_SERVING;
-- `enable_reflection`, `bind`;
+- `enable_reflection`, `bind` / `add_port` (exclusive binds; a taken port is a `ConfigError` naming it);
 - `graceful_stop`: NOT_SERVING first (watchers and load balancers drain), then `server.stop(grace)`;
 - `status_for`: THE mapping from project exceptions to gRPC status codes.
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from common.errors import ConfigError, InvalidInputError, ResourceExhaustedError, UnavailableError
 from common.settings import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REQUEST_BYTES
@@ -43,6 +43,8 @@ def server_options(
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        # Bind exclusively: with SO_REUSEPORT a second server on a used port silently shares (and splits) it.
+        ("grpc.so_reuseport", 0),
     ]
 
 
@@ -72,15 +74,40 @@ def create_server(
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     """Bind an insecure port; returns the real port (port 0 picks a free one)."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+    return add_port(server, f"{host}:{port}", server.add_insecure_port)
+
+
+def add_port(server: grpc.aio.Server, address: str, add: Callable[[str], int]) -> int:
+    """`add(address)` (an `add_*_port` of `server`), with a failure to bind (the port is taken, the host is not
+    local) raised as a `ConfigError` naming the address."""
+    try:
+        bound = add(address)
+    except RuntimeError:  # grpc's own message only points at GRPC_VERBOSITY
+        bound = 0
     if bound == 0:
-        raise ConfigError(f"cannot bind gRPC server to {host}:{port}")
+        raise ConfigError(f"cannot bind gRPC server to {address}: port in use or address not local")
     return bound
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
 def enable_reflection(server: grpc.aio.Server, service_full_names: Sequence[str]) -> None:
-    names = (*service_full_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
+    """Server reflection as `grpc.reflection.v1` (what current grpcurl / grpcui / Postman ask for first) and
+    `grpc.reflection.v1alpha`. grpcio-reflection ships only v1alpha; v1 is the same protocol under a new package
+    name (identical messages and field numbers), so the same servicer answers both."""
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    names = (*service_full_names, health_name, REFLECTION_V1, reflection.SERVICE_NAME)
+    servicer = reflection.aio.ReflectionServicer(names)
+    for service in (REFLECTION_V1, reflection.SERVICE_NAME):
+        handlers = {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+            )
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):

@@ -308,7 +308,9 @@ def _check_messages(
     modality_of: dict[int, Modality] = {}
     for m, message in enumerate(messages):
         if message.role not in ROLES:
-            raise InvalidInputError(f"messages[{m}].role: unknown role {message.role!r}; expected one of {ROLES}")
+            raise InvalidInputError(
+                f"messages[{m}].role: unknown role {message.role!r}; expected one of {', '.join(ROLES)}"
+            )
         if message.name is not None and not isinstance(message.name, str):
             raise InvalidInputError(f"messages[{m}].name: expected a string, got {type(message.name).__name__}")
         for p, part in enumerate(message.parts):

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import re
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -127,6 +128,11 @@ class Replica:
 class _Group:
     replica: Replica
     indices: list[int] = field(default_factory=list)
+
+
+class EncoderPoolUnavailableError(UnavailableError):
+    """No encoder can serve the request's uncached media. The decode replica itself is fine, and every replica
+    shares the encoder pool: the router does not retry elsewhere or mark the replica down."""
 
 
 class EncoderCallError(InklingError):
@@ -248,6 +254,16 @@ class EncoderClient:
             return self.local_fingerprint if self.local is not None else None
         return max(sorted(counts), key=lambda fp: counts[fp])
 
+    @property
+    def known_fingerprint(self) -> bytes | None:
+        """The encoder fingerprint the replicas reported, serving or not (the most common one); None before any
+        replica answered `GetInfo`."""
+        counts: dict[bytes, int] = {}
+        for r in self.replicas.values():
+            if r.fingerprint:
+                counts[r.fingerprint] = counts.get(r.fingerprint, 0) + 1
+        return max(sorted(counts), key=lambda fp: counts[fp]) if counts else None
+
     async def wait_ready(self, timeout_s: float) -> bool:
         """Wait until some replica is healthy (True) or `timeout_s` passed (False)."""
         deadline = time.monotonic() + timeout_s
@@ -273,19 +289,29 @@ class EncoderClient:
         if not items:
             return []
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else 60.0)
-        if not self.healthy() and self.replicas:  # replicas still connecting: give them a moment
+        if not self.healthy() and self.replicas and self.known_fingerprint is None:
+            # replicas still connecting (none has answered GetInfo yet): give them a moment. Once the pool has
+            # been seen, a pool with no healthy replica fails fast instead.
             await self.wait_ready(min(self.settings.ready_wait_s, max(0.0, deadline - time.monotonic())))
-        fingerprint = self.pool_fingerprint
-        if not self.healthy():
+        # The cache is read first, with no healthy encoder too (keyed by the last fingerprint the pool reported).
+        fingerprint = self.pool_fingerprint if self.healthy() else (self.known_fingerprint or self.pool_fingerprint)
+        if fingerprint is None:
             return await self._local_or_fail(items, request_id, "no healthy encoder replica")
-        assert fingerprint is not None
         keys = [
             mm_key(m.modality, m.data, self.fingerprint_fn(m, f"media[{i}] ({m.modality})"), fingerprint)
             for i, m in enumerate(items)
         ]
         results: list[EncodedItem | None] = await self._from_cache(items, keys)
         missing = [i for i, r in enumerate(results) if r is None]
-        if missing:
+        if missing and not self.healthy():
+            local = await self._local_or_fail(
+                [items[i] for i in missing],
+                request_id,
+                f"no healthy encoder replica for {len(missing)} uncached item(s)",
+            )
+            for index, item in zip(missing, local, strict=True):
+                results[index] = _reindex(item, index)
+        elif missing:
             for index, item in (await self._encode_remote(items, keys, missing, request_id, deadline)).items():
                 results[index] = item
         assert all(r is not None for r in results)
@@ -439,7 +465,7 @@ class EncoderClient:
             index = indices[local_index]
             if isinstance(result, ItemFailure):
                 if result.code == "INVALID_ARGUMENT":
-                    raise InvalidInputError(f"media[{index}] ({items[index].modality}): {result.message}")
+                    raise InvalidInputError(item_error(index, items[index].modality, result.message))
                 raise EncoderCallError(f"{replica.address}: media[{index}]: {result.code} {result.message}")
             if result.mm_key != keys[index]:
                 log.warning(
@@ -487,7 +513,7 @@ class EncoderClient:
 
     async def _local_or_fail(self, items: Sequence[MediaInput], request_id: str, why: str) -> list[EncodedItem]:
         if self.local is None:
-            raise UnavailableError(f"request {request_id}: cannot encode media: {why}")
+            raise EncoderPoolUnavailableError(f"request {request_id}: cannot encode media: {why}")
         self.observer.local_fallback()
         log.info("request %s: encoding %d item(s) in-process (%s)", request_id, len(items), why)
         return await self.local.encode(items, request_id)
@@ -562,6 +588,15 @@ class EncoderClient:
             if serving:
                 replica.failures, replica.open_until = 0, 0.0
         self._changed.set()
+
+
+_ENCODER_ITEM_PREFIX = re.compile(r"^item \d+ \(\w+\): ")
+
+
+def item_error(index: int, modality: str, message: str) -> str:
+    """An encoder's item error named after the request's `media[index]`: the encoder's own `item N (modality): `
+    prefix (its position in one Encode call, not in the request) is replaced, not repeated."""
+    return f"media[{index}] ({modality}): {_ENCODER_ITEM_PREFIX.sub('', message)}"
 
 
 def _reindex(item: EncodedItem, index: int, key: bytes | None = None) -> EncodedItem:

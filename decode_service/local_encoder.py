@@ -15,6 +15,7 @@ from pathlib import Path
 from common.errors import InvalidInputError
 from common.settings import EncoderSettings
 from common.wire import EncodedItem
+from decode_service.encoder_client import item_error
 from encoder_service.service import EncoderEngine, ItemError, MediaInput, load_engine
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class LocalEncoder:
                 if isinstance(result, ItemError):
                     index = result.item_index
                     if isinstance(result.error, InvalidInputError):
-                        raise InvalidInputError(f"media[{index}] ({items[index].modality}): {result.error}")
+                        raise InvalidInputError(item_error(index, items[index].modality, str(result.error)))
                     raise result.error
                 out.append(result)
         return out

@@ -8,11 +8,13 @@ marker stay text. Streaming rules follow spec 6.2 (the TML-backed SGLang behavio
 * tool-call blocks are buffered and emitted whole at `<|end_message|>` (id `functions.NAME:INDEX`);
 * a block may omit `<|message_model|>`; ordinary tokens at a block boundary open an implicit text block,
   which the next control token closes;
-* inside a framed block, control tokens other than `<|end_message|>` and the turn end are payload text
-  (as `tml_renderers`' parser does); `<|content_model_end_sampling|>` also closes an open block (vLLM);
+* inside a framed block, control tokens other than `<|end_message|>` and the turn end stay inside the block
+  (as in `tml_renderers`' parser) but are never text: their `<|name|>` spellings are dropped, so no control
+  token leaks into reasoning, content or a tool payload; `<|content_model_end_sampling|>` also closes an open
+  block (vLLM);
 * blocks authored by anyone but the model are dropped;
-* parse errors (bad tool JSON, a header without a kind) and blocks cut off by `finish` surface their raw
-  un-streamed payload as content;
+* parse errors (bad tool JSON, a control token inside a tool payload, a header without a kind) and blocks cut
+  off by `finish` surface their raw un-streamed payload (its ordinary tokens) as content;
 * stop strings are matched within the text of one reasoning or content block (not inside tool-call
   payloads); text that could start a stop string is held back until it cannot, and a match ends the
   output at the match (`done` turns true; the caller then calls `finish("stop")`).
@@ -168,6 +170,8 @@ class OutputParser:
         if self._kind in _TOOL_KINDS:
             self._payload.append(token_id)
             return []
+        if self._is_special(token_id):
+            return []
         return self._stream(_STREAMED_KINDS[self._kind], self._detok.feed(token_id))
 
     # -- transitions ------------------------------------------------------------------------------------
@@ -203,7 +207,7 @@ class OutputParser:
         if not self._model_authored:
             return []
         if self._kind in _TOOL_KINDS:
-            return self._raw_content(decode_tokens(self._payload))
+            return self._raw_content(self._text_of(self._payload))
         channel = _STREAMED_KINDS[self._kind]
         return self._stream(channel, self._detok.flush()) + self._release_held(channel)
 
@@ -215,14 +219,19 @@ class OutputParser:
     def _raw_content(self, text: str) -> list[Delta]:
         return self._stream("content", text) + self._release_held("content")
 
+    def _text_of(self, token_ids: Sequence[int]) -> str:
+        """The text of the ordinary tokens (control tokens are never text)."""
+        return decode_tokens([t for t in token_ids if not self._is_special(t)])
+
     # -- tool calls -------------------------------------------------------------------------------------
 
     def _tool_call_deltas(self) -> list[Delta]:
-        payload = decode_tokens(self._payload)
+        payload = self._text_of(self._payload)
         if self._kind == CONTENT_INVOKE_TOOL_TEXT:
             call = ParsedToolCall(self._tool_calls, f"functions.unknown:{self._tool_calls}", "", "", payload)
         else:
-            parsed = _parse_tool_json(payload, decode_tokens(self._header))
+            has_control = any(self._is_special(t) for t in self._payload)
+            parsed = None if has_control else _parse_tool_json(payload, decode_tokens(self._header))
             if parsed is None:
                 return self._raw_content(payload)
             name, arguments = parsed

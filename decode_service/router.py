@@ -51,7 +51,7 @@ from common.grpc_util import (
     enable_reflection,
     graceful_stop,
 )
-from common.metrics import MetricsServer, new_registry, start_metrics_server
+from common.metrics import MetricsServer, ModelLabelled, new_registry, start_metrics_server
 from common.request_ids import check_request_id
 from common.settings import (
     GrpcSettings,
@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 GENERATOR_SERVICE = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
 # Initial-metadata key naming the decode replica (its address) that serves a routed Generate call.
 REPLICA_METADATA_KEY = "inkling-replica"
+# Trailing metadata of an UNAVAILABLE from a healthy decode replica whose dependency (the shared encoder pool)
+# cannot serve: the router neither retries on another replica nor marks this one down.
+UNAVAILABLE_DEPENDENCY_KEY = "inkling-unavailable-dependency"
 
 # ----------------------------------------------------------------------------------------------------------
 # Prefix directory
@@ -323,29 +326,45 @@ _REPLICA_FAILURES = frozenset(
 
 
 class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    """Every series carries `model_name` (the model the replicas serve, `--model-name`)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str = "inkling") -> None:
         self.registry = registry
-        self.requests = Counter(
-            "inkling_router_requests", "Generate calls by final status code", ["code"], registry=registry
+        m = ["model_name"]
+        self.requests = ModelLabelled(
+            Counter("inkling_router_requests", "Generate calls by final status code", m + ["code"], registry=registry),
+            model_name,
         )
-        self.routed = Counter(
-            "inkling_router_routed", "Upstream attempts by replica and reason", ["replica", "reason"], registry=registry
+        self.routed = ModelLabelled(
+            Counter(
+                "inkling_router_routed",
+                "Upstream attempts by replica and reason",
+                m + ["replica", "reason"],
+                registry=registry,
+            ),
+            model_name,
         )
-        self.retries = Counter("inkling_router_retries", "Attempts retried on another replica", registry=registry)
+        self.retries = Counter(
+            "inkling_router_retries", "Attempts retried on another replica", m, registry=registry
+        ).labels(model_name)
         self.failed_after_first = Counter(
             "inkling_router_failed_after_first_message",
             "Calls that failed after output was forwarded",
+            m,
             registry=registry,
-        )
+        ).labels(model_name)
         self.directory_errors = Counter(
             "inkling_router_prefix_directory_errors",
             "Prefix directory lookups that failed (routed least-loaded)",
+            m,
             registry=registry,
-        )
+        ).labels(model_name)
         self.ttft = Histogram(
-            "inkling_router_first_message_seconds", "Router-side time to the first message", registry=registry
-        )
-        self.healthy_replicas = Gauge("inkling_router_healthy_replicas", "Decode replicas SERVING", registry=registry)
+            "inkling_router_first_message_seconds", "Router-side time to the first message", m, registry=registry
+        ).labels(model_name)
+        self.healthy_replicas = Gauge(
+            "inkling_router_healthy_replicas", "Decode replicas SERVING", m, registry=registry
+        ).labels(model_name)
 
 
 class RouterServicer(generator_pb2_grpc.GeneratorServicer):
@@ -409,6 +428,11 @@ class RouterServicer(generator_pb2_grpc.GeneratorServicer):
                         await context.send_initial_metadata(((REPLICA_METADATA_KEY, replica.address),))
                     forwarded += 1
                     yield response
+            except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+                remaining = context.time_remaining()
+                expired = remaining is not None and remaining <= 0
+                self.metrics.requests.labels("DEADLINE_EXCEEDED" if expired else "CANCELLED").inc()
+                raise
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 log.log(
@@ -426,7 +450,8 @@ class RouterServicer(generator_pb2_grpc.GeneratorServicer):
                     await context.abort(
                         surfaced, f"decode replica {replica.address} failed after {forwarded} messages: {exc.details()}"
                     )
-                if code not in _REPLICA_FAILURES:
+                dependency = any(k == UNAVAILABLE_DEPENDENCY_KEY for k, _ in exc.trailing_metadata() or ())
+                if code not in _REPLICA_FAILURES or dependency:
                     self.metrics.requests.labels(code.name).inc()
                     await context.abort(code, exc.details() or code.name)
                 if code == grpc.StatusCode.UNAVAILABLE:
@@ -513,6 +538,7 @@ class RouterConfig:
     load_slack_frac: float = 0.5  # ... this fraction of the min load)
     prefix_namespace: str = ""
     log_level: str = "INFO"
+    model_name: str = "inkling"  # the model id the replicas serve: the metrics' model_name label
 
     def __post_init__(self) -> None:
         for name in ("poll_interval_s", "resolve_interval_s", "rpc_timeout_s", "directory_timeout_s"):
@@ -530,6 +556,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         metrics_port=args.metrics_port,
         redis=redis_settings(args.redis_url),
         log_level=(getattr(args, "log_level", None) or env_log_level()).upper(),
+        model_name=getattr(args, "model_name", None) or "inkling",
     )
 
 
@@ -538,7 +565,7 @@ class Router:
 
     def __init__(self, config: RouterConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
-        self.metrics = RouterMetrics(registry or new_registry())
+        self.metrics = RouterMetrics(registry or new_registry(), config.model_name)
         self.pool = ReplicaPool(
             config.decoders, config.rpc_timeout_s, config.load_slack, config.load_slack_frac, config.grpc.security
         )
@@ -579,7 +606,9 @@ class Router:
         await self._update_health()
         await self.server.start()
         if self.config.metrics_port:
-            self._metrics_server = start_metrics_server(self.config.metrics_port, self.metrics.registry)
+            self._metrics_server = start_metrics_server(
+                self.config.metrics_port, self.metrics.registry, self.config.grpc.host
+            )
         self._monitor = asyncio.create_task(self._watch_replicas())
         log.info("router serving on %s, replicas %s", self.address, ",".join(self.pool.replicas) or "(none yet)")
         return self.port

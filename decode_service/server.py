@@ -20,22 +20,22 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.exceptions import RedisError
 
 from common.auth import bind_server, server_interceptors
 from common.cache_store import RedisCache
 from common.errors import ConfigError, InklingError, InvalidInputError
 from common.grpc_util import ServerHealth, create_server, enable_reflection, graceful_stop, status_for
-from common.metrics import MetricsServer, new_registry, start_metrics_server
+from common.metrics import DecodeMetrics, MetricsServer, new_registry, start_metrics_server
 from common.settings import GrpcSettings, env_log_level, redis_settings, security_settings
 from common.wire import modality_to_proto
 from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingInput, ServiceLimits
 from decode_service.chat import ChatMessage, MediaPart, TextPart, ToolCall, ToolSpec
-from decode_service.encoder_client import ClientSettings, EncoderClient, parse_targets
-from decode_service.router import PrefixDirectory, request_prefix_hashes
+from decode_service.encoder_client import ClientSettings, EncoderClient, EncoderPoolUnavailableError, parse_targets
+from decode_service.router import UNAVAILABLE_DEPENDENCY_KEY, PrefixDirectory, request_prefix_hashes
 from decode_service.service import DecodeService, build_engine
 from decode_service.structured.constraint import constraint_from_proto
 from encoder_service.server import media_from_proto
@@ -45,7 +45,6 @@ from proto.inkling_epd.v1 import generator_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ROLES = {pb.ROLE_SYSTEM: "system", pb.ROLE_USER: "user", pb.ROLE_ASSISTANT: "assistant", pb.ROLE_TOOL: "tool"}
 _CHANNELS = {"reasoning": pb.CHANNEL_REASONING, "content": pb.CHANNEL_CONTENT, "tool_call": pb.CHANNEL_TOOL_CALL}
 _FINISH = {
@@ -54,67 +53,6 @@ _FINISH = {
     "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
     "abort": pb.FINISH_REASON_ABORT,
 }
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Metrics
-
-
-class DecodeMetrics:
-    """Prometheus metrics of one decode replica (names follow serving spec 3.7); also the encoder client's
-    observer."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        self.requests = Counter("inkling_decode_requests", "Generate calls by outcome", ["status"], registry=registry)
-        self.ttft = Histogram(
-            "inkling_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=registry
-        )
-        self.itl = Histogram("inkling_itl_seconds", "Inter-token latency", buckets=_LATENCY_BUCKETS, registry=registry)
-        self.running = Gauge("inkling_requests_running", "Requests in the running batch", registry=registry)
-        self.waiting = Gauge("inkling_requests_waiting", "Requests queued for admission", registry=registry)
-        self.prefix_queries = Counter(
-            "inkling_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=registry
-        )
-        self.prefix_hits = Counter(
-            "inkling_prefix_cache_hits", "Prompt tokens served by the prefix cache", registry=registry
-        )
-        self.mm_queries = Counter(
-            "inkling_embedding_cache_queries", "Media items looked up in the shared embedding cache", registry=registry
-        )
-        self.mm_hits = Counter(
-            "inkling_embedding_cache_hits", "Media items served by the shared embedding cache", registry=registry
-        )
-        self.encode_rpc = Histogram(
-            "inkling_encode_rpc_seconds",
-            "Encode call latency",
-            ["encoder", "code"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.encode_retries = Counter(
-            "inkling_encode_retries", "Encode calls retried on another replica", registry=registry
-        )
-        self.fallbacks = Counter("inkling_encode_fallback_local", "Requests encoded in-process", registry=registry)
-
-    def watch_load(self, service: DecodeService) -> None:
-        self.running.set_function(lambda: service.load().running)
-        self.waiting.set_function(lambda: service.load().waiting)
-
-    # encoder client observer
-    def cache_lookup(self, hit: bool) -> None:
-        self.mm_queries.inc()
-        if hit:
-            self.mm_hits.inc()
-
-    def rpc(self, address: str, seconds: float, code: str) -> None:
-        self.encode_rpc.labels(address, code).observe(seconds)
-
-    def retry(self) -> None:
-        self.encode_retries.inc()
-
-    def local_fallback(self) -> None:
-        self.fallbacks.inc()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -222,7 +160,9 @@ def delta_message(event: DeltaEvent) -> pb.GenerateResponse:
     )
     if event.tool_call is not None:
         call = event.tool_call
-        delta.tool_call.CopyFrom(pb.ToolCall(id=call.id, name=call.name, arguments_json=call.arguments))
+        delta.tool_call.CopyFrom(
+            pb.ToolCall(id=call.id, name=call.name, arguments_json=call.arguments, text=call.text or "")
+        )
     for lp in event.logprobs:
         delta.logprobs.append(
             pb.TokenLogprob(
@@ -358,7 +298,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         code, message = status_for(exc)
         self._count(code.name)
         log.info("generate %s failed: %s %s", request_id, code.name, message)
-        await context.abort(code, message)
+        dependency = ((UNAVAILABLE_DEPENDENCY_KEY, "encoder"),) if isinstance(exc, EncoderPoolUnavailableError) else ()
+        await context.abort(code, message, trailing_metadata=dependency)
 
     def _publish_prefix(self, request: pb.GenerateRequest, event: FinalEvent) -> None:
         """Tell the router's prefix directory that this replica now caches the request's prompt (best effort,
@@ -379,10 +320,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def _observe_final(self, event: FinalEvent) -> None:
         if self.metrics is None:
             return
-        if event.usage.completion_tokens:
-            self.metrics.ttft.observe(event.timings.ttft_s)
-        self.metrics.prefix_queries.inc(event.usage.prompt_tokens)
-        self.metrics.prefix_hits.inc(event.usage.cached_tokens)
+        self.metrics.observe_final(event.usage, event.timings)
 
     def _count(self, status: str) -> None:
         if self.metrics is not None:
@@ -469,7 +407,8 @@ async def _serve(args: argparse.Namespace) -> None:
     )
     if args.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
-    metrics = DecodeMetrics(new_registry())
+    model_name = served_model_name(args.checkpoint, getattr(args, "model_name", None))
+    metrics = DecodeMetrics(new_registry(), model_name)
     redis = redis_settings(args.redis_url)
     prefix_store = None
     if redis is not None and getattr(args, "redis_prefix", False):
@@ -510,7 +449,7 @@ async def _serve(args: argparse.Namespace) -> None:
         max_media_items=getattr(args, "max_media_items", defaults.max_media_items),
         max_live_requests=getattr(args, "max_live_requests", defaults.max_live_requests),
     )
-    service = DecodeService(engine, encoder, limits, model_id=str(args.checkpoint))
+    service = DecodeService(engine, encoder, limits, model_id=model_name)
     directory = None
     if redis is not None and args.replica_id:
         import redis.asyncio as aioredis
@@ -533,6 +472,16 @@ async def _serve(args: argparse.Namespace) -> None:
     if cache is not None:
         cache.close()
     stopper.cancel()
+
+
+def served_model_name(checkpoint: str, name: str | None = None) -> str:
+    """The model id clients see (`ModelInfo.model_id`, the `model_name` metric label): `--model-name`, else the
+    checkpoint directory's name, never the server's filesystem path."""
+    if name is not None:
+        if not name.strip():
+            raise ConfigError("--model-name: must not be empty")
+        return name.strip()
+    return Path(checkpoint).resolve().name
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -1,10 +1,15 @@
 """`inkling-epd up`: the docker-compose topology as local processes, and the `Cluster` that runs it.
 
-Start order (each tier waits until every process reports SERVING over `grpc.health.v1`): Redis (reuse
+Start order (each tier waits until every process reports SERVING over `grpc.health.v1`): Redis ("auto": reuse
 127.0.0.1:6379 if it answers, else a private `redis-server` with `deploy/redis.conf` on a free port, else
-none) -> N encoders -> M decode replicas (`--encoders` = the encoder addresses) -> 1 router (`--decoders`).
-Stop order is the reverse: SIGTERM a tier, wait for it, SIGKILL stragglers. Logs go to one file per process;
-a process that dies or never becomes healthy fails the start with the tail of its log.
+none; "private": always a private one) -> N encoders -> M decode replicas (`--encoders` = the encoder
+addresses) -> 1 router (`--decoders`). Stop order is the reverse: SIGTERM a tier, wait for it, SIGKILL
+stragglers. Logs go to one file per process; a process that dies or never becomes healthy fails the start with
+the tail of its log. With a base port, a port that is already taken fails the start naming it.
+
+Once up, `inkling-epd up` supervises like compose's `restart: unless-stopped`: a child that exits is started
+again on its own port with its own argv (`Cluster.restart_dead`), after a backoff that doubles per quick
+exit; the rest of the cluster keeps serving.
 
 `Cluster` is the reusable part (the e2e tests and `tools/demo.py` use it):
 
@@ -18,6 +23,7 @@ import argparse
 import contextlib
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -51,7 +57,7 @@ class ClusterSpec:
     encoders: int = 1
     decoders: int = 1
     base_port: int = 0  # 0: free ports; else router = base, decoders base+1.., encoders after them
-    redis: str = "auto"  # "auto" (reuse local, else start one, else none), "none", or a redis:// URL
+    redis: str = "auto"  # "auto" (reuse local, else start one, else none), "private", "none", or a redis:// URL
     device: str = "cpu"
     dtype: str = "bfloat16"
     host: str = "127.0.0.1"
@@ -59,6 +65,7 @@ class ClusterSpec:
     startup_timeout_s: float = 300.0  # per tier (model loading dominates)
     stop_timeout_s: float = 20.0  # per tier, before SIGKILL
     grace_seconds: float = 5.0  # passed to every server's --grace-seconds
+    metrics_base_port: int = 0  # 0: no /metrics; else router = base, decoders base+1.., encoders after them
     extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role -> more flags
     security_flags: Sequence[str] = ()  # token / TLS flags given to every server (common.settings)
     security: SecuritySettings = field(default_factory=SecuritySettings)  # how the launcher dials them
@@ -71,6 +78,8 @@ class ClusterSpec:
         unknown = (set(self.extra_args) | set(self.commands)) - set(ROLES)
         if unknown:
             raise ClusterError(f"unknown roles {sorted(unknown)}; expected {ROLES}")
+        if self.redis not in ("auto", "private", "none") and not self.redis.startswith(("redis://", "rediss://")):
+            raise ClusterError(f"redis: expected auto, private, none or a redis:// URL, got {self.redis!r}")
 
     def command(self, role: str) -> list[str]:
         return [*self.commands.get(role, (sys.executable, "-m", "tools.cli")), role]
@@ -83,6 +92,9 @@ class ManagedProcess:
     log_path: Path
     address: str | None  # gRPC address to health-check, None for Redis
     popen: subprocess.Popen | None = None
+    started_at: float = 0.0  # time.monotonic() of the last start
+    restarts: int = 0
+    restart_at: float | None = None  # when a dead process is due to be started again
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -99,6 +111,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def ensure_port_free(host: str, port: int, what: str) -> None:
+    """Raise `ClusterError` naming `port` when something listens on it (servers bind exclusively)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers do not count
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ClusterError(
+                f"{what} port {port} on {host} is in use ({exc.strerror}): is another cluster running? "
+                "Stop it or pick another base port"
+            ) from None
 
 
 def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
@@ -137,7 +162,12 @@ class Cluster:
         self.api: ManagedProcess | None = None  # address: the HTTP front's host:port
         self._redis: ManagedProcess | None = None
         self._ports = iter(range(spec.base_port, spec.base_port + 1 + spec.decoders + spec.encoders))
+        self._metrics_ports = iter(
+            range(spec.metrics_base_port, spec.metrics_base_port + 1 + spec.decoders + spec.encoders)
+        )
         self._taken: set[int] = set()
+        self._metrics_by_port: dict[int, int] = {}
+        self.redis_origin = ""  # how `redis_url` was chosen, for the operator: given, reused, private, none
 
     # -- addresses ----------------------------------------------------------------------------------------
 
@@ -188,7 +218,9 @@ class Cluster:
 
     def _next_port(self) -> int:
         if self.spec.base_port:
-            return next(self._ports)
+            port = next(self._ports)
+            ensure_port_free(self.spec.host, port, "gRPC")
+            return port
         while (port := free_port(self.spec.host)) in self._taken:
             pass
         self._taken.add(port)
@@ -197,20 +229,26 @@ class Cluster:
     def _start_redis(self) -> str | None:
         choice = self.spec.redis
         if choice == "none":
+            self.redis_origin = "none"
             return None
-        if choice != "auto":
+        if choice not in ("auto", "private"):
+            self.redis_origin = "given"
             if not redis_reachable(choice):
                 log.warning("Redis at %s does not answer yet; services treat it as a cache miss", choice)
             return choice
-        if redis_reachable(DEFAULT_REDIS_URL):
+        if choice == "auto" and redis_reachable(DEFAULT_REDIS_URL):
+            self.redis_origin = "reused: it already answered there; its caches may be warm"
+            log.warning("reusing the Redis already listening at %s (shared caches)", DEFAULT_REDIS_URL)
             return DEFAULT_REDIS_URL
         server = shutil.which("redis-server")
         if server is None:
+            self.redis_origin = "none"
             log.warning(
-                "no Redis at 127.0.0.1:6379 and no redis-server installed: running without Redis "
-                "(no shared embedding cache, no prefix directory)"
+                "no %sredis-server installed: running without Redis (no shared embedding cache, no prefix directory)",
+                "Redis at 127.0.0.1:6379 and no " if choice == "auto" else "",
             )
             return None
+        self.redis_origin = "private: started for this cluster, empty"
         port = free_port(self.spec.host)
         self._redis = self._spawn(
             "redis",
@@ -227,6 +265,8 @@ class Cluster:
 
     def _server_args(self, port: int) -> list[str]:
         args = ["--host", self.spec.host, "--port", str(port), "--grace-seconds", str(self.spec.grace_seconds)]
+        if port in self._metrics_by_port:
+            args += ["--metrics-port", str(self._metrics_by_port[port])]
         if self.redis_url:
             args += ["--redis-url", self.redis_url]
         return [*args, *self.spec.security_flags]
@@ -238,6 +278,11 @@ class Cluster:
             "decode": [self._next_port() for _ in range(spec.decoders)],
             "encoder": [self._next_port() for _ in range(spec.encoders)],
         }
+        self._metrics_by_port = {}
+        if spec.metrics_base_port:
+            for port in [ports["router"], *ports["decode"], *ports["encoder"]]:
+                self._metrics_by_port[port] = next(self._metrics_ports)
+                ensure_port_free(spec.host, self._metrics_by_port[port], "metrics")
         model_args = ["--checkpoint", spec.checkpoint, "--device", spec.device, "--dtype", spec.dtype]
         for i, port in enumerate(ports["encoder"]):
             self.encoders.append(self._spawn_server(f"encoder-{i}", "encoder", port, model_args))
@@ -250,9 +295,10 @@ class Cluster:
                 args.append("--local-encode")
             self.decoders.append(self._spawn_server(f"decode-{i}", "decode", port, args))
         self._wait_serving(self.decoders)
-        self.router = self._spawn_server(
-            "router", "router", ports["router"], ["--decoders", ",".join(self.decoder_addresses)]
-        )
+        # the decode replicas serve the checkpoint directory's name as their model id: label the router alike
+        model_name = Path(spec.checkpoint).resolve().name
+        router_args = ["--decoders", ",".join(self.decoder_addresses), "--model-name", model_name]
+        self.router = self._spawn_server("router", "router", ports["router"], router_args)
         self._wait_serving([self.router])
         if spec.api_port is not None:
             self._start_api(spec.api_port or free_port(spec.host))
@@ -276,9 +322,14 @@ class Cluster:
 
     def _spawn(self, name: str, argv: list[str], address: str | None) -> ManagedProcess:
         process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", address)
+        self._popen(process, "wb")
+        log.info("started %s (pid %d, %s)", name, process.popen.pid, address or "no gRPC")
+        return process
+
+    def _popen(self, process: ManagedProcess, mode: str) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(process.log_path, "wb") as log_file:
-            guarded = [sys.executable, "-m", "deploy.exit_with_parent", str(os.getpid()), *argv]
+        with open(process.log_path, mode) as log_file:
+            guarded = [sys.executable, "-m", "deploy.exit_with_parent", str(os.getpid()), *process.argv]
             process.popen = subprocess.Popen(
                 guarded,
                 cwd=REPO_ROOT,
@@ -288,8 +339,37 @@ class Cluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        log.info("started %s (pid %d, %s)", name, process.popen.pid, address or "no gRPC")
-        return process
+        process.started_at = time.monotonic()
+        process.restart_at = None
+
+    def restart_dead(
+        self, now: float | None = None, backoff_s: float = 1.0, max_backoff_s: float = 30.0, stable_s: float = 60.0
+    ) -> list[ManagedProcess]:
+        """Compose's restart policy: schedule each newly dead process for a restart after a backoff that
+        doubles with every exit within `stable_s` of its start (up to `max_backoff_s`), and start those that are
+        due, on their own ports with their own argv (the log file is appended to). Returns the restarted ones."""
+        now = time.monotonic() if now is None else now
+        restarted = []
+        for process in self.dead():
+            if process.restart_at is None:
+                quick = now - process.started_at < stable_s
+                process.restarts = process.restarts + 1 if quick else 1
+                delay = min(max_backoff_s, backoff_s * 2 ** (process.restarts - 1))
+                process.restart_at = now + delay
+                log.warning(
+                    "%s exited with code %s; restarting in %.1f s. Log tail:\n%s",
+                    process.name,
+                    process.popen.returncode,
+                    delay,
+                    process.log_tail(),
+                )
+            elif now >= process.restart_at:
+                with open(process.log_path, "ab") as log_file:
+                    log_file.write(f"--- restart {process.restarts} by inkling-epd up ---\n".encode())
+                self._popen(process, "ab")
+                log.warning("restarted %s (pid %d, restart %d)", process.name, process.popen.pid, process.restarts)
+                restarted.append(process)
+        return restarted
 
     def _wait_serving(self, processes: Sequence[ManagedProcess]) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
@@ -363,21 +443,83 @@ def security_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def main(args: argparse.Namespace) -> int:
-    """`inkling-epd up`: start the cluster, print the router address, run until Ctrl-C / SIGTERM."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    spec = ClusterSpec(
-        checkpoint=args.checkpoint,
-        encoders=args.encoders,
-        decoders=args.decoders,
-        base_port=args.base_port,
-        redis=args.redis_url or "auto",
-        device=args.device,
-        dtype=args.dtype,
-        security_flags=security_flags(args),
-        security=security_settings(args),
-        api_port=args.api_port,
+def add_up_args(up: argparse.ArgumentParser) -> None:
+    """The flags of `inkling-epd up`."""
+    from common.settings import add_security_args
+
+    up.add_argument("--checkpoint", required=True)
+    up.add_argument("--encoders", type=int, default=1)
+    up.add_argument("--decoders", type=int, default=1)
+    up.add_argument("--base-port", type=int, default=50050, help="router port; decoders, then encoders follow it")
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="first Prometheus port, laid out like --base-port (router, decoders, encoders); 0 = off",
     )
+    up.add_argument(
+        "--redis-url",
+        default=None,
+        help="redis:// URL, 'private' (start an empty redis-server) or 'none' "
+        "(default: reuse 127.0.0.1:6379 if it answers, else private)",
+    )
+    up.add_argument("--redis-prefix", action="store_true", help="decode replicas share KV prefixes through Redis")
+    up.add_argument(
+        "--api-port", type=int, default=None, help="also start the OpenAI HTTP front here (0 = any free port)"
+    )
+    up.add_argument("--device", default="cpu")
+    up.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    up.add_argument("--grace-seconds", type=float, default=10.0, help="every server's drain time on SIGTERM")
+    up.add_argument("--log-level", default=None, type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    for role in ROLES:
+        up.add_argument(
+            f"--{role}-args",
+            default="",
+            metavar="FLAGS",
+            help=f"more flags for every {role}, as one shell-quoted string (e.g. --{role}-args='--max-wait-ms 2')",
+        )
+    add_security_args(up, max_streams_per_client=None)  # passed on to every server
+
+
+def extra_args(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Per-role flags of `inkling-epd up` for the servers it starts."""
+    extra: dict[str, list[str]] = {}
+    for role in ROLES:
+        text = getattr(args, f"{role}_args", "") or ""
+        try:
+            extra[role] = shlex.split(text)
+        except ValueError as exc:
+            raise ClusterError(f"--{role}-args: {exc}: {text!r}") from None
+        if getattr(args, "log_level", None):
+            extra[role] += ["--log-level", args.log_level]
+    if getattr(args, "redis_prefix", False):
+        extra["decode"].append("--redis-prefix")
+    return extra
+
+
+def main(args: argparse.Namespace) -> int:
+    """`inkling-epd up`: start the cluster, print the router address, run until Ctrl-C / SIGTERM, starting
+    children that die again (with backoff) instead of stopping the cluster."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        spec = ClusterSpec(
+            checkpoint=args.checkpoint,
+            encoders=args.encoders,
+            decoders=args.decoders,
+            base_port=args.base_port,
+            metrics_base_port=getattr(args, "metrics_port", 0) or 0,
+            redis=args.redis_url or "auto",
+            device=args.device,
+            dtype=args.dtype,
+            grace_seconds=getattr(args, "grace_seconds", 10.0),
+            extra_args=extra_args(args),
+            security_flags=security_flags(args),
+            security=security_settings(args),
+            api_port=args.api_port,
+        )
+    except ClusterError as exc:
+        print(f"inkling-epd up: {exc}", file=sys.stderr)
+        return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_terminated)
     cluster = Cluster(spec)
@@ -388,17 +530,13 @@ def main(args: argparse.Namespace) -> int:
                 print(f"openai api: http://{cluster.api.address}/v1")
             print(f"decoders: {', '.join(cluster.decoder_addresses)}")
             print(f"encoders: {', '.join(cluster.encoder_addresses) or '(none)'}")
-            print(f"redis: {cluster.redis_url or '(none: no shared cache)'}")
+            print(f"redis: {cluster.redis_url or '(none: no shared cache)'} ({cluster.redis_origin})")
+            if spec.metrics_base_port:
+                print(f"metrics: ports {spec.metrics_base_port}.. (router, decoders, encoders)")
             print(f"logs: {cluster.log_dir}  (Ctrl-C to stop)", flush=True)
             while True:
-                dead = cluster.dead()
-                if dead:
-                    print(
-                        f"{dead[0].name} exited with code {dead[0].popen.returncode}; stopping. Log tail:\n"
-                        f"{dead[0].log_tail()}",
-                        file=sys.stderr,
-                    )
-                    return 1
+                for process in cluster.restart_dead():
+                    print(f"restarted {process.name} (restart {process.restarts})", file=sys.stderr, flush=True)
                 time.sleep(0.5)
     except ClusterError as exc:
         print(f"inkling-epd up: {exc}", file=sys.stderr)

@@ -425,7 +425,7 @@ class EncoderEngine:
             raise
         except Exception as exc:  # decoders meeting hostile bytes: the item is bad, the server is fine
             log.warning("%s: preprocessing failed", item, exc_info=exc)
-            raise InvalidInputError(f"{item}: media could not be decoded ({type(exc).__name__}: {exc})") from exc
+            raise InvalidInputError(f"{item}: media could not be decoded") from exc  # details: the log above
         if self.metrics:
             self.metrics.preprocess.labels(modality).observe(time.monotonic() - started)
         if modality == "image":

@@ -169,13 +169,13 @@ def _responses(args: argparse.Namespace, request):
 
     from decode_service.api import FinalEvent
     from decode_service.local_encoder import LocalEncoder
-    from decode_service.server import delta_message, final_message, generate_input
+    from decode_service.server import delta_message, final_message, generate_input, served_model_name
     from decode_service.service import DecodeService, build_engine
 
     async def run() -> list:
         engine = build_engine(args.checkpoint, args.device, args.dtype, 256 << 20, 4, 2048)
         encoder = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
-        service = DecodeService(engine, encoder, model_id=args.checkpoint)
+        service = DecodeService(engine, encoder, model_id=served_model_name(args.checkpoint))
         await service.start(warm_up=False)
         try:
             return [
@@ -257,12 +257,12 @@ def _serve_common(p: argparse.ArgumentParser, port: int, max_streams_per_client:
         help="redis:// or rediss:// URL of the shared cache (default: INKLING_REDIS_URL, else no Redis)",
     )
     p.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_security_args(p, max_streams_per_client)
 
 
 def _add_servers(sub: argparse._SubParsersAction) -> None:
-    from common.settings import add_encoder_args, add_security_args
+    from common.settings import add_encoder_args
 
     enc = sub.add_parser("encoder", help="serve the Encoder gRPC service")
     _serve_common(enc, 50061)
@@ -292,6 +292,9 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     )
     dec.add_argument("--replica-id", default="", help="name published to the router's prefix directory")
     dec.add_argument(
+        "--model-name", default=None, help="model id clients and metrics see (default: the checkpoint directory's name)"
+    )
+    dec.add_argument(
         "--max-prompt-tokens",
         type=int,
         default=None,
@@ -317,6 +320,7 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     router = sub.add_parser("router", help="serve the Generator gRPC service in front of decode replicas")
     _serve_common(router, 50050, max_streams_per_client=128)
     router.add_argument("--decoders", required=True, help="comma-separated host:port list or dns:///name:port")
+    router.add_argument("--model-name", default="inkling", help="the model id the replicas serve (metrics label)")
     router.set_defaults(func=_lazy("decode_service.router", "serve"))
 
     api = sub.add_parser("api", help="serve the OpenAI-compatible HTTP API in front of a router or decode replica")
@@ -325,18 +329,10 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     add_api_args(api)
     api.set_defaults(func=_lazy("decode_service.http_api.server", "serve"))
 
-    up = sub.add_parser("up", help="run the docker-compose topology as local processes")
-    up.add_argument("--checkpoint", required=True)
-    up.add_argument("--encoders", type=int, default=1)
-    up.add_argument("--decoders", type=int, default=1)
-    up.add_argument("--base-port", type=int, default=50050)
-    up.add_argument("--redis-url", default=None)
-    up.add_argument("--device", default="cpu")
-    up.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    up.add_argument(
-        "--api-port", type=int, default=None, help="also start the OpenAI-compatible HTTP API on this port (0: free)"
-    )
-    add_security_args(up, max_streams_per_client=None)  # passed on to every server
+    from deploy.launch import add_up_args
+
+    up = sub.add_parser("up", help="run the docker-compose topology as local processes (restarting dead ones)")
+    add_up_args(up)
     up.set_defaults(func=_lazy("deploy.launch", "main"))
 
 
@@ -349,8 +345,18 @@ def _lazy(module: str, function: str):
     return run
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"inkling-epd {version('inkling-epd')}"
+    except PackageNotFoundError:
+        return "inkling-epd (not installed: running from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inkling-epd", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_make_tiny(sub)
@@ -360,8 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    from common.errors import ConfigError, InvalidInputError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, InvalidInputError) as exc:  # a bad flag value found past argparse: no traceback
+        parser.exit(2, f"inkling-epd {args.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":

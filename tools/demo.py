@@ -1,7 +1,8 @@
 """`python -m tools.demo --workdir artifacts` (`make demo`): the whole cluster on the tiny checkpoint.
 
 1. Builds the tiny NVFP4 checkpoint and the sample media in the work directory (reused when present).
-2. Starts Redis (reused when one listens on 127.0.0.1:6379), 2 encoders, 2 decode replicas and the router as
+2. Starts its own empty Redis (a private `redis-server` on a free port, so the first run is cold whatever
+   else listens on 127.0.0.1:6379; `--redis URL` to use another), 2 encoders, 2 decode replicas and the router as
    local processes (`deploy.launch.Cluster`; on the GPU when torch sees one), or talks to a running cluster
    with `--router HOST:PORT`.
 3. Sends multimodal Generate requests through the router, printing the streamed text as it arrives: chat with
@@ -29,6 +30,7 @@ from typing import TextIO
 import grpc
 
 from decode_service.router import REPLICA_METADATA_KEY
+from deploy.launch import Cluster, ClusterError, ClusterSpec
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc, media_pb2
 from tools.make_sample_media import IMAGE_NAME, SAMPLE_FILES, VIDEO_NAME, WAV_16K_NAME, make_sample_media
@@ -253,6 +255,21 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def demo_spec(args: argparse.Namespace, checkpoint: Path, device: str, dtype: str, workdir: Path) -> ClusterSpec:
+    """The demo's `ClusterSpec`: by default its own empty Redis, so nothing another run or process cached
+    makes the first requests look warm."""
+    return ClusterSpec(
+        checkpoint=str(checkpoint),
+        encoders=args.encoders,
+        decoders=args.decoders,
+        device=device,
+        dtype=dtype,
+        redis=args.redis,
+        log_dir=str(workdir / "logs"),
+        extra_args={"decode": ["--redis-prefix"]},
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="demo", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="artifacts", help="where the checkpoint, media and logs live")
@@ -264,6 +281,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on cuda, float32 on cpu"
     )
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--redis",
+        default="private",
+        help="'private' (an empty redis-server of the demo's own), 'none', or a redis:// URL (default: private)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
 
@@ -273,19 +295,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.router:
         results = run_demo(args.router, requests, sys.stdout)
     else:
-        from deploy.launch import Cluster, ClusterError, ClusterSpec
-
         device = args.device or default_device()
         dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-        spec = ClusterSpec(
-            checkpoint=str(checkpoint),
-            encoders=args.encoders,
-            decoders=args.decoders,
-            device=device,
-            dtype=dtype,
-            log_dir=str(workdir / "logs"),
-            extra_args={"decode": ["--redis-prefix"]},
-        )
+        try:
+            spec = demo_spec(args, checkpoint, device, dtype, workdir)
+        except ClusterError as exc:
+            print(f"demo: {exc}", file=sys.stderr)
+            return 2
         print(
             f"starting {args.encoders} encoders, {args.decoders} decode replica(s) and the router on {device} "
             f"({dtype}; logs in {spec.log_dir}) ...",
@@ -294,8 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             with Cluster(spec) as cluster:
                 print(
-                    f"router at {cluster.router_address}, decode replicas {', '.join(cluster.decoder_addresses)}, "
-                    f"redis {cluster.redis_url or '(none)'}",
+                    f"router at {cluster.router_address}, decode replicas {', '.join(cluster.decoder_addresses)}\n"
+                    f"redis {cluster.redis_url or '(none: no shared cache)'} ({cluster.redis_origin})",
                     flush=True,
                 )
                 results = run_demo(cluster.router_address, requests, sys.stdout, cluster.decoder_addresses)

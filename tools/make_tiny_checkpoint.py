@@ -377,6 +377,10 @@ def write_checkpoint_files(
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     if raw.get("vision_config") and raw.get("audio_config"):
         (out / "processor_config.json").write_text(json.dumps(processor_config(raw), indent=2) + "\n")
+    # safetensors writes 0600: make everything world-readable so a container user (uid 10001) can mount it.
+    out.chmod(0o755)
+    for path in out.iterdir():
+        path.chmod(0o644)
     return out
 
 

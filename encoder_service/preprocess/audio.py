@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import io
 import math
+import re
 from dataclasses import asdict, dataclass
 
 import av
@@ -80,6 +81,13 @@ class AudioPolicy:
         return fields
 
 
+def av_reason(exc: Exception) -> str:
+    """Why FFmpeg refused the input, without the errno and the input's name (a Python buffer repr)."""
+    if isinstance(exc, av.FFmpegError) and exc.strerror:
+        return exc.strerror
+    return re.sub(r"<[^<>]* object at 0x[0-9a-fA-F]+>", "the input", str(exc))
+
+
 def _exact_int(value: float, name: str) -> int:
     rounded = round(value)
     if abs(value - rounded) > 1e-6 or rounded < 1:
@@ -127,7 +135,7 @@ def decode_audio(
     except InvalidInputError:
         raise
     except (av.FFmpegError, ValueError, OSError) as exc:
-        raise InvalidInputError(f"{item}: not decodable audio ({exc})") from exc
+        raise InvalidInputError(f"{item}: not decodable audio ({av_reason(exc)})") from exc
     samples = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
     return samples, int(rate)
 

@@ -117,7 +117,10 @@ def _open(data: bytes, item: str) -> Image.Image:
             return Image.open(io.BytesIO(data), formats=DECODABLE_FORMATS)
     except Image.DecompressionBombError as exc:
         raise InvalidInputError(f"{item}: image too large ({exc})") from exc
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except UnidentifiedImageError:  # its message names the Python buffer object
+        formats = ", ".join(DECODABLE_FORMATS).lower()
+        raise InvalidInputError(f"{item}: not a decodable image (format not recognised; accepted: {formats})") from None
+    except (OSError, ValueError, SyntaxError) as exc:
         raise InvalidInputError(f"{item}: not a decodable image ({exc})") from exc
 
 

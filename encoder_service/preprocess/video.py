@@ -15,8 +15,11 @@ import av
 import numpy as np
 
 from common.errors import InvalidInputError
-from encoder_service.preprocess.audio import AudioPolicy, preprocess_audio
+from encoder_service.preprocess.audio import AudioPolicy, av_reason, preprocess_audio
 from encoder_service.preprocess.image import ImagePatches, ImagePolicy, preprocess_pil
+
+# Demuxers of single pictures: FFmpeg opens a PNG or JPEG as a one-frame "video"; refuse it as one.
+STILL_IMAGE_FORMATS = frozenset({"image2"})  # and every "*_pipe" image demuxer (png_pipe, jpeg_pipe, ...)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ def preprocess_video(
         raise InvalidInputError(f"{item}: {len(data)} bytes exceeds the limit of {policy.max_bytes}")
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
+            if container.format.name in STILL_IMAGE_FORMATS or container.format.name.endswith("_pipe"):
+                raise InvalidInputError(f"{item}: a still image ({container.format.name}), not a video")
             if not container.streams.video:
                 raise InvalidInputError(f"{item}: no video stream")
             stream = container.streams.video[0]
@@ -100,7 +105,7 @@ def preprocess_video(
     except InvalidInputError:
         raise
     except (av.FFmpegError, ValueError, OSError) as exc:
-        raise InvalidInputError(f"{item}: not decodable video ({exc})") from exc
+        raise InvalidInputError(f"{item}: not decodable video ({av_reason(exc)})") from exc
     if not frames:
         raise InvalidInputError(f"{item}: no decodable frames")
     audio = None

@@ -136,3 +136,11 @@ def test_hmlp_plan_matches_spec() -> None:
     # Inkling-Small (multimodal spec 2.3) and the tiny plan HF builds for (8, 2, 3)
     assert hmlp_linear_shapes(40, 2, 4, 3, 4096) == [(128, 75), (320, 512), (4800, 5120), (4096, 9600)]
     assert hmlp_linear_shapes(8, 2, 3, 3, 64) == [(64, 12), (192, 1024), (64, 384)]
+
+
+def test_files_are_readable_by_other_users(tiny_nvfp4) -> None:
+    """The compose mount is read by the container user (uid 10001), not the file's owner."""
+    assert tiny_nvfp4.stat().st_mode & 0o005 == 0o005
+    modes = {path.name: path.stat().st_mode & 0o777 for path in tiny_nvfp4.iterdir()}
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert all(mode & 0o004 for mode in modes.values()), modes

@@ -195,8 +195,9 @@ async def test_item_error_is_invalid_input_naming_the_request_item(pool):
     addresses, _, _ = pool
     client = await started(addresses)
     try:
-        with pytest.raises(InvalidInputError, match=r"media\[1\]"):
+        with pytest.raises(InvalidInputError) as err:
             await client.encode(images(b"fine", b"bad"), "r3", timeout_s=10)
+        assert str(err.value) == "media[1] (image): cannot decode"  # the encoder's "item 0 (image): " replaced
     finally:
         await client.close()
 
@@ -220,6 +221,32 @@ async def test_not_serving_replicas_are_skipped_and_none_left_is_unavailable(poo
             await asyncio.sleep(0.02)
         with pytest.raises(UnavailableError):
             await client.encode(images(b"y"), "r5", timeout_s=10)
+    finally:
+        await client.close()
+
+
+async def test_cached_media_is_served_with_every_encoder_down_and_misses_fail_fast(pool):
+    addresses, fakes, healths = pool
+    cache = LruCache(1 << 20)
+    rows, payload = rows_for(b"cached")
+    cache.put(key_of(b"cached"), Entry("image", rows, DIM, payload, (Span("image", rows),)))
+    client = await started(addresses, cache=cache, settings=ClientSettings(ready_wait_s=5.0))
+    try:
+        for address in addresses:
+            await healths[address].set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        for _ in range(100):
+            if not client.healthy():
+                break
+            await asyncio.sleep(0.02)
+        assert not client.healthy()
+        loop = asyncio.get_running_loop()
+        started_at = loop.time()
+        out = await client.encode(images(b"cached"), "r7", timeout_s=10)
+        assert out[0].cache_hit and out[0].payload == payload
+        with pytest.raises(UnavailableError, match="no healthy encoder replica"):
+            await client.encode(images(b"cached", b"uncached"), "r8", timeout_s=10)
+        assert loop.time() - started_at < 1.0  # no wait for a replica that the pool already saw go down
+        assert sum(f.calls for f in fakes.values()) == 0
     finally:
         await client.close()
 

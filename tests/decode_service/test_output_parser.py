@@ -91,7 +91,6 @@ AGREED = {
     + [EOM, MODEL, TEXT]
     + e("z")
     + [EOM, END],
-    "control_tokens_inside_a_body_are_text": [MODEL, TEXT] + e("abc") + [MODEL, THINK] + e("d") + [EOM, END],
     "marker_spelled_by_ordinary_tokens": [MODEL, TEXT] + e("<|end_message|><|content_thinking|>") + [EOM, END],
     "named_text_header": [MODEL] + e("bob") + [TEXT] + e("hi") + [EOM, END],
     "no_turn_end": [MODEL, TEXT] + e("abc") + [EOM],
@@ -209,3 +208,31 @@ def test_rendered_assistant_history_parses_back() -> None:
     deltas, reason = stream(full[len(user) :])
     assert channels(deltas) == ("hm", "Sure.", [("functions.f:0", "f", '{"a":"x","b":2}', None)])
     assert channels(deltas) == tml_channels(full[len(user) :]) and reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("tokens", "expected"),
+    [
+        # tml-renderers keeps the spellings as text (content "abc<|message_model|><|content_thinking|>d")
+        ([MODEL, TEXT] + e("abc") + [MODEL, THINK] + e("d") + [EOM, END], ("", "abcd", [])),
+        ([MODEL, THINK] + e("r") + [TOOL_JSON] + e("s") + [EOM, END], ("rs", "", [])),
+        # a control token inside a JSON tool payload: a parse error, surfaced without the control token
+        (
+            [MODEL] + e("f") + [TOOL_JSON] + e('{"name":"f",') + [TOOL_JSON] + e('"args":{}}') + [EOM, END],
+            ("", '{"name":"f","args":{}}', []),
+        ),
+        (
+            [MODEL] + e("f") + [TOOL_TEXT] + e("search ") + [TEXT] + e("x") + [EOM, END],
+            ("", "", [("functions.unknown:0", "", "", "search x")]),
+        ),
+    ],
+)
+def test_control_tokens_never_leak_into_text(tokens: list[int], expected: tuple) -> None:
+    deltas, _ = stream(tokens)
+    assert channels(deltas) == expected
+    assert not any("<|" in (d.text + (d.tool_call.text or "" if d.tool_call else "")) for d in deltas)
+
+
+def test_cut_off_tool_payload_drops_control_tokens() -> None:
+    deltas, _ = stream([MODEL] + e("f") + [TOOL_JSON] + e('{"a":') + [THINK] + e("1"), reason="length")
+    assert channels(deltas) == ("", '{"a":1', [])

@@ -21,6 +21,7 @@ from decode_service.router import (
     GENERATOR_SERVICE,
     PREFIX_DIRECTORY_PREFIX,
     ROUTING_BLOCK_TOKENS,
+    UNAVAILABLE_DEPENDENCY_KEY,
     PrefixDirectory,
     Router,
     RouterConfig,
@@ -29,6 +30,7 @@ from decode_service.router import (
     request_prefix_hashes,
     resolve_targets,
 )
+from deploy.launch import free_port
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc
 
@@ -54,6 +56,12 @@ class FakeReplica(generator_pb2_grpc.GeneratorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica going down")
         if self.mode == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: empty")
+        if self.mode == "encoders_down":
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "cannot encode media: no healthy encoder replica",
+                trailing_metadata=((UNAVAILABLE_DEPENDENCY_KEY, "encoder"),),
+            )
         yield pb.GenerateResponse(delta=pb.Delta(token_ids=[1], text=self.name))
         if self.mode == "fail_after":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica crashed")
@@ -393,3 +401,60 @@ def test_stop_drains_running_streams():
 
     rest, code = asyncio.run(scenario())
     assert code == grpc.StatusCode.OK and rest[-1].final.finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_metrics_port_binds_the_router_host():
+    async def scenario():
+        async with routed(FakeReplica("a"), metrics_port=free_port()) as router:
+            return router._metrics_server.server.server_address[0]
+
+    assert asyncio.run(scenario()) == "127.0.0.1"
+
+
+def test_cancelled_and_expired_calls_are_counted_with_the_model_name():
+    hang = FakeReplica("hang", mode="hang")
+
+    async def counted(router: Router, code: str) -> float:
+        for _ in range(100):
+            value = router.metrics.registry.get_sample_value(
+                "inkling_router_requests_total", {"model_name": "inkling-tiny", "code": code}
+            )
+            if value:
+                return value
+            await asyncio.sleep(0.05)
+        return 0.0
+
+    async def scenario():
+        async with routed(hang, model_name="inkling-tiny") as router:
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                call = _stub(channel).Generate(_request("c1"), timeout=20)
+                assert (await call.read()).delta.text == "hang"
+                call.cancel()
+                cancelled = await counted(router, "CANCELLED")
+                expiring = _stub(channel).Generate(_request("d1"), timeout=0.5)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in expiring:
+                        pass
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                expired = await counted(router, "DEADLINE_EXCEEDED")
+            return cancelled, expired
+
+    assert asyncio.run(scenario()) == (1.0, 1.0)
+
+
+def test_an_unavailable_dependency_is_surfaced_without_retry_and_the_replica_stays_routable():
+    a, b = FakeReplica("a", mode="encoders_down"), FakeReplica("b", mode="encoders_down")
+
+    async def scenario():
+        async with routed(a, b) as router:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _generate(router, _request("m1"))
+            healthy = len(router.pool.healthy())
+            a.mode = b.mode = "ok"
+            out = await _generate(router, _request("t1"))  # no poll needed: nobody was marked down
+            return err.value, healthy, out
+
+    error, healthy, out = asyncio.run(scenario())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "no healthy encoder" in error.details()
+    assert len(a.calls + b.calls) == 2 and healthy == 2  # one attempt for m1, then t1
+    assert out[-1].HasField("final")

@@ -9,11 +9,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.metrics import new_registry
+from common.errors import UnavailableError
+from common.metrics import DecodeMetrics, new_registry
 from common.settings import EncoderSettings, GrpcSettings
-from decode_service.encoder_client import EncoderClient
+from decode_service.api import DeltaEvent
+from decode_service.encoder_client import EncoderClient, EncoderPoolUnavailableError
 from decode_service.local_encoder import LocalEncoder
-from decode_service.server import DecodeMetrics, build_server
+from decode_service.output_parser import ParsedToolCall
+from decode_service.router import UNAVAILABLE_DEPENDENCY_KEY
+from decode_service.server import GeneratorServicer, build_server, delta_message
 from decode_service.service import DecodeService, build_engine
 from encoder_service.server import build_server as build_encoder_server
 from encoder_service.service import load_engine
@@ -23,6 +27,8 @@ from tools.make_sample_media import sample_media
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 pytestmark = pytest.mark.anyio
+
+MODEL = "tiny"
 
 
 @pytest.fixture
@@ -55,7 +61,7 @@ async def cluster(checkpoint, engine):
     )
     await encoder.start()
     keys = LocalEncoder.load(checkpoint, dtype="float32")
-    metrics = DecodeMetrics(new_registry())
+    metrics = DecodeMetrics(new_registry(), MODEL)
     client = EncoderClient(
         [f"127.0.0.1:{encoder.port}"], keys.preprocess_fingerprint, local_fingerprint=keys.fingerprint, observer=metrics
     )
@@ -142,12 +148,25 @@ async def test_multimodal_generate_uses_the_encoder_then_its_cache(cluster):
     assert [t for d in deltas2 for t in d.token_ids] == tokens
     assert final2.usage.mm_items_cached == 2
     registry = decode.metrics.registry
-    assert registry.get_sample_value("inkling_ttft_seconds_count") == 2
-    assert registry.get_sample_value("inkling_itl_seconds_count") == 2 * 4
-    assert registry.get_sample_value("inkling_embedding_cache_queries_total") == 0  # no Redis configured
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": MODEL, **labels})
+
+    assert sample("inkling_ttft_seconds_count") == 2
+    assert sample("inkling_itl_seconds_count") == 2 * 4
+    assert sample("inkling_queue_time_seconds_count") == 2 and sample("inkling_e2e_request_latency_seconds_count") == 2
+    assert sample("inkling_prompt_tokens_total") == final.usage.prompt_tokens + final2.usage.prompt_tokens
+    assert sample("inkling_completion_tokens_total") == 10
+    gpu, redis = (
+        sample("inkling_prefix_cache_hits_total", tier="gpu"),
+        sample("inkling_prefix_cache_hits_total", tier="redis"),
+    )
+    assert gpu == final.usage.cached_tokens_gpu + final2.usage.cached_tokens_gpu and redis == 0
+    assert 0.0 <= sample("inkling_kv_cache_usage") <= 1.0
+    assert sample("inkling_embedding_cache_queries_total") == 0  # no Redis configured
     address = f"127.0.0.1:{encoder.port}"
-    assert registry.get_sample_value("inkling_encode_rpc_seconds_count", {"encoder": address, "code": "OK"}) == 2
-    assert registry.get_sample_value("inkling_decode_requests_total", {"status": "OK"}) == 2
+    assert sample("inkling_encode_rpc_seconds_count", encoder=address, code="OK") == 2
+    assert sample("inkling_decode_requests_total", status="OK") == 2
     info = await stub.GetModelInfo(pb.ModelInfoRequest())
     assert info.encoder_fingerprint == encoder.engine.fingerprint
     assert info.image_token_id == 200054 and info.max_context_tokens > 0
@@ -263,3 +282,33 @@ async def test_graceful_stop_reports_not_serving_and_drains_running_calls(engine
         await stopping
     finally:
         await channel.close()
+
+
+def test_a_raw_text_tool_call_keeps_its_body_on_the_wire():
+    call = ParsedToolCall(0, "functions.unknown:0", "", "", "search x")
+    delta = delta_message(DeltaEvent(channel="tool_call", tool_call=call)).delta
+    assert delta.channel == pb.CHANNEL_TOOL_CALL
+    assert (delta.tool_call.id, delta.tool_call.name, delta.tool_call.text) == ("functions.unknown:0", "", "search x")
+
+
+class _AbortRecorder:
+    def __init__(self) -> None:
+        self.aborted: tuple | None = None
+
+    async def abort(self, code, details, trailing_metadata=()):
+        self.aborted = (code, details, tuple(trailing_metadata))
+        raise grpc.aio.AbortError()
+
+
+@pytest.mark.parametrize(
+    ("exc", "trailing"),
+    [
+        (EncoderPoolUnavailableError("cannot encode media"), ((UNAVAILABLE_DEPENDENCY_KEY, "encoder"),)),
+        (UnavailableError("engine stopped"), ()),
+    ],
+)
+def test_an_encoder_pool_outage_is_flagged_for_the_router(exc, trailing):
+    context = _AbortRecorder()
+    with pytest.raises(grpc.aio.AbortError):
+        asyncio.run(GeneratorServicer(None)._abort(context, "r1", exc))
+    assert context.aborted == (grpc.StatusCode.UNAVAILABLE, str(exc), trailing)

@@ -220,12 +220,27 @@ def test_dockerfile_pins_versions(dockerfile):
     images = re.findall(r"^ARG \w+_IMAGE=(\S+)$", dockerfile, re.M)
     assert len(images) == 2 and all(re.search(r":\d", image) for image in images)
     assert "nvidia/cuda:" in dockerfile and "latest" not in dockerfile
+    pinned = set(constraint_pins())
     for install in re.findall(r"pip install ([^&\n]+)", dockerfile):
-        for word in install.split():
-            if not word.startswith(("-", "$", "/", "http", "\\")):
-                assert "==" in word, (install, word)
-    for deps in re.findall(r'^ARG \w+_DEPS="([^"]+)"', dockerfile, re.M):
-        assert all("==" in word for word in deps.replace("\\\n", " ").split()), deps
+        words = install.split()
+        for word in words:
+            if word == '"$(ls':  # "$(ls /tmp/wheels/*.whl)[role]": the project wheel, deps per constraints
+                assert "--constraint" in words, install
+            elif not word.startswith(("-", "$", "/", "http", "\\")):
+                assert "==" in word or ("--constraint" in words and word in pinned), (install, word)
+    assert not re.search(r"^ARG \w+_DEPS=", dockerfile, re.M)  # versions live in deploy/constraints.txt only
+
+
+def constraint_pins() -> dict[str, str]:
+    """deploy/constraints.txt as name -> version; every line is an exact pin."""
+    pins = {}
+    for line in (ROOT / "deploy" / "constraints.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and version, line
+            pins[name] = version
+    return pins
 
 
 def test_dockerfile_default_commands_parse_with_the_real_cli(dockerfile):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import socket
 import sys
+import time
 
 import grpc
 import pytest
+import redis
 
 from common.settings import security_settings
 from decode_service.router import REPLICA_METADATA_KEY
@@ -186,3 +189,78 @@ def test_api_port_puts_the_openai_front_before_the_router(fake_spec):
         api = cluster.api
         assert api.argv[api.argv.index("--upstream") + 1] == cluster.router_address
     assert api.popen.returncode == 0
+
+
+def test_a_taken_base_port_fails_the_start_naming_it(fake_spec):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cluster = Cluster(fake_spec(base_port=port))
+        with pytest.raises(ClusterError, match=f"gRPC port {port} on 127.0.0.1 is in use"):
+            cluster.start()
+    assert not cluster.processes()  # nothing was started on a shared port
+
+
+def test_a_dead_child_is_restarted_with_backoff_and_the_rest_keeps_serving(fake_spec):
+    with Cluster(fake_spec(encoders=2)) as cluster:
+        victim, survivor = cluster.encoders
+        victim.popen.kill()
+        victim.popen.wait()
+        t0 = time.monotonic()
+        assert cluster.restart_dead(now=t0, backoff_s=1.0) == []  # first sighting: scheduled, not started
+        assert victim.restart_at == pytest.approx(t0 + 1.0)
+        assert cluster.restart_dead(now=t0 + 0.5) == []
+        assert cluster.restart_dead(now=t0 + 1.0) == [victim]
+        assert not survivor.exited() and check(cluster.router_address) == "SERVING"
+        deadline = time.monotonic() + 30
+        while check(victim.address, timeout_s=1.0) != "SERVING":
+            assert time.monotonic() < deadline, victim.log_tail()
+            time.sleep(0.1)
+        assert "--- restart 1 by inkling-epd up ---" in victim.log_path.read_text()
+        victim.popen.kill()  # a second quick exit doubles the wait
+        victim.popen.wait()
+        now = time.monotonic()
+        assert cluster.restart_dead(now=now, backoff_s=1.0) == []
+        assert victim.restarts == 2 and victim.restart_at == pytest.approx(now + 2.0)
+
+
+def test_up_passes_metrics_ports_redis_prefix_and_role_flags_through(fake_spec):
+    parser = argparse.ArgumentParser()
+    launch.add_up_args(parser)
+    args = parser.parse_args(
+        ["--checkpoint", "x", "--redis-prefix", "--log-level", "debug", "--decode-args", "--max-num-seqs 8"]
+    )
+    extra = launch.extra_args(args)
+    assert extra["decode"] == ["--max-num-seqs", "8", "--log-level", "DEBUG", "--redis-prefix"]
+    assert extra["router"] == ["--log-level", "DEBUG"]
+    metrics = free_port()
+    spec = fake_spec(encoders=1, metrics_base_port=metrics, extra_args={"decode": extra["decode"]})
+    with Cluster(spec) as cluster:
+        decode_log = (cluster.log_dir / "decode-0.log").read_text()
+        assert f"--metrics-port {metrics + 1}" in decode_log and "--max-num-seqs 8" in decode_log
+        assert "--redis-prefix" in decode_log
+        assert f"--metrics-port {metrics + 2}" in (cluster.log_dir / "encoder-0.log").read_text()
+        assert f"--metrics-port {metrics}" in " ".join(cluster.router.argv)
+        assert "--model-name ckpt" in " ".join(cluster.router.argv)  # the decoders' default model id
+
+
+def test_bad_role_flags_and_redis_choice_are_named():
+    parser = argparse.ArgumentParser()
+    launch.add_up_args(parser)
+    with pytest.raises(ClusterError, match="--router-args"):
+        launch.extra_args(parser.parse_args(["--checkpoint", "x", "--router-args", "'unclosed"]))
+    with pytest.raises(ClusterError, match="redis: expected auto, private, none"):
+        ClusterSpec(checkpoint="x", redis="localhost:6379")
+
+
+def test_private_redis_is_started_even_when_one_answers_locally(fake_spec):
+    if shutil.which("redis-server") is None or not redis_reachable(launch.DEFAULT_REDIS_URL):
+        pytest.skip("needs redis-server and a Redis on 127.0.0.1:6379")
+    with Cluster(fake_spec(redis="private")) as cluster:
+        assert cluster.redis_url != launch.DEFAULT_REDIS_URL and redis_reachable(cluster.redis_url)
+        assert cluster.redis_origin.startswith("private")
+        assert redis.Redis.from_url(cluster.redis_url).dbsize() == 0  # a cold start
+    reused = Cluster(fake_spec(redis="auto"))
+    with reused:
+        assert reused.redis_url == launch.DEFAULT_REDIS_URL and reused.redis_origin.startswith("reused")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import threading
 import wave
 from collections.abc import Iterator
@@ -174,6 +175,8 @@ BAD_CASES = {
     "zero_sample_wav": ([_item(IMAGE, PNG), _item(AUDIO, _wav(np.zeros(0)))], 1, "empty audio"),
     "video_without_frames": ([_item(AUDIO, WAV), _item(VIDEO, _video_without_frames())], 1, "no decodable frames"),
     "audio_file_as_video": ([_item(VIDEO, WAV)], 0, "no video stream"),
+    "png_as_video": ([_item(AUDIO, WAV), _item(VIDEO, PNG)], 1, "a still image (png_pipe), not a video"),
+    "jpeg_as_video": ([_item(VIDEO, _JPEG)], 0, "not a video"),
     "image_over_patch_limit": ([_item(IMAGE, PNG), _item(IMAGE, _image(200, 200))], 1, "patches"),
     "audio_over_length_limit": ([_item(AUDIO, WAV), _item(AUDIO, _wav(np.zeros(4 * 16000)))], 1, "longer than"),
     "item_over_byte_limit": ([_item(IMAGE, PNG), _item(IMAGE, PNG + bytes(1 << 20))], 1, "bytes exceeds"),
@@ -193,6 +196,9 @@ def test_bad_item_fails_the_call_naming_it_and_the_server_keeps_serving(running:
     if index is not None:
         assert f"item {index}" in error.details()
     assert reason in error.details()
+    # no internal reprs (buffer objects, errnos, Python containers) and the item named once
+    assert not re.search(r"object at 0x|Errno|\('|\['|Error:", error.details()), error.details()
+    assert len(re.findall(r"item \d+ \(", error.details())) <= 1, error.details()
     assert received == []  # no header or chunk of any item (not even the good ones) before the status
     _still_serving(running)
 

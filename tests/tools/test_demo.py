@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tools.demo import Result, build_requests, format_table
+from tools.demo import Result, build_requests, demo_spec, format_table
 from tools.make_sample_media import make_sample_media
 
 
@@ -57,3 +57,11 @@ def test_the_repeats_are_the_first_request_again(tmp_path):
     for repeat in (again, other):
         assert repeat.request.chat == first.request.chat and repeat.request.request_id != first.request.request_id
     assert len({r.request.request_id for r in requests}) == len(requests)
+
+
+def test_the_demo_runs_on_its_own_redis_by_default(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(encoders=2, decoders=2, redis="private")
+    spec = demo_spec(args, tmp_path / "tiny", "cpu", "float32", tmp_path)
+    assert spec.redis == "private" and spec.extra_args["decode"] == ["--redis-prefix"]

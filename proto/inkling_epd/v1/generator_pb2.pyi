@@ -54,14 +54,16 @@ class ContentPart(_message.Message):
     def __init__(self, text: _Optional[str] = ..., media: _Optional[_Union[_media_pb2.MediaItem, _Mapping]] = ...) -> None: ...
 
 class ToolCall(_message.Message):
-    __slots__ = ("id", "name", "arguments_json")
+    __slots__ = ("id", "name", "arguments_json", "text")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     arguments_json: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
+    text: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Message(_message.Message):
     __slots__ = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning")
