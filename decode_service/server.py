@@ -29,15 +29,16 @@ from common.auth import bind_server, server_interceptors
 from common.cache_store import RedisCache
 from common.errors import ConfigError, InklingError, InvalidInputError
 from common.grpc_util import ServerHealth, create_server, enable_reflection, graceful_stop, status_for
+from common.media import media_from_proto, media_modality
 from common.metrics import MetricsServer, new_registry, start_metrics_server
+from common.prefix_routing import PrefixDirectory, request_prefix_hashes
 from common.settings import GrpcSettings, env_log_level, redis_settings, security_settings
+from common.targets import parse_targets
 from common.wire import modality_to_proto
 from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingInput, ServiceLimits
 from decode_service.chat import ChatMessage, MediaPart, TextPart, ToolCall, ToolSpec
-from decode_service.encoder_client import ClientSettings, EncoderClient, parse_targets
-from decode_service.router import PrefixDirectory, request_prefix_hashes
+from decode_service.encoder_client import ClientSettings, EncoderClient
 from decode_service.service import DecodeService, build_engine
-from encoder_service.server import media_from_proto
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc
 
@@ -182,9 +183,8 @@ def generate_input(request: pb.GenerateRequest, timeout_s: float | None) -> Gene
             if which == "text":
                 parts.append(TextPart(part.text))
             elif which == "media":
-                parts.append(
-                    MediaPart(_media_kind(part.media.modality, f"chat.messages[{m}].content[{p}]"), len(media))
-                )
+                where = f"chat.messages[{m}].content[{p}].media"
+                parts.append(MediaPart(media_modality(part.media.modality, where), len(media)))
                 media.append(media_from_proto(len(media), part.media))
             else:
                 raise InvalidInputError(f"chat.messages[{m}].content[{p}]: empty content part")
@@ -205,13 +205,6 @@ def generate_input(request: pb.GenerateRequest, timeout_s: float | None) -> Gene
     )
     effort = chat.reasoning_effort if chat.HasField("reasoning_effort") else None
     return GenerateInput(messages=tuple(messages), tools=tools, reasoning_effort=effort, media=tuple(media), **common)
-
-
-def _media_kind(modality: int, where: str) -> str:
-    kinds = {1: "image", 2: "audio", 3: "video"}
-    if modality not in kinds:
-        raise InvalidInputError(f"{where}.media.modality: not set or unknown ({modality})")
-    return kinds[modality]
 
 
 def delta_message(event: DeltaEvent) -> pb.GenerateResponse:
@@ -492,7 +485,7 @@ async def _serve(args: argparse.Namespace) -> None:
         else None
     )
     encoder = EncoderClient(
-        parse_targets(args.encoders),
+        parse_targets(args.encoders, "--encoders", required=False),
         keys.preprocess_fingerprint,
         cache=cache,
         local=keys if args.local_encode else None,

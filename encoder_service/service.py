@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ from common.checkpoint import AUDIO, VISUAL, CheckpointFiles, load_tower_weights
 from common.config import ModelConfig, load_model_config
 from common.errors import InklingError, InvalidInputError, ResourceExhaustedError
 from common.hashing import encoder_fingerprint, mm_key, tensor_digest
+from common.media import ImageOptions, MediaInput, VideoOptions
 from common.metrics import EncoderMetrics
 from common.settings import BatcherSettings, EncoderLimits, EncoderSettings
 from common.wire import DTYPE_BF16, EncodedItem, Span
@@ -45,29 +46,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # ---------------------------------------------------------------------------------------------------------
 # Requests in native form (the server converts protobuf to these)
-
-
-@dataclass(frozen=True)
-class ImageOptions:
-    rescale: str = "default"  # "default" (server policy), "none", "long_edge"
-    rescale_frac: float | None = None  # long_edge: overrides the server factor
-    rescale_max_long_edge: int | None = None  # long_edge: overrides the server growth cap
-
-
-@dataclass(frozen=True)
-class VideoOptions:
-    fps: float | None = None  # None: the server's policy
-    max_frames: int | None = None
-    include_audio: bool | None = None
-    frame: ImageOptions = field(default_factory=ImageOptions)
-
-
-@dataclass(frozen=True)
-class MediaInput:
-    modality: str  # "image", "audio", "video"
-    data: bytes
-    image: ImageOptions | None = None
-    video: VideoOptions | None = None
 
 
 @dataclass(frozen=True)

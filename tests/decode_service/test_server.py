@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import grpc
@@ -263,3 +265,12 @@ async def test_graceful_stop_reports_not_serving_and_drains_running_calls(engine
         await stopping
     finally:
         await channel.close()
+
+
+def test_decode_server_imports_neither_the_encoder_server_nor_the_router():
+    code = (
+        "import sys, decode_service.server; "
+        "print(sorted(m for m in ('encoder_service.server', 'decode_service.router') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
