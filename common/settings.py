@@ -21,6 +21,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 DEFAULT_MAX_REQUEST_BYTES = 160 << 20
 _MIB = 1 << 20
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DTYPE_NAMES = ("float32", "bfloat16")  # model compute dtypes the services accept (torch names: `common.dtypes`)
 
 
 def env_str(name: str, default: str | None = None) -> str | None:
@@ -214,8 +215,8 @@ class EncoderSettings:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"--dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         _positive("--l1-cache-mb", self.l1_cache_bytes, allow_zero=True)
@@ -234,6 +235,10 @@ def add_encoder_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-image-patches", type=int, default=limits.max_image_patches)
     parser.add_argument("--max-audio-seconds", type=float, default=limits.max_audio_seconds)
     parser.add_argument("--max-video-frames", type=int, default=limits.max_video_frames)
+    _add_message_size_args(parser)
+
+
+def _add_message_size_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-message-mb",
         type=float,
@@ -263,6 +268,17 @@ def _flag(args: argparse.Namespace, name: str, default: float) -> float:
     return default if value is None else value
 
 
+def _grpc_settings(args: argparse.Namespace) -> GrpcSettings:
+    return GrpcSettings(
+        host=args.host,
+        port=args.port,
+        grace_s=args.grace_seconds,
+        max_message_bytes=int(_flag(args, "max_message_mb", DEFAULT_MAX_MESSAGE_BYTES / _MIB) * _MIB),
+        max_request_bytes=int(_flag(args, "max_request_mb", DEFAULT_MAX_REQUEST_BYTES / _MIB) * _MIB),
+        security=security_settings(args),
+    )
+
+
 def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
     """Settings from the `inkling-epd encoder` flags; the flags of `add_encoder_args` are optional."""
     d = EncoderLimits()
@@ -273,17 +289,9 @@ def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
         max_audio_seconds=float(_flag(args, "max_audio_seconds", d.max_audio_seconds)),
         max_video_frames=int(_flag(args, "max_video_frames", d.max_video_frames)),
     )
-    grpc = GrpcSettings(
-        host=args.host,
-        port=args.port,
-        grace_s=args.grace_seconds,
-        max_message_bytes=int(_flag(args, "max_message_mb", DEFAULT_MAX_MESSAGE_BYTES / _MIB) * _MIB),
-        max_request_bytes=int(_flag(args, "max_request_mb", DEFAULT_MAX_REQUEST_BYTES / _MIB) * _MIB),
-        security=security_settings(args),
-    )
     return EncoderSettings(
         checkpoint=args.checkpoint,
-        grpc=grpc,
+        grpc=_grpc_settings(args),
         metrics_port=args.metrics_port,
         redis=redis_settings(args.redis_url),
         device=args.device,
@@ -293,4 +301,247 @@ def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
         limits=limits,
         batcher=BatcherSettings(max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms),
         log_level=(getattr(args, "log_level", None) or env_log_level()).upper(),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Decode replica
+
+
+@dataclass(frozen=True)
+class DecodeEngineSettings:
+    """What `decode_service.service.build_engine` needs besides the checkpoint (plain data: no torch here)."""
+
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    kv_cache_bytes: int = 512 << 20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    max_model_len: int | None = None  # None: the model's context (and the KV capacity)
+    enable_prefix_cache: bool = True
+    snapshot_interval_blocks: int = 16
+    cuda_graphs: bool = True
+    seed: int = 0  # seeds the generators of requests without their own seed
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"--dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        _positive("--kv-budget-mb", self.kv_cache_bytes)
+        _positive("--max-num-seqs", self.max_num_seqs)
+        _positive("--max-batch-tokens", self.max_num_batched_tokens)
+        _positive("--page-size", self.page_size)
+        _positive("--snapshot-interval-blocks", self.snapshot_interval_blocks)
+        if self.max_model_len is not None:
+            _positive("--max-model-len", self.max_model_len)
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """Bounds on one Generate call (bad or oversized input -> INVALID_ARGUMENT / RESOURCE_EXHAUSTED)."""
+
+    max_prompt_tokens: int | None = None  # None: the engine's context limit
+    max_media_items: int = 32
+    max_logprobs: int = 20
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_live_requests: int = 1024  # encoding, queued and running together; above it: RESOURCE_EXHAUSTED
+    max_completion_tokens: int | None = None  # cap on sampling.max_tokens; None: the context
+    default_max_tokens: int = 4096  # sampling.max_tokens unset (still capped by the context and the cap above)
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--max-prompt-tokens", self.max_prompt_tokens),
+            ("--max-completion-tokens", self.max_completion_tokens),
+        ):
+            if value is not None:
+                _positive(flag, value)
+        _positive("--max-media-items", self.max_media_items, allow_zero=True)
+        _positive("--max-logprobs", self.max_logprobs, allow_zero=True)
+        _positive("--max-stop-strings", self.max_stop_strings, allow_zero=True)
+        _positive("--max-stop-string-chars", self.max_stop_string_chars)
+        _positive("--max-live-requests", self.max_live_requests)
+        _positive("--default-max-tokens", self.default_max_tokens)
+
+
+@dataclass(frozen=True)
+class RedisPrefixSettings:
+    """The shared Redis tier of KV prefixes (`decode_service.engine.redis_prefix`)."""
+
+    key_prefix: str = "ink:kvp:v1:"
+    ttl_s: int | None = 3600
+    max_value_bytes: int = 64 << 20  # larger values are not stored (they stall a single-threaded server)
+    write_queue: int = 256  # queued values; beyond this (or `max_pending_bytes`) new values are dropped
+    max_pending_bytes: int = 256 << 20
+    retry_after_s: float = 1.0  # after an error, Redis is skipped this long (a miss, not a stall)
+    probe_bytes: int = 4 << 20  # value size used to measure Redis throughput at start-up
+
+    def __post_init__(self) -> None:
+        if not self.key_prefix:
+            raise ConfigError("--redis-prefix-key-prefix must not be empty")
+        if self.ttl_s is not None:
+            _positive("--redis-prefix-ttl-s", self.ttl_s)
+        _positive("--redis-prefix-max-value-mb", self.max_value_bytes)
+        _positive("--redis-prefix-write-queue", self.write_queue)
+        _positive("--redis-prefix-max-pending-mb", self.max_pending_bytes)
+        _positive("--redis-prefix-retry-after-s", self.retry_after_s, allow_zero=True)
+        _positive("--redis-prefix-probe-mb", self.probe_bytes)
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    checkpoint: str
+    grpc: GrpcSettings = field(default_factory=GrpcSettings)
+    metrics_port: int = 0  # 0: no exporter
+    redis: RedisSettings | None = None
+    engine: DecodeEngineSettings = field(default_factory=DecodeEngineSettings)
+    limits: ServiceLimits = field(default_factory=ServiceLimits)
+    redis_prefix: RedisPrefixSettings | None = None  # None: no shared KV prefix tier
+    encoders: tuple[str, ...] = ()  # encoder targets (common.targets)
+    local_encode: bool = False  # load the towers and encode in-process when no encoder is reachable
+    replica_id: str = ""  # name published to the router's prefix directory ("" = publish nothing)
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if self.redis_prefix is not None and self.redis is None:
+            raise ConfigError("--redis-prefix needs a Redis: give --redis-url or set INKLING_REDIS_URL")
+        if self.log_level.upper() not in _LOG_LEVELS:
+            raise ConfigError(f"--log-level={self.log_level!r} is not one of {_LOG_LEVELS}")
+
+
+def add_decode_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `DecodeSettings` beyond the common serve flags; defaults come from the dataclasses."""
+    e, lim, rp = DecodeEngineSettings(), ServiceLimits(), RedisPrefixSettings()
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    parser.add_argument("--encoders", default="", help="comma-separated host:port list or dns:///name:port")
+    parser.add_argument(
+        "--local-encode", action="store_true", help="load the towers and encode in-process when no encoder answers"
+    )
+    parser.add_argument("--replica-id", default="", help="name published to the router's prefix directory")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--device", default=e.device, help="torch device of the decoder")
+    engine.add_argument("--dtype", default=e.dtype, choices=DTYPE_NAMES, help="weights and KV dtype")
+    engine.add_argument("--kv-budget-mb", type=float, default=e.kv_cache_bytes / _MIB, help="KV cache budget")
+    engine.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="sequences per step")
+    engine.add_argument(
+        "--max-batch-tokens", type=int, default=e.max_num_batched_tokens, help="tokens per step (chunked prefill)"
+    )
+    engine.add_argument("--page-size", type=int, default=e.page_size, help="tokens per KV page")
+    engine.add_argument(
+        "--max-model-len", type=int, default=e.max_model_len, help="context limit (default: the model's)"
+    )
+    engine.add_argument(
+        "--no-prefix-cache", dest="prefix_cache", action="store_false", help="disable the GPU prefix cache"
+    )
+    engine.add_argument(
+        "--snapshot-interval-blocks",
+        type=int,
+        default=e.snapshot_interval_blocks,
+        help="conv-state snapshots for the prefix cache every N blocks",
+    )
+    engine.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run decode steps eagerly on CUDA (same kernels; for debugging)",
+    )
+    engine.add_argument("--seed", type=int, default=e.seed, help="seeds requests that bring no seed")
+    limits = parser.add_argument_group("request limits")
+    limits.add_argument(
+        "--max-prompt-tokens", type=int, default=lim.max_prompt_tokens, help="longer prompts: INVALID_ARGUMENT"
+    )
+    limits.add_argument(
+        "--max-completion-tokens", type=int, default=lim.max_completion_tokens, help="cap on sampling.max_tokens"
+    )
+    limits.add_argument(
+        "--default-max-tokens", type=int, default=lim.default_max_tokens, help="max_tokens when a request sets none"
+    )
+    limits.add_argument("--max-media-items", type=int, default=lim.max_media_items, help="media items per request")
+    limits.add_argument("--max-logprobs", type=int, default=lim.max_logprobs, help="largest sampling.logprobs")
+    limits.add_argument("--max-stop-strings", type=int, default=lim.max_stop_strings, help="stop strings per request")
+    limits.add_argument(
+        "--max-stop-string-chars", type=int, default=lim.max_stop_string_chars, help="characters per stop string"
+    )
+    limits.add_argument(
+        "--max-live-requests",
+        type=int,
+        default=lim.max_live_requests,
+        help="requests encoding, queued or running; more get RESOURCE_EXHAUSTED",
+    )
+    _add_message_size_args(parser)
+    tier = parser.add_argument_group("shared KV prefix tier (Redis)")
+    tier.add_argument(
+        "--redis-prefix",
+        action="store_true",
+        help="share KV prefixes through Redis (needs a Redis URL; used where its measured cost model beats recompute)",
+    )
+    tier.add_argument("--redis-prefix-key-prefix", default=rp.key_prefix, help="key prefix of the tier")
+    tier.add_argument("--redis-prefix-ttl-s", type=int, default=rp.ttl_s, help="expiry of stored prefixes")
+    tier.add_argument(
+        "--redis-prefix-max-value-mb", type=float, default=rp.max_value_bytes / _MIB, help="larger values are skipped"
+    )
+    tier.add_argument("--redis-prefix-write-queue", type=int, default=rp.write_queue, help="queued writes at most")
+    tier.add_argument(
+        "--redis-prefix-max-pending-mb", type=float, default=rp.max_pending_bytes / _MIB, help="queued bytes at most"
+    )
+    tier.add_argument(
+        "--redis-prefix-retry-after-s", type=float, default=rp.retry_after_s, help="skip Redis this long after an error"
+    )
+    tier.add_argument(
+        "--redis-prefix-probe-mb", type=float, default=rp.probe_bytes / _MIB, help="value size of the start-up probe"
+    )
+
+
+def decode_settings(args: argparse.Namespace) -> DecodeSettings:
+    """Settings from the `inkling-epd decode` flags (`_serve_common` + `add_decode_args`)."""
+    from common.targets import parse_targets
+
+    engine = DecodeEngineSettings(
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_bytes=int(args.kv_budget_mb * _MIB),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batch_tokens,
+        page_size=args.page_size,
+        max_model_len=args.max_model_len,
+        enable_prefix_cache=args.prefix_cache,
+        snapshot_interval_blocks=args.snapshot_interval_blocks,
+        cuda_graphs=args.cuda_graphs,
+        seed=args.seed,
+    )
+    limits = ServiceLimits(
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_media_items=args.max_media_items,
+        max_logprobs=args.max_logprobs,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_live_requests=args.max_live_requests,
+        max_completion_tokens=args.max_completion_tokens,
+        default_max_tokens=args.default_max_tokens,
+    )
+    redis_prefix = None
+    if args.redis_prefix:
+        redis_prefix = RedisPrefixSettings(
+            key_prefix=args.redis_prefix_key_prefix,
+            ttl_s=args.redis_prefix_ttl_s,
+            max_value_bytes=int(args.redis_prefix_max_value_mb * _MIB),
+            write_queue=args.redis_prefix_write_queue,
+            max_pending_bytes=int(args.redis_prefix_max_pending_mb * _MIB),
+            retry_after_s=args.redis_prefix_retry_after_s,
+            probe_bytes=int(args.redis_prefix_probe_mb * _MIB),
+        )
+    return DecodeSettings(
+        checkpoint=args.checkpoint,
+        grpc=_grpc_settings(args),
+        metrics_port=args.metrics_port,
+        redis=redis_settings(args.redis_url),
+        engine=engine,
+        limits=limits,
+        redis_prefix=redis_prefix,
+        encoders=parse_targets(args.encoders, "--encoders", required=False),
+        local_encode=args.local_encode,
+        replica_id=args.replica_id,
+        log_level=(args.log_level or env_log_level()).upper(),
     )

@@ -138,13 +138,17 @@ def _responses(args: argparse.Namespace, request):
         return
     import asyncio
 
+    from common.settings import DecodeEngineSettings
     from decode_service.api import FinalEvent
     from decode_service.local_encoder import LocalEncoder
     from decode_service.server import delta_message, final_message, generate_input
     from decode_service.service import DecodeService, build_engine
 
     async def run() -> list:
-        engine = build_engine(args.checkpoint, args.device, args.dtype, 256 << 20, 4, 2048)
+        engine = build_engine(
+            args.checkpoint,
+            DecodeEngineSettings(device=args.device, dtype=args.dtype, kv_cache_bytes=256 << 20, max_num_seqs=4),
+        )
         encoder = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
         service = DecodeService(engine, encoder, model_id=args.checkpoint)
         await service.start(warm_up=False)
@@ -233,7 +237,7 @@ def _serve_common(p: argparse.ArgumentParser, port: int, max_streams_per_client:
 
 
 def _add_servers(sub: argparse._SubParsersAction) -> None:
-    from common.settings import add_encoder_args, add_security_args
+    from common.settings import add_decode_args, add_encoder_args, add_security_args
 
     enc = sub.add_parser("encoder", help="serve the Encoder gRPC service")
     _serve_common(enc, 50061)
@@ -245,44 +249,13 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     add_encoder_args(enc)
     enc.set_defaults(func=_lazy("encoder_service.server", "serve"))
 
-    dec = sub.add_parser("decode", help="serve the Generator gRPC service on one decode replica")
+    dec = sub.add_parser(
+        "decode",
+        help="serve the Generator gRPC service on one decode replica",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     _serve_common(dec, 50051)
-    dec.add_argument("--checkpoint", required=True)
-    dec.add_argument("--encoders", default="", help="comma-separated host:port list or dns:///name:port")
-    dec.add_argument("--local-encode", action="store_true", help="encode in-process when no encoder is reachable")
-    dec.add_argument("--device", default="cpu")
-    dec.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    dec.add_argument("--max-num-seqs", type=int, default=64)
-    dec.add_argument("--max-batch-tokens", type=int, default=2048)
-    dec.add_argument("--kv-budget-mb", type=float, default=512.0)
-    dec.add_argument(
-        "--no-cuda-graphs",
-        dest="cuda_graphs",
-        action="store_false",
-        help="run decode steps eagerly on CUDA (same kernels; for debugging)",
-    )
-    dec.add_argument("--replica-id", default="", help="name published to the router's prefix directory")
-    dec.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=None,
-        help="longer prompts: INVALID_ARGUMENT (default: the context limit)",
-    )
-    dec.add_argument(
-        "--max-completion-tokens", type=int, default=None, help="cap on max_tokens (default: the context limit)"
-    )
-    dec.add_argument("--max-media-items", type=int, default=32, help="media items per request")
-    dec.add_argument(
-        "--max-live-requests",
-        type=int,
-        default=1024,
-        help="requests encoding, queued or running; more get RESOURCE_EXHAUSTED",
-    )
-    dec.add_argument(
-        "--redis-prefix",
-        action="store_true",
-        help="share KV prefixes through Redis (needs a Redis URL; used where its measured cost model beats recompute)",
-    )
+    add_decode_args(dec)
     dec.set_defaults(func=_lazy("decode_service.server", "serve"))
 
     router = sub.add_parser("router", help="serve the Generator gRPC service in front of decode replicas")

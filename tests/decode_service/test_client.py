@@ -10,7 +10,7 @@ import json
 import pytest
 
 from common.errors import InvalidInputError
-from common.settings import GrpcSettings
+from common.settings import DecodeEngineSettings, GrpcSettings
 from decode_service.client import OutputPrinter, load_messages
 from decode_service.local_encoder import LocalEncoder
 from decode_service.server import build_server
@@ -39,11 +39,13 @@ async def server(checkpoint):
     encoder = LocalEncoder.load(checkpoint, dtype="float32")
     engine = build_engine(
         checkpoint,
-        dtype="float32",
-        kv_cache_bytes=8 << 20,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        enable_prefix_cache=False,
+        DecodeEngineSettings(
+            dtype="float32",
+            kv_cache_bytes=8 << 20,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            enable_prefix_cache=False,
+        ),
     )
     decode = build_server(DecodeService(engine, encoder), GrpcSettings(port=0))
     await decode.start()

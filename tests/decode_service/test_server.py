@@ -11,12 +11,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.fingerprint import encoder_fingerprint_of
 from common.metrics import new_registry
-from common.settings import EncoderSettings, GrpcSettings
+from common.settings import DecodeEngineSettings, EncoderSettings, GrpcSettings
 from decode_service.encoder_client import EncoderClient
-from decode_service.local_encoder import LocalEncoder
 from decode_service.server import DecodeMetrics, build_server
 from decode_service.service import DecodeService, build_engine
+from encoder_service.planner import MediaPlanner
 from encoder_service.server import build_server as build_encoder_server
 from encoder_service.service import load_engine
 from proto.inkling_epd.v1 import generator_pb2 as pb
@@ -41,11 +42,13 @@ def checkpoint(tmp_path_factory):
 def engine(checkpoint):
     return build_engine(
         checkpoint,
-        dtype="float32",
-        kv_cache_bytes=8 << 20,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        enable_prefix_cache=False,
+        DecodeEngineSettings(
+            dtype="float32",
+            kv_cache_bytes=8 << 20,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            enable_prefix_cache=False,
+        ),
     )
 
 
@@ -56,10 +59,13 @@ async def cluster(checkpoint, engine):
         load_engine(EncoderSettings(checkpoint=str(checkpoint), dtype="float32")), GrpcSettings(port=0)
     )
     await encoder.start()
-    keys = LocalEncoder.load(checkpoint, dtype="float32")
+    planner = MediaPlanner.for_checkpoint(checkpoint)  # mm_keys without the towers, as `inkling-epd decode` does
     metrics = DecodeMetrics(new_registry())
     client = EncoderClient(
-        [f"127.0.0.1:{encoder.port}"], keys.preprocess_fingerprint, local_fingerprint=keys.fingerprint, observer=metrics
+        [f"127.0.0.1:{encoder.port}"],
+        planner.preprocess_fingerprint,
+        local_fingerprint=encoder_fingerprint_of(checkpoint, "float32"),
+        observer=metrics,
     )
     service = DecodeService(engine, client)
     decode = build_server(service, GrpcSettings(port=0), client, metrics)
@@ -86,7 +92,6 @@ async def cluster(checkpoint, engine):
         await channel.close()
         await decode.stop(0.5)
         await encoder.stop(0.5)
-        await keys.close()
 
 
 def chat_request(rid: str, media: list[media_pb2.MediaItem], max_tokens: int = 5) -> pb.GenerateRequest:
