@@ -34,6 +34,7 @@ class GenerateInput:
     cache_salt: str = ""
     priority: int = 0
     timeout_s: float | None = None  # remaining deadline of the call
+    return_prompt_token_ids: bool = False  # echo the rendered prompt in `FinalEvent.prompt_token_ids`
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class FinalEvent:
     timings: Timings
     matched_stop: str = ""
     matched_stop_token_id: int | None = None
+    prompt_token_ids: tuple[int, ...] = ()  # only with `GenerateInput.return_prompt_token_ids`
 
 
 Event = DeltaEvent | FinalEvent

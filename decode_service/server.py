@@ -167,6 +167,7 @@ def generate_input(request: pb.GenerateRequest, timeout_s: float | None) -> Gene
         cache_salt=request.cache_salt,
         priority=request.priority,
         timeout_s=timeout_s,
+        return_prompt_token_ids=request.return_prompt_token_ids,
     )
     kind = request.WhichOneof("prompt")
     if kind == "tokens":
@@ -247,6 +248,7 @@ def final_message(event: FinalEvent) -> pb.GenerateResponse:
             queue_s=t.queue_s, encode_s=t.encode_s, prefill_s=t.prefill_s, ttft_s=t.ttft_s, decode_s=t.decode_s
         ),
         matched_stop=event.matched_stop,
+        prompt_token_ids=event.prompt_token_ids,
     )
     if event.matched_stop_token_id is not None:
         final.matched_stop_token_id = event.matched_stop_token_id

@@ -255,11 +255,11 @@ class DecodeService:
                 sampling = dataclasses.replace(sampling, max_tokens=default)
             request = Request(rid, prompt.token_ids, sampling, mm_items, inp.priority, inp.cache_salt or None)
             counts = _MediaCounts.of(prompt, encoded)
+            echo = tuple(prompt.token_ids) if inp.return_prompt_token_ids else ()
             if self._live.get(rid):
                 finished = True
-                yield FinalEvent(
-                    "abort", Usage(prompt_tokens=len(prompt.token_ids)), Timings(encode_s=encoded_at - started)
-                )
+                usage, timings = Usage(prompt_tokens=len(prompt.token_ids)), Timings(encode_s=encoded_at - started)
+                yield FinalEvent("abort", usage, timings, prompt_token_ids=echo)
                 return
             sink = _Sink(asyncio.get_running_loop())
             self._commands.put(_Add(request, sink))
@@ -270,6 +270,7 @@ class DecodeService:
             async for event in self._stream(rid, sampling, sink, counts, started, encoded_at):
                 if isinstance(event, FinalEvent):
                     finished = True
+                    event = dataclasses.replace(event, prompt_token_ids=echo)
                 yield event
         finally:
             if submitted and not finished:

@@ -85,6 +85,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         request = _generate_request(args)
     except InvalidInputError as exc:
         raise SystemExit(f"generate: {exc}") from exc
+    if args.json and request.WhichOneof("prompt") == "chat":
+        request.return_prompt_token_ids = True  # the JSON shows the prompt as rendered by the server
     return _print_stream(args, request)
 
 

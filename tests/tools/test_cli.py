@@ -108,3 +108,13 @@ def test_decode_help_shows_the_defaults(capsys):
         build_parser().parse_args(["decode", "--help"])
     out = capsys.readouterr().out
     assert "--redis-prefix-ttl-s" in out and "(default: 3600)" in out and "(default: 64)" in out
+
+
+def test_generate_json_echoes_the_rendered_chat_prompt(tiny_bf16, capsys):
+    from decode_service.chat import ChatMessage, TextPart, render_chat
+    from decode_service.service import DEFAULT_REASONING_EFFORT
+
+    result = generate_json(capsys, tiny_bf16, "--prompt", "hello there", "--max-tokens", "2", "--ignore-eos")
+    rendered = render_chat([ChatMessage("user", [TextPart("hello there")])], [], DEFAULT_REASONING_EFFORT, [])
+    assert result["prompt_token_ids"] == list(rendered.token_ids)
+    assert result["usage"]["prompt_tokens"] == len(rendered.token_ids)

@@ -67,6 +67,8 @@ class GeneratorServicer:
 
     def Abort(self, request, context):
         """Abort running or queued requests by id; their Generate streams end with a Final(FINISH_REASON_ABORT).
+        NOT_FOUND when none of the given ids is running or queued (already finished or never seen); unknown ids
+        beside a found one are ignored (AbortResponse lists the found ones). No ids at all: INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
