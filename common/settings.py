@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from common.errors import ConfigError
+from common.targets import parse_targets
 
 # Explicit gRPC limits (never the 4 MiB default): responses are streamed in <= 1 MiB chunks, so 8 MiB on a
 # response fails loudly on a bug; requests carry inline media, so they get a larger bound.
@@ -496,8 +497,6 @@ def add_decode_args(parser: argparse.ArgumentParser) -> None:
 
 def decode_settings(args: argparse.Namespace) -> DecodeSettings:
     """Settings from the `inkling-epd decode` flags (`_serve_common` + `add_decode_args`)."""
-    from common.targets import parse_targets
-
     engine = DecodeEngineSettings(
         device=args.device,
         dtype=args.dtype,

@@ -16,7 +16,22 @@ from decode_service.chat import ChatMessage, ToolSpec
 from decode_service.engine.request import SamplingParams
 from decode_service.output_parser import ParsedToolCall
 
-__all__ = ["MediaInput", "SamplingParams", "ServiceLimits"]  # re-exported: the service's input vocabulary
+__all__ = [  # MediaInput, SamplingParams and ServiceLimits are re-exported: the service's input vocabulary
+    "DeltaEvent",
+    "EngineFailure",
+    "Event",
+    "FinalEvent",
+    "GenerateInput",
+    "LoadSnapshot",
+    "MediaEncoder",
+    "MediaInput",
+    "ModelInfo",
+    "SamplingParams",
+    "ServiceLimits",
+    "Timings",
+    "TokenLogprob",
+    "Usage",
+]
 
 
 @dataclass(frozen=True)

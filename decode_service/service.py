@@ -590,7 +590,7 @@ def build_engine(
     prefix_store: PrefixStore | None = None,
 ) -> Engine:
     """Load the decoder weights of a checkpoint and wrap them in an `Engine` (`prefix_store`: the shared Redis
-    prefix tier). The prefix and Redis keys carry `checkpoint_fingerprint` (config, dtype and weights)."""
+    prefix tier). The prefix and Redis keys carry `common.fingerprint.model_fingerprint` (config, dtype, weights)."""
     settings = settings or DecodeEngineSettings()
     dtype = torch_dtype(settings.dtype)
     config = load_model_config(checkpoint)
