@@ -241,7 +241,9 @@ def _serve_common(p: argparse.ArgumentParser, port: int, max_streams_per_client:
 def _add_servers(sub: argparse._SubParsersAction) -> None:
     from common.settings import add_decode_args, add_encoder_args, add_security_args
 
-    enc = sub.add_parser("encoder", help="serve the Encoder gRPC service")
+    enc = sub.add_parser(
+        "encoder", help="serve the Encoder gRPC service", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     _serve_common(enc, 50061)
     enc.add_argument("--checkpoint", required=True)
     enc.add_argument("--device", default="cpu")

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from common.errors import InvalidInputError
+from common.fingerprint import model_fingerprint
 from common.media import ImageOptions, MediaInput
 from common.settings import DecodeEngineSettings
 from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingParams, ServiceLimits
@@ -325,5 +326,8 @@ async def test_a_repeated_prompt_reports_prefix_cache_tokens(checkpoint):
         assert final2.usage.cached_tokens == final2.usage.cached_tokens_gpu
         assert [t for d in second for t in d.token_ids] == [t for d in first for t in d.token_ids]
         assert svc.load().prefix_cache_hit_rate > 0
+        # The prefix keys carry the weights fingerprint of the checkpoint, and GetModelInfo reports it.
+        assert engine.prefix_cache.fingerprint == model_fingerprint(checkpoint, "float32")
+        assert svc.model_info().model_fingerprint == model_fingerprint(checkpoint, "float32")
     finally:
         await svc.close()
