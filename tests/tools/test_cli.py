@@ -118,3 +118,11 @@ def test_generate_json_echoes_the_rendered_chat_prompt(tiny_bf16, capsys):
     rendered = render_chat([ChatMessage("user", [TextPart("hello there")])], [], DEFAULT_REASONING_EFFORT, [])
     assert result["prompt_token_ids"] == list(rendered.token_ids)
     assert result["usage"]["prompt_tokens"] == len(rendered.token_ids)
+
+
+def test_encoder_flags_build_the_encoder_settings():
+    from common.settings import encoder_settings
+
+    args = build_parser().parse_args(["encoder", "--checkpoint", "ck", "--max-message-mb", "4", "--port", "0"])
+    settings = encoder_settings(args)
+    assert settings.grpc.max_message_bytes == 4 << 20 and settings.grpc.port == 0 and settings.dtype == "bfloat16"
