@@ -20,7 +20,7 @@ from common.targets import parse_targets
 # response fails loudly on a bug; requests carry inline media, so they get a larger bound.
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 DEFAULT_MAX_REQUEST_BYTES = 160 << 20
-_MIB = 1 << 20
+MIB = 1 << 20
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DTYPE_NAMES = ("float32", "bfloat16")  # model compute dtypes the services accept (torch names: `common.dtypes`)
 
@@ -232,24 +232,24 @@ def add_encoder_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--l1-cache-mb", type=float, default=1024.0, help="in-process embedding cache budget")
     parser.add_argument("--preprocess-workers", type=int, default=4, help="CPU threads for media decoding")
     parser.add_argument("--max-items-per-request", type=int, default=limits.max_items_per_request)
-    parser.add_argument("--max-item-mb", type=float, default=limits.max_item_bytes / _MIB)
+    parser.add_argument("--max-item-mb", type=float, default=limits.max_item_bytes / MIB)
     parser.add_argument("--max-image-patches", type=int, default=limits.max_image_patches)
     parser.add_argument("--max-audio-seconds", type=float, default=limits.max_audio_seconds)
     parser.add_argument("--max-video-frames", type=int, default=limits.max_video_frames)
-    _add_message_size_args(parser)
+    add_message_size_args(parser)
 
 
-def _add_message_size_args(parser: argparse.ArgumentParser) -> None:
+def add_message_size_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-message-mb",
         type=float,
-        default=DEFAULT_MAX_MESSAGE_BYTES / _MIB,
+        default=DEFAULT_MAX_MESSAGE_BYTES / MIB,
         help="largest gRPC message sent (responses are chunked below it)",
     )
     parser.add_argument(
         "--max-request-mb",
         type=float,
-        default=DEFAULT_MAX_REQUEST_BYTES / _MIB,
+        default=DEFAULT_MAX_REQUEST_BYTES / MIB,
         help="largest gRPC request accepted (media bytes travel inline)",
     )
 
@@ -274,8 +274,8 @@ def _grpc_settings(args: argparse.Namespace) -> GrpcSettings:
         host=args.host,
         port=args.port,
         grace_s=args.grace_seconds,
-        max_message_bytes=int(_flag(args, "max_message_mb", DEFAULT_MAX_MESSAGE_BYTES / _MIB) * _MIB),
-        max_request_bytes=int(_flag(args, "max_request_mb", DEFAULT_MAX_REQUEST_BYTES / _MIB) * _MIB),
+        max_message_bytes=int(_flag(args, "max_message_mb", DEFAULT_MAX_MESSAGE_BYTES / MIB) * MIB),
+        max_request_bytes=int(_flag(args, "max_request_mb", DEFAULT_MAX_REQUEST_BYTES / MIB) * MIB),
         security=security_settings(args),
     )
 
@@ -285,7 +285,7 @@ def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
     d = EncoderLimits()
     limits = EncoderLimits(
         max_items_per_request=int(_flag(args, "max_items_per_request", d.max_items_per_request)),
-        max_item_bytes=int(_flag(args, "max_item_mb", d.max_item_bytes / _MIB) * _MIB),
+        max_item_bytes=int(_flag(args, "max_item_mb", d.max_item_bytes / MIB) * MIB),
         max_image_patches=int(_flag(args, "max_image_patches", d.max_image_patches)),
         max_audio_seconds=float(_flag(args, "max_audio_seconds", d.max_audio_seconds)),
         max_video_frames=int(_flag(args, "max_video_frames", d.max_video_frames)),
@@ -297,7 +297,7 @@ def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
         redis=redis_settings(args.redis_url),
         device=args.device,
         dtype=args.dtype,
-        l1_cache_bytes=int(_flag(args, "l1_cache_mb", 1024.0) * _MIB),
+        l1_cache_bytes=int(_flag(args, "l1_cache_mb", 1024.0) * MIB),
         preprocess_workers=int(_flag(args, "preprocess_workers", 4)),
         limits=limits,
         batcher=BatcherSettings(max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms),
@@ -412,95 +412,12 @@ class DecodeSettings:
             raise ConfigError(f"--log-level={self.log_level!r} is not one of {_LOG_LEVELS}")
 
 
-def add_decode_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `DecodeSettings` beyond the common serve flags; defaults come from the dataclasses."""
-    e, lim, rp = DecodeEngineSettings(), ServiceLimits(), RedisPrefixSettings()
-    parser.add_argument("--checkpoint", required=True, help="checkpoint directory")
-    parser.add_argument("--encoders", default="", help="comma-separated host:port list or dns:///name:port")
-    parser.add_argument(
-        "--local-encode", action="store_true", help="load the towers and encode in-process when no encoder answers"
-    )
-    parser.add_argument("--replica-id", default="", help="name published to the router's prefix directory")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--device", default=e.device, help="torch device of the decoder")
-    engine.add_argument("--dtype", default=e.dtype, choices=DTYPE_NAMES, help="weights and KV dtype")
-    engine.add_argument("--kv-budget-mb", type=float, default=e.kv_cache_bytes / _MIB, help="KV cache budget")
-    engine.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="sequences per step")
-    engine.add_argument(
-        "--max-batch-tokens", type=int, default=e.max_num_batched_tokens, help="tokens per step (chunked prefill)"
-    )
-    engine.add_argument("--page-size", type=int, default=e.page_size, help="tokens per KV page")
-    engine.add_argument(
-        "--max-model-len", type=int, default=e.max_model_len, help="context limit (default: the model's)"
-    )
-    engine.add_argument(
-        "--no-prefix-cache", dest="prefix_cache", action="store_false", help="disable the GPU prefix cache"
-    )
-    engine.add_argument(
-        "--snapshot-interval-blocks",
-        type=int,
-        default=e.snapshot_interval_blocks,
-        help="conv-state snapshots for the prefix cache every N blocks",
-    )
-    engine.add_argument(
-        "--no-cuda-graphs",
-        dest="cuda_graphs",
-        action="store_false",
-        help="run decode steps eagerly on CUDA (same kernels; for debugging)",
-    )
-    engine.add_argument("--seed", type=int, default=e.seed, help="seeds requests that bring no seed")
-    limits = parser.add_argument_group("request limits")
-    limits.add_argument(
-        "--max-prompt-tokens", type=int, default=lim.max_prompt_tokens, help="longer prompts: INVALID_ARGUMENT"
-    )
-    limits.add_argument(
-        "--max-completion-tokens", type=int, default=lim.max_completion_tokens, help="cap on sampling.max_tokens"
-    )
-    limits.add_argument(
-        "--default-max-tokens", type=int, default=lim.default_max_tokens, help="max_tokens when a request sets none"
-    )
-    limits.add_argument("--max-media-items", type=int, default=lim.max_media_items, help="media items per request")
-    limits.add_argument("--max-logprobs", type=int, default=lim.max_logprobs, help="largest sampling.logprobs")
-    limits.add_argument("--max-stop-strings", type=int, default=lim.max_stop_strings, help="stop strings per request")
-    limits.add_argument(
-        "--max-stop-string-chars", type=int, default=lim.max_stop_string_chars, help="characters per stop string"
-    )
-    limits.add_argument(
-        "--max-live-requests",
-        type=int,
-        default=lim.max_live_requests,
-        help="requests encoding, queued or running; more get RESOURCE_EXHAUSTED",
-    )
-    _add_message_size_args(parser)
-    tier = parser.add_argument_group("shared KV prefix tier (Redis)")
-    tier.add_argument(
-        "--redis-prefix",
-        action="store_true",
-        help="share KV prefixes through Redis (needs a Redis URL; used where its measured cost model beats recompute)",
-    )
-    tier.add_argument("--redis-prefix-key-prefix", default=rp.key_prefix, help="key prefix of the tier")
-    tier.add_argument("--redis-prefix-ttl-s", type=int, default=rp.ttl_s, help="expiry of stored prefixes")
-    tier.add_argument(
-        "--redis-prefix-max-value-mb", type=float, default=rp.max_value_bytes / _MIB, help="larger values are skipped"
-    )
-    tier.add_argument("--redis-prefix-write-queue", type=int, default=rp.write_queue, help="queued writes at most")
-    tier.add_argument(
-        "--redis-prefix-max-pending-mb", type=float, default=rp.max_pending_bytes / _MIB, help="queued bytes at most"
-    )
-    tier.add_argument(
-        "--redis-prefix-retry-after-s", type=float, default=rp.retry_after_s, help="skip Redis this long after an error"
-    )
-    tier.add_argument(
-        "--redis-prefix-probe-mb", type=float, default=rp.probe_bytes / _MIB, help="value size of the start-up probe"
-    )
-
-
 def decode_settings(args: argparse.Namespace) -> DecodeSettings:
-    """Settings from the `inkling-epd decode` flags (`_serve_common` + `add_decode_args`)."""
+    """Settings from the `inkling-epd decode` flags (`tools/cli.py`: `_serve_common` + `_add_decode_args`)."""
     engine = DecodeEngineSettings(
         device=args.device,
         dtype=args.dtype,
-        kv_cache_bytes=int(args.kv_budget_mb * _MIB),
+        kv_cache_bytes=int(args.kv_budget_mb * MIB),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batch_tokens,
         page_size=args.page_size,
@@ -525,11 +442,11 @@ def decode_settings(args: argparse.Namespace) -> DecodeSettings:
         redis_prefix = RedisPrefixSettings(
             key_prefix=args.redis_prefix_key_prefix,
             ttl_s=args.redis_prefix_ttl_s,
-            max_value_bytes=int(args.redis_prefix_max_value_mb * _MIB),
+            max_value_bytes=int(args.redis_prefix_max_value_mb * MIB),
             write_queue=args.redis_prefix_write_queue,
-            max_pending_bytes=int(args.redis_prefix_max_pending_mb * _MIB),
+            max_pending_bytes=int(args.redis_prefix_max_pending_mb * MIB),
             retry_after_s=args.redis_prefix_retry_after_s,
-            probe_bytes=int(args.redis_prefix_probe_mb * _MIB),
+            probe_bytes=int(args.redis_prefix_probe_mb * MIB),
         )
     return DecodeSettings(
         checkpoint=args.checkpoint,
