@@ -10,7 +10,8 @@
   encoder and the decode replicas' encoder client compute it the same way, so a decode replica derives
   `mm_key`s without loading the towers.
 
-Both are computed once per process and checkpoint (cached on the files' sizes and modification times).
+`config_fingerprint` is the fallback of engines built from tensors rather than a checkpoint (tests).
+The first two are computed once per process and checkpoint (cached on the files' sizes and modification times).
 """
 
 from __future__ import annotations
@@ -109,6 +110,11 @@ def _model_fingerprint(directory: Path, dtype: str, stamp: tuple) -> bytes:
         size = shard.stat().st_size
         h.update(canonical_encoding([shard.name, size, header, _windows(shard, data_start, size)]))
     return h.digest()
+
+
+def config_fingerprint(config_fields: dict, dtype: str) -> bytes:
+    """The fallback of an engine built without a checkpoint directory (tests): config and cache dtype only."""
+    return hashlib.sha256(json.dumps(config_fields, sort_keys=True).encode() + dtype.encode()).digest()
 
 
 def _config_json(directory: Path) -> Any:
