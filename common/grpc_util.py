@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Trailing metadata of an UNAVAILABLE from a healthy decode replica whose dependency (the shared encoder pool)
+# cannot serve: the router neither retries on another replica nor marks this one down.
+UNAVAILABLE_DEPENDENCY_KEY = "inkling-unavailable-dependency"
 
 
 def server_options(

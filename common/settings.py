@@ -11,16 +11,19 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
 
 from common.errors import ConfigError
+from common.targets import parse_targets
 
 # Explicit gRPC limits (never the 4 MiB default): responses are streamed in <= 1 MiB chunks, so 8 MiB on a
 # response fails loudly on a bug; requests carry inline media, so they get a larger bound.
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 DEFAULT_MAX_REQUEST_BYTES = 160 << 20
-_MIB = 1 << 20
+MIB = 1 << 20
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DTYPE_NAMES = ("float32", "bfloat16")  # model compute dtypes the services accept (torch names: `common.dtypes`)
 
 
 def env_str(name: str, default: str | None = None) -> str | None:
@@ -214,8 +217,8 @@ class EncoderSettings:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"--dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         _positive("--l1-cache-mb", self.l1_cache_bytes, allow_zero=True)
@@ -230,20 +233,24 @@ def add_encoder_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--l1-cache-mb", type=float, default=1024.0, help="in-process embedding cache budget")
     parser.add_argument("--preprocess-workers", type=int, default=4, help="CPU threads for media decoding")
     parser.add_argument("--max-items-per-request", type=int, default=limits.max_items_per_request)
-    parser.add_argument("--max-item-mb", type=float, default=limits.max_item_bytes / _MIB)
+    parser.add_argument("--max-item-mb", type=float, default=limits.max_item_bytes / MIB)
     parser.add_argument("--max-image-patches", type=int, default=limits.max_image_patches)
     parser.add_argument("--max-audio-seconds", type=float, default=limits.max_audio_seconds)
     parser.add_argument("--max-video-frames", type=int, default=limits.max_video_frames)
+    add_message_size_args(parser)
+
+
+def add_message_size_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-message-mb",
         type=float,
-        default=DEFAULT_MAX_MESSAGE_BYTES / _MIB,
+        default=DEFAULT_MAX_MESSAGE_BYTES / MIB,
         help="largest gRPC message sent (responses are chunked below it)",
     )
     parser.add_argument(
         "--max-request-mb",
         type=float,
-        default=DEFAULT_MAX_REQUEST_BYTES / _MIB,
+        default=DEFAULT_MAX_REQUEST_BYTES / MIB,
         help="largest gRPC request accepted (media bytes travel inline)",
     )
 
@@ -263,34 +270,207 @@ def _flag(args: argparse.Namespace, name: str, default: float) -> float:
     return default if value is None else value
 
 
+def _grpc_settings(args: argparse.Namespace) -> GrpcSettings:
+    return GrpcSettings(
+        host=args.host,
+        port=args.port,
+        grace_s=args.grace_seconds,
+        max_message_bytes=int(_flag(args, "max_message_mb", DEFAULT_MAX_MESSAGE_BYTES / MIB) * MIB),
+        max_request_bytes=int(_flag(args, "max_request_mb", DEFAULT_MAX_REQUEST_BYTES / MIB) * MIB),
+        security=security_settings(args),
+    )
+
+
 def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
     """Settings from the `inkling-epd encoder` flags; the flags of `add_encoder_args` are optional."""
     d = EncoderLimits()
     limits = EncoderLimits(
         max_items_per_request=int(_flag(args, "max_items_per_request", d.max_items_per_request)),
-        max_item_bytes=int(_flag(args, "max_item_mb", d.max_item_bytes / _MIB) * _MIB),
+        max_item_bytes=int(_flag(args, "max_item_mb", d.max_item_bytes / MIB) * MIB),
         max_image_patches=int(_flag(args, "max_image_patches", d.max_image_patches)),
         max_audio_seconds=float(_flag(args, "max_audio_seconds", d.max_audio_seconds)),
         max_video_frames=int(_flag(args, "max_video_frames", d.max_video_frames)),
     )
-    grpc = GrpcSettings(
-        host=args.host,
-        port=args.port,
-        grace_s=args.grace_seconds,
-        max_message_bytes=int(_flag(args, "max_message_mb", DEFAULT_MAX_MESSAGE_BYTES / _MIB) * _MIB),
-        max_request_bytes=int(_flag(args, "max_request_mb", DEFAULT_MAX_REQUEST_BYTES / _MIB) * _MIB),
-        security=security_settings(args),
-    )
     return EncoderSettings(
         checkpoint=args.checkpoint,
-        grpc=grpc,
+        grpc=_grpc_settings(args),
         metrics_port=args.metrics_port,
         redis=redis_settings(args.redis_url),
         device=args.device,
         dtype=args.dtype,
-        l1_cache_bytes=int(_flag(args, "l1_cache_mb", 1024.0) * _MIB),
+        l1_cache_bytes=int(_flag(args, "l1_cache_mb", 1024.0) * MIB),
         preprocess_workers=int(_flag(args, "preprocess_workers", 4)),
         limits=limits,
         batcher=BatcherSettings(max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms),
         log_level=(getattr(args, "log_level", None) or env_log_level()).upper(),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Decode replica
+
+
+@dataclass(frozen=True)
+class DecodeEngineSettings:
+    """What `decode_service.service.build_engine` needs besides the checkpoint (plain data: no torch here)."""
+
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    kv_cache_bytes: int = 512 << 20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    max_model_len: int | None = None  # None: the model's context (and the KV capacity)
+    enable_prefix_cache: bool = True
+    snapshot_interval_blocks: int = 16
+    cuda_graphs: bool = True
+    seed: int = 0  # seeds the generators of requests without their own seed
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"--dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        _positive("--kv-budget-mb", self.kv_cache_bytes)
+        _positive("--max-num-seqs", self.max_num_seqs)
+        _positive("--max-batch-tokens", self.max_num_batched_tokens)
+        _positive("--page-size", self.page_size)
+        _positive("--snapshot-interval-blocks", self.snapshot_interval_blocks)
+        if self.max_model_len is not None:
+            _positive("--max-model-len", self.max_model_len)
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """Bounds on one Generate call (bad or oversized input -> INVALID_ARGUMENT / RESOURCE_EXHAUSTED)."""
+
+    max_prompt_tokens: int | None = None  # None: the engine's context limit
+    max_media_items: int = 32
+    max_logprobs: int = 20
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_live_requests: int = 1024  # encoding, queued and running together; above it: RESOURCE_EXHAUSTED
+    max_completion_tokens: int | None = None  # cap on sampling.max_tokens; None: the context
+    default_max_tokens: int = 4096  # sampling.max_tokens unset (still capped by the context and the cap above)
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--max-prompt-tokens", self.max_prompt_tokens),
+            ("--max-completion-tokens", self.max_completion_tokens),
+        ):
+            if value is not None:
+                _positive(flag, value)
+        _positive("--max-media-items", self.max_media_items, allow_zero=True)
+        _positive("--max-logprobs", self.max_logprobs, allow_zero=True)
+        _positive("--max-stop-strings", self.max_stop_strings, allow_zero=True)
+        _positive("--max-stop-string-chars", self.max_stop_string_chars)
+        _positive("--max-live-requests", self.max_live_requests)
+        _positive("--default-max-tokens", self.default_max_tokens)
+
+
+@dataclass(frozen=True)
+class RedisPrefixSettings:
+    """The shared Redis tier of KV prefixes (`decode_service.engine.redis_prefix`)."""
+
+    key_prefix: str = "ink:kvp:v1:"
+    ttl_s: int | None = 3600
+    max_value_bytes: int = 64 << 20  # larger values are not stored (they stall a single-threaded server)
+    write_queue: int = 256  # queued values; beyond this (or `max_pending_bytes`) new values are dropped
+    max_pending_bytes: int = 256 << 20
+    retry_after_s: float = 1.0  # after an error, Redis is skipped this long (a miss, not a stall)
+    probe_bytes: int = 4 << 20  # value size used to measure Redis throughput at start-up
+
+    def __post_init__(self) -> None:
+        if not self.key_prefix:
+            raise ConfigError("--redis-prefix-key-prefix must not be empty")
+        if self.ttl_s is not None:
+            _positive("--redis-prefix-ttl-s", self.ttl_s)
+        _positive("--redis-prefix-max-value-mb", self.max_value_bytes)
+        _positive("--redis-prefix-write-queue", self.write_queue)
+        _positive("--redis-prefix-max-pending-mb", self.max_pending_bytes)
+        _positive("--redis-prefix-retry-after-s", self.retry_after_s, allow_zero=True)
+        _positive("--redis-prefix-probe-mb", self.probe_bytes)
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    checkpoint: str
+    grpc: GrpcSettings = field(default_factory=GrpcSettings)
+    metrics_port: int = 0  # 0: no exporter
+    redis: RedisSettings | None = None
+    engine: DecodeEngineSettings = field(default_factory=DecodeEngineSettings)
+    limits: ServiceLimits = field(default_factory=ServiceLimits)
+    redis_prefix: RedisPrefixSettings | None = None  # None: no shared KV prefix tier
+    encoders: tuple[str, ...] = ()  # encoder targets (common.targets)
+    local_encode: bool = False  # load the towers and encode in-process when no encoder is reachable
+    replica_id: str = ""  # name published to the router's prefix directory ("" = publish nothing)
+    model_name: str = "inkling"  # the model id clients and the metrics see (never a filesystem path)
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if self.redis_prefix is not None and self.redis is None:
+            raise ConfigError("--redis-prefix needs a Redis: give --redis-url or set INKLING_REDIS_URL")
+        if self.log_level.upper() not in _LOG_LEVELS:
+            raise ConfigError(f"--log-level={self.log_level!r} is not one of {_LOG_LEVELS}")
+
+
+def decode_settings(args: argparse.Namespace) -> DecodeSettings:
+    """Settings from the `inkling-epd decode` flags (`tools/cli.py`: `_serve_common` + `_add_decode_args`)."""
+    engine = DecodeEngineSettings(
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_bytes=int(args.kv_budget_mb * MIB),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batch_tokens,
+        page_size=args.page_size,
+        max_model_len=args.max_model_len,
+        enable_prefix_cache=args.prefix_cache,
+        snapshot_interval_blocks=args.snapshot_interval_blocks,
+        cuda_graphs=args.cuda_graphs,
+        seed=args.seed,
+    )
+    limits = ServiceLimits(
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_media_items=args.max_media_items,
+        max_logprobs=args.max_logprobs,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_live_requests=args.max_live_requests,
+        max_completion_tokens=args.max_completion_tokens,
+        default_max_tokens=args.default_max_tokens,
+    )
+    redis_prefix = None
+    if args.redis_prefix:
+        redis_prefix = RedisPrefixSettings(
+            key_prefix=args.redis_prefix_key_prefix,
+            ttl_s=args.redis_prefix_ttl_s,
+            max_value_bytes=int(args.redis_prefix_max_value_mb * MIB),
+            write_queue=args.redis_prefix_write_queue,
+            max_pending_bytes=int(args.redis_prefix_max_pending_mb * MIB),
+            retry_after_s=args.redis_prefix_retry_after_s,
+            probe_bytes=int(args.redis_prefix_probe_mb * MIB),
+        )
+    return DecodeSettings(
+        checkpoint=args.checkpoint,
+        model_name=served_model_name(args.checkpoint, args.model_name),
+        grpc=_grpc_settings(args),
+        metrics_port=args.metrics_port,
+        redis=redis_settings(args.redis_url),
+        engine=engine,
+        limits=limits,
+        redis_prefix=redis_prefix,
+        encoders=parse_targets(args.encoders, "--encoders", required=False),
+        local_encode=args.local_encode,
+        replica_id=args.replica_id,
+        log_level=(args.log_level or env_log_level()).upper(),
+    )
+
+
+def served_model_name(checkpoint: str, name: str | None = None) -> str:
+    """The model id clients see (`ModelInfo.model_id`, the `model_name` metric label): `--model-name`, else the
+    checkpoint directory's name, never the server's filesystem path."""
+    if name is not None:
+        if not name.strip():
+            raise ConfigError("--model-name: must not be empty")
+        return name.strip()
+    return Path(checkpoint).resolve().name

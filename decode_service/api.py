@@ -1,5 +1,6 @@
 """The decode service's native request and event types: the gRPC server converts protobuf to and from these, the
-service consumes and produces them. No gRPC."""
+service consumes and produces them. No gRPC. Sampling is the engine's own `SamplingParams` (validated once, by
+`SamplingParams.validate`, plus the service's limits)."""
 
 from __future__ import annotations
 
@@ -8,29 +9,30 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.errors import InklingError
+from common.media import MediaInput
+from common.settings import ServiceLimits
 from common.wire import EncodedItem
 from decode_service.chat import ChatMessage, ToolSpec
+from decode_service.engine.request import SamplingParams
 from decode_service.output_parser import ParsedToolCall
 from decode_service.structured.constraint import Constraint
-from encoder_service.service import MediaInput
 
-
-@dataclass(frozen=True)
-class SamplingInput:
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    max_tokens: int | None = None  # None: up to the context limit
-    ignore_eos: bool = False
-    min_tokens: int = 0
+__all__ = [  # MediaInput, SamplingParams and ServiceLimits are re-exported: the service's input vocabulary
+    "DeltaEvent",
+    "EngineFailure",
+    "Event",
+    "FinalEvent",
+    "GenerateInput",
+    "LoadSnapshot",
+    "MediaEncoder",
+    "MediaInput",
+    "ModelInfo",
+    "SamplingParams",
+    "ServiceLimits",
+    "Timings",
+    "TokenLogprob",
+    "Usage",
+]
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,12 @@ class GenerateInput:
     reasoning_effort: float | None = None  # None: DEFAULT_REASONING_EFFORT
     prompt_token_ids: tuple[int, ...] | None = None
     media: tuple[MediaInput, ...] = ()
-    sampling: SamplingInput = field(default_factory=SamplingInput)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str = ""
     priority: int = 0
     timeout_s: float | None = None  # remaining deadline of the call
     constraint: Constraint | None = None  # structured output or a forced tool call (decode_service/structured)
+    return_prompt_token_ids: bool = False  # echo the rendered prompt in `FinalEvent.prompt_token_ids`
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class FinalEvent:
     matched_stop: str = ""
     matched_stop_token_id: int | None = None
     finish_detail: str = ""  # why an output is incomplete (a constraint unmet within max_tokens)
+    prompt_token_ids: tuple[int, ...] = ()  # only with `GenerateInput.return_prompt_token_ids`
 
 
 Event = DeltaEvent | FinalEvent
@@ -127,17 +131,6 @@ class ModelInfo:
     image_token_id: int
     audio_token_id: int
     modalities: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ServiceLimits:
-    max_prompt_tokens: int | None = None  # None: the engine's context limit
-    max_media_items: int = 32
-    max_logprobs: int = 20
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
-    max_live_requests: int = 1024  # encoding, queued and running together; above it: RESOURCE_EXHAUSTED
-    max_completion_tokens: int | None = None  # cap on sampling.max_tokens (and its default); None: the context
 
 
 class EngineFailure(InklingError):

@@ -182,8 +182,9 @@ class OutputPrinter:
         self.out.flush()
 
     def summary(self) -> dict:
-        """The `generate` JSON contract (prompt_token_ids: the token prompt's ids, null for a chat; token_ids,
-        text, finish_reason) plus reasoning, tool calls, usage and timings."""
+        """The `generate` JSON contract (prompt_token_ids: the token prompt's ids, or a chat's rendered ids when
+        the request set `return_prompt_token_ids`; token_ids, text, finish_reason) plus reasoning, tool calls,
+        usage and timings."""
         result: dict = {
             "prompt_token_ids": self.prompt_token_ids,
             "token_ids": self.token_ids,
@@ -196,5 +197,8 @@ class OutputPrinter:
                 self.final, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
             )
             final["finish_reason"] = final.get("finish_reason", "").removeprefix("FINISH_REASON_").lower()
+            echoed = final.pop("prompt_token_ids", [])  # the rendered prompt, when the request asked for it
+            if echoed:
+                result["prompt_token_ids"] = echoed
             result.update(final)
         return result

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import math
 import re
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,12 +36,11 @@ from common.cache_store import EmbeddingCache, Entry
 from common.errors import InklingError, InvalidInputError, UnavailableError
 from common.grpc_util import channel_options
 from common.hashing import mm_key
+from common.media import MediaInput, media_to_proto
 from common.settings import DEFAULT_MAX_MESSAGE_BYTES, SecuritySettings
-from common.wire import EncodedItem, ItemFailure, StreamAssembler, WireError, modality_to_proto
-from proto.inkling_epd.v1 import encoder_pb2, encoder_pb2_grpc, media_pb2
-
-if TYPE_CHECKING:
-    from encoder_service.service import ImageOptions, MediaInput
+from common.targets import rendezvous_order, resolve_targets
+from common.wire import EncodedItem, ItemFailure, StreamAssembler, WireError
+from proto.inkling_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +52,6 @@ _RETRYABLE = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.CANCELLED,
-}
-_RESCALE = {
-    "default": media_pb2.RESCALE_POLICY_SERVER_DEFAULT,
-    "none": media_pb2.RESCALE_POLICY_NONE,
-    "long_edge": media_pb2.RESCALE_POLICY_LONG_EDGE,
 }
 
 
@@ -108,7 +100,7 @@ class ClientSettings:
 
 
 @dataclass(eq=False)
-class Replica:
+class EncoderReplica:
     address: str
     channel: grpc.aio.Channel
     stub: encoder_pb2_grpc.EncoderStub
@@ -126,7 +118,7 @@ class Replica:
 
 @dataclass
 class _Group:
-    replica: Replica
+    replica: EncoderReplica
     indices: list[int] = field(default_factory=list)
 
 
@@ -137,61 +129,6 @@ class EncoderPoolUnavailableError(UnavailableError):
 
 class EncoderCallError(InklingError):
     """One Encode call failed in a way another replica may not (transport, status, garbled stream)."""
-
-
-def parse_targets(spec: str) -> list[str]:
-    """`host:port,host:port` -> addresses; `dns:///name:port` stays one entry (resolved by the client)."""
-    targets = [t.strip() for t in spec.split(",") if t.strip()]
-    for target in targets:
-        host, _, port = target.removeprefix("dns:///").rpartition(":")
-        if not host or not port.isdigit():
-            raise InvalidInputError(f"--encoders: {target!r} is not host:port or dns:///name:port")
-    return targets
-
-
-def _resolve(target: str) -> list[str]:
-    if not target.startswith("dns:///"):
-        return [target]
-    host, _, port = target.removeprefix("dns:///").rpartition(":")
-    infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    addresses = sorted({f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos})
-    return addresses
-
-
-def rendezvous_order(key: bytes, addresses: Sequence[str]) -> list[str]:
-    """Highest-random-weight order of `addresses` for `key` (stable; ~1/N keys move when N changes)."""
-
-    def weight(address: str) -> bytes:
-        return hashlib.sha256(key + b"\x00" + address.encode()).digest()
-
-    return sorted(addresses, key=weight, reverse=True)
-
-
-def media_to_proto(item: MediaInput) -> media_pb2.MediaItem:
-    """Native media item -> the `MediaItem` sent to an encoder (the inverse of the encoder's edge parser)."""
-    msg = media_pb2.MediaItem(modality=modality_to_proto(item.modality), data=item.data)
-    if item.image is not None:
-        msg.image.CopyFrom(_image_params(item.image))
-    if item.video is not None:
-        v = item.video
-        msg.video.SetInParent()
-        if v.fps is not None:
-            msg.video.fps = v.fps
-        if v.max_frames is not None:
-            msg.video.max_frames = v.max_frames
-        if v.include_audio is not None:
-            msg.video.include_audio = v.include_audio
-        msg.video.frame.CopyFrom(_image_params(v.frame))
-    return msg
-
-
-def _image_params(options: ImageOptions) -> media_pb2.ImageParams:
-    params = media_pb2.ImageParams(rescale_policy=_RESCALE[options.rescale])
-    if options.rescale_frac is not None:
-        params.rescale_frac = options.rescale_frac
-    if options.rescale_max_long_edge is not None:
-        params.rescale_max_long_edge = options.rescale_max_long_edge
-    return params
 
 
 class EncoderClient:
@@ -214,7 +151,7 @@ class EncoderClient:
         self.local_fingerprint = local_fingerprint
         self.settings = settings or ClientSettings()
         self.observer: ClientObserver = observer or _NullObserver()
-        self.replicas: dict[str, Replica] = {}
+        self.replicas: dict[str, EncoderReplica] = {}
         self._changed = asyncio.Event()
         self._refresher: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -238,7 +175,7 @@ class EncoderClient:
     def inflight_items(self) -> int:
         return sum(r.inflight for r in self.replicas.values())
 
-    def healthy(self) -> list[Replica]:
+    def healthy(self) -> list[EncoderReplica]:
         now = time.monotonic()
         fingerprint = self.pool_fingerprint
         return [r for r in self.replicas.values() if r.available(now) and r.fingerprint == fingerprint]
@@ -419,7 +356,7 @@ class EncoderClient:
             )
             return await self._call(_Group(retry_to, group.indices), items, keys, request_id, deadline)
 
-    def _next_replica(self, key: bytes, exclude: set[str]) -> Replica | None:
+    def _next_replica(self, key: bytes, exclude: set[str]) -> EncoderReplica | None:
         candidates = {r.address: r for r in self.healthy() if r.address not in exclude}
         order = rendezvous_order(key, list(candidates))
         return candidates[order[0]] if order else None
@@ -484,7 +421,7 @@ class EncoderClient:
 
     @staticmethod
     async def _stream(
-        replica: Replica, request: encoder_pb2.EncodeRequest, expected: int, timeout_s: float
+        replica: EncoderReplica, request: encoder_pb2.EncodeRequest, expected: int, timeout_s: float
     ) -> list[EncodedItem | ItemFailure]:
         assembler = StreamAssembler(expected_items=expected)
         out: list[EncodedItem | ItemFailure] = []
@@ -499,7 +436,7 @@ class EncoderClient:
             call.cancel()
         return out
 
-    def _failed(self, replica: Replica, stale_fingerprint: bool) -> None:
+    def _failed(self, replica: EncoderReplica, stale_fingerprint: bool) -> None:
         replica.failures += 1
         if stale_fingerprint:
             replica.fingerprint = b""  # re-read now; the replica is skipped until then
@@ -521,12 +458,7 @@ class EncoderClient:
     # -- replica set and health ------------------------------------------------------------------------------
 
     async def _refresh_addresses(self) -> None:
-        wanted: set[str] = set()
-        for target in self.targets:
-            try:
-                wanted.update(await asyncio.to_thread(_resolve, target))
-            except OSError as exc:
-                log.warning("cannot resolve encoder target %s: %s", target, exc)
+        wanted = set(await resolve_targets(self.targets))
         for address in wanted - set(self.replicas):
             self._add(address)
         for address in set(self.replicas) - wanted:
@@ -539,7 +471,7 @@ class EncoderClient:
 
     def _add(self, address: str) -> None:
         channel = aio_channel(address, self.settings.security, channel_options(self.settings.max_message_bytes))
-        replica = Replica(address, channel, encoder_pb2_grpc.EncoderStub(channel))
+        replica = EncoderReplica(address, channel, encoder_pb2_grpc.EncoderStub(channel))
         replica.watch = asyncio.create_task(self._watch(replica), name=f"encoder-health-{address}")
         self.replicas[address] = replica
 
@@ -551,7 +483,7 @@ class EncoderClient:
                 await replica.watch
         await replica.channel.close()
 
-    async def _watch(self, replica: Replica) -> None:
+    async def _watch(self, replica: EncoderReplica) -> None:
         """Follow the replica's health stream; reconnect with backoff when it breaks."""
         stub = health_pb2_grpc.HealthStub(replica.channel)
         low, high = self.settings.watch_backoff_s
@@ -572,7 +504,7 @@ class EncoderClient:
             await asyncio.sleep(backoff)
             backoff = min(high, backoff * 2)
 
-    async def _load_info(self, replica: Replica) -> None:
+    async def _load_info(self, replica: EncoderReplica) -> None:
         try:
             info = await replica.stub.GetInfo(encoder_pb2.EncoderInfoRequest(), timeout=5.0)
         except grpc.aio.AioRpcError as exc:
@@ -581,7 +513,7 @@ class EncoderClient:
         replica.fingerprint, replica.dim = info.encoder_fingerprint, info.dim
         self._changed.set()
 
-    def _set_serving(self, replica: Replica, serving: bool) -> None:
+    def _set_serving(self, replica: EncoderReplica, serving: bool) -> None:
         if replica.serving != serving:
             log.info("encoder %s is %s", replica.address, "SERVING" if serving else "NOT_SERVING")
             replica.serving = serving

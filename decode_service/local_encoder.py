@@ -1,8 +1,8 @@
 """In-process encoding on the decode replica: the encoder engine's own code, without its server.
 
 Used by `inkling-epd decode --local-encode` (when no encoder replica is reachable) and by
-`inkling-epd generate --local` with media. The same engine object also provides the preprocessing fingerprint
-the encoder client hashes into `mm_key`s, so keys computed here equal the encoders' keys.
+`inkling-epd generate --local` with media: it loads the towers. A decode replica that only needs `mm_key`s
+uses `encoder_service.planner.MediaPlanner` and `common.fingerprint.encoder_fingerprint_of` instead.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common.errors import InvalidInputError
+from common.media import MediaInput
 from common.settings import EncoderSettings
 from common.wire import EncodedItem
 from decode_service.encoder_client import item_error
-from encoder_service.service import EncoderEngine, ItemError, MediaInput, load_engine
+from encoder_service.service import EncoderEngine, ItemError, load_engine
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ marker stay text. Streaming rules follow spec 6.2 (the TML-backed SGLang behavio
 * parse errors (bad tool JSON, a control token inside a tool payload, a header without a kind) and blocks cut
   off by `finish` surface their raw un-streamed payload (its ordinary tokens) as content;
 * stop strings are matched within the text of one reasoning or content block (not inside tool-call
-  payloads); text that could start a stop string is held back until it cannot, and a match ends the
-  output at the match (`done` turns true; the caller then calls `finish("stop")`).
+  payloads) once `min_tokens` tokens were fed; text that could start a stop string is held back until it
+  cannot, and a match ends the output at the match (`done` turns true, `matched_stop` names the string;
+  the caller then calls `finish("stop")`).
 """
 
 from __future__ import annotations
@@ -77,8 +78,11 @@ class Delta:
 class OutputParser:
     """Feed sampled token ids one at a time; call `finish` once when generation ends."""
 
-    def __init__(self, stop_strings: Sequence[str] = ()) -> None:
+    def __init__(self, stop_strings: Sequence[str] = (), min_tokens: int = 0) -> None:
         self._stop_strings = [s for s in stop_strings if s]
+        self._min_tokens = min_tokens  # stop strings end the output only from this many fed tokens on
+        self._fed = 0
+        self._matched_stop = ""
         self._is_special = tokenizer().is_special_token
         self._state: Literal["boundary", "header", "body"] = "boundary"
         self._model_authored = True
@@ -98,6 +102,11 @@ class OutputParser:
         return self._done
 
     @property
+    def matched_stop(self) -> str:
+        """The stop string that ended the output ("" when none did)."""
+        return self._matched_stop
+
+    @property
     def finish_reason(self) -> str | None:
         return self._finish_reason
 
@@ -109,6 +118,7 @@ class OutputParser:
         assert self._finish_reason is None, "feed after finish"
         if self._done:
             return []
+        self._fed += 1
         if self._state == "boundary":
             return self._at_boundary(token_id)
         if self._state == "header":
@@ -245,11 +255,13 @@ class OutputParser:
         """Emit text, holding back a suffix that may start a stop string; a full match ends the output."""
         if not text:
             return []
-        if not self._stop_strings:
+        if not self._stop_strings or self._fed < self._min_tokens:
             return [Delta(channel, text)]
         pending = self._held + text
-        match = min((i for i in (pending.find(s) for s in self._stop_strings) if i >= 0), default=-1)
+        found = [(i, -len(s), s) for s in self._stop_strings if (i := pending.find(s)) >= 0]
+        match = min(found)[0] if found else -1
         if match >= 0:
+            self._matched_stop = min(found)[2]  # the earliest match; the longest of those starting there
             self._held = ""
             self._done = True
             self._state = "boundary"

@@ -11,30 +11,20 @@ client never sees duplicated output. A client cancellation cancels the upstream 
 every replica. The serving replica's address travels back as initial metadata `inkling-replica`, sent with
 the first forwarded message.
 
-Prefix directory (the contract with the decode replicas). The router cannot reproduce the engine's block
-hashes (they need chat rendering, placeholder expansion and mm_keys, i.e. the tokenizer and media decoding),
-so both sides use *routing* hashes computed from the `GenerateRequest` itself by `request_prefix_hashes`: a
-hash chain over the chat messages (one link per message) or over fixed blocks of prompt token ids (one link
-per `ROUTING_BLOCK_TOKENS`), rooted in the cache salt, the tools and the prompt's media. Once a replica has
-the request's prompt in its prefix cache it calls `PrefixDirectory.publish(replica_id, hashes)`: each hash
-becomes the Redis hash `prefix_directory_key(h)` whose fields are replica ids (the `host:port` the router
-dials) and whose values are expiry times in unix seconds; the key itself expires `ttl_s` after the last
-publish.
+Prefix directory: the router looks up the request's routing hashes (`common.prefix_routing`, the contract
+with the decode replicas, which publish them) and prefers the replica holding the longest run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import itertools
 import logging
 import math
 import signal
-import socket
-import struct
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -45,6 +35,7 @@ from common.auth import aio_channel, bind_server, server_interceptors
 from common.errors import ConfigError, InvalidInputError
 from common.grpc_util import (
     SERVING,
+    UNAVAILABLE_DEPENDENCY_KEY,
     ServerHealth,
     channel_options,
     create_server,
@@ -52,6 +43,7 @@ from common.grpc_util import (
     graceful_stop,
 )
 from common.metrics import MetricsServer, ModelLabelled, new_registry, start_metrics_server
+from common.prefix_routing import PrefixDirectory, prefix_directory_key, request_prefix_hashes
 from common.request_ids import check_request_id
 from common.settings import (
     GrpcSettings,
@@ -61,151 +53,24 @@ from common.settings import (
     redis_settings,
     security_settings,
 )
+from common.targets import parse_targets, resolve_targets
 from proto.inkling_epd.v1 import generator_pb2, generator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# Re-exported: tests and tools still name the directory's helpers through the router.
+__all__ = ["PrefixDirectory", "Router", "parse_targets", "prefix_directory_key", "request_prefix_hashes"]
+
 GENERATOR_SERVICE = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
 # Initial-metadata key naming the decode replica (its address) that serves a routed Generate call.
 REPLICA_METADATA_KEY = "inkling-replica"
-# Trailing metadata of an UNAVAILABLE from a healthy decode replica whose dependency (the shared encoder pool)
-# cannot serve: the router neither retries on another replica nor marks this one down.
-UNAVAILABLE_DEPENDENCY_KEY = "inkling-unavailable-dependency"
-
-# ----------------------------------------------------------------------------------------------------------
-# Prefix directory
-
-ROUTING_BLOCK_TOKENS = 64
-MAX_ROUTING_HASHES = 128
-PREFIX_DIRECTORY_PREFIX = "ink:pfx:v1:"
-_ROUTING_ROOT_TAG = b"inkling-epd/routing-prefix/v1"
-
-
-def prefix_directory_key(prefix_hash: bytes, namespace: str = "") -> str:
-    """Redis key of one routing hash: a Redis hash {replica id: expiry unix seconds}."""
-    return f"{PREFIX_DIRECTORY_PREFIX}{namespace}:{prefix_hash.hex()}"
-
-
-def _link(parent: bytes, payload: bytes) -> bytes:
-    return hashlib.sha256(parent + struct.pack("<Q", len(payload)) + payload).digest()
-
-
-def request_prefix_hashes(request: generator_pb2.GenerateRequest, max_hashes: int = MAX_ROUTING_HASHES) -> list[bytes]:
-    """Chained routing hashes of the request's leading messages (chat) or full token blocks (token prompt)."""
-    root = _link(_ROUTING_ROOT_TAG, request.cache_salt.encode())
-    kind = request.WhichOneof("prompt")
-    hashes: list[bytes] = []
-    if kind == "chat":
-        chat = request.chat
-        header = b"".join(t.SerializeToString(deterministic=True) for t in chat.tools)
-        if chat.HasField("reasoning_effort"):
-            header += struct.pack("<f", chat.reasoning_effort)
-        parent = _link(root, b"chat" + header)
-        for message in chat.messages[:max_hashes]:
-            parent = _link(parent, message.SerializeToString(deterministic=True))
-            hashes.append(parent)
-    elif kind == "tokens":
-        media = b"".join(hashlib.sha256(m.SerializeToString(deterministic=True)).digest() for m in request.tokens.media)
-        parent = _link(root, b"tokens" + media)
-        ids = request.tokens.token_ids
-        for start in range(
-            0, min(len(ids) // ROUTING_BLOCK_TOKENS, max_hashes) * ROUTING_BLOCK_TOKENS, ROUTING_BLOCK_TOKENS
-        ):
-            parent = _link(parent, struct.pack(f"<{ROUTING_BLOCK_TOKENS}I", *ids[start : start + ROUTING_BLOCK_TOKENS]))
-            hashes.append(parent)
-    return hashes
-
-
-class PrefixDirectory:
-    """Which replica holds which routing prefix, in Redis (`redis.asyncio` client)."""
-
-    def __init__(self, client, namespace: str = "", ttl_s: float = 300.0) -> None:
-        self.client = client
-        self.namespace = namespace
-        self.ttl_s = ttl_s
-
-    async def publish(self, replica_id: str, hashes: Sequence[bytes]) -> None:
-        """Called by a decode replica once the request's prompt is in its prefix cache."""
-        if not hashes:
-            return
-        expiry = int(time.time() + self.ttl_s)
-        pipe = self.client.pipeline(transaction=False)
-        for h in hashes:
-            key = prefix_directory_key(h, self.namespace)
-            pipe.hset(key, replica_id, expiry)
-            pipe.expire(key, math.ceil(self.ttl_s))
-        await pipe.execute()
-
-    async def lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
-        """Replica id -> number of leading hashes it holds (only replicas with at least one)."""
-        if not hashes:
-            return {}
-        pipe = self.client.pipeline(transaction=False)
-        for h in hashes:
-            pipe.hgetall(prefix_directory_key(h, self.namespace))
-        rows = await pipe.execute()
-        now = time.time()
-        matched: dict[str, int] = {}
-        alive: set[str] | None = None
-        for depth, row in enumerate(rows, start=1):
-            holders = {_text(k) for k, v in row.items() if float(v) > now}
-            alive = holders if alive is None else alive & holders
-            if not alive:
-                break
-            for replica_id in alive:
-                matched[replica_id] = depth
-        return matched
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Replica pool
 
 
-def parse_targets(text: str) -> tuple[str, ...]:
-    """`host:port,...` and/or `dns:///name:port` entries, validated."""
-    targets = tuple(t.strip() for t in text.split(",") if t.strip())
-    if not targets:
-        raise ConfigError("--decoders: at least one host:port or dns:///name:port is required")
-    for target in targets:
-        host, port = _split_host_port(target.removeprefix("dns:///"))
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"--decoders: {target!r} is not host:port or dns:///name:port")
-    return targets
-
-
-def _split_host_port(text: str) -> tuple[str, str]:
-    host, _, port = text.rpartition(":")
-    return host.strip("[]"), port
-
-
-def _format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-async def resolve_targets(targets: Iterable[str]) -> list[str]:
-    """Static entries as given; `dns:///name:port` expanded to every address the name resolves to."""
-    loop = asyncio.get_running_loop()
-    addresses: list[str] = []
-    for target in targets:
-        if not target.startswith("dns:///"):
-            addresses.append(target)
-            continue
-        host, port = _split_host_port(target.removeprefix("dns:///"))
-        try:
-            infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        except OSError as exc:
-            log.warning("cannot resolve decode replicas %s: %s", target, exc)
-            continue
-        addresses.extend(_format_address(info[4][0], int(port)) for info in infos)
-    return list(dict.fromkeys(addresses))
-
-
 @dataclass
-class Replica:
+class DecodeReplica:
     address: str
     channel: grpc.aio.Channel
     stub: generator_pb2_grpc.GeneratorStub
@@ -220,14 +85,14 @@ class Replica:
         return max(self.polled_load, self.inflight)
 
     @classmethod
-    def connect(cls, address: str, security: SecuritySettings | None = None) -> Replica:
+    def connect(cls, address: str, security: SecuritySettings | None = None) -> DecodeReplica:
         channel = aio_channel(address, security, channel_options())
         return cls(address, channel, generator_pb2_grpc.GeneratorStub(channel), health_pb2_grpc.HealthStub(channel))
 
 
 @dataclass(frozen=True)
 class Choice:
-    replica: Replica
+    replica: DecodeReplica
     reason: str  # "prefix" or "least_loaded"
 
 
@@ -247,11 +112,11 @@ class ReplicaPool:
         self.rpc_timeout_s = rpc_timeout_s
         self.load_slack = load_slack
         self.load_slack_frac = load_slack_frac
-        self.replicas: dict[str, Replica] = {}
-        self._retired: list[Replica] = []
+        self.replicas: dict[str, DecodeReplica] = {}
+        self._retired: list[DecodeReplica] = []
         self._tie = itertools.count()
 
-    def healthy(self) -> list[Replica]:
+    def healthy(self) -> list[DecodeReplica]:
         return [r for r in self.replicas.values() if r.healthy]
 
     async def resolve(self) -> None:
@@ -260,7 +125,7 @@ class ReplicaPool:
             return  # keep what we have while DNS is failing
         for address in addresses:
             if address not in self.replicas:
-                self.replicas[address] = Replica.connect(address, self.security)
+                self.replicas[address] = DecodeReplica.connect(address, self.security)
                 log.info("decode replica %s added", address)
         for address in [a for a in self.replicas if a not in addresses]:
             self._retired.append(self.replicas.pop(address))
@@ -276,7 +141,7 @@ class ReplicaPool:
     async def poll(self) -> None:
         await asyncio.gather(*(self._poll_one(r) for r in list(self.replicas.values())))
 
-    async def _poll_one(self, replica: Replica) -> None:
+    async def _poll_one(self, replica: DecodeReplica) -> None:
         try:
             check = await replica.health.Check(health_pb2.HealthCheckRequest(), timeout=self.rpc_timeout_s)
             load = await replica.stub.GetLoad(generator_pb2.LoadRequest(), timeout=self.rpc_timeout_s)
@@ -551,7 +416,7 @@ class RouterConfig:
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """Config from the `inkling-epd router` flags."""
     return RouterConfig(
-        decoders=parse_targets(args.decoders),
+        decoders=parse_targets(args.decoders, "--decoders"),
         grpc=GrpcSettings(host=args.host, port=args.port, grace_s=args.grace_seconds, security=security_settings(args)),
         metrics_port=args.metrics_port,
         redis=redis_settings(args.redis_url),

@@ -20,25 +20,33 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from redis.exceptions import RedisError
 
 from common.auth import bind_server, server_interceptors
 from common.cache_store import RedisCache
-from common.errors import ConfigError, InklingError, InvalidInputError
-from common.grpc_util import ServerHealth, create_server, enable_reflection, graceful_stop, status_for
+from common.errors import InklingError, InvalidInputError
+from common.fingerprint import encoder_fingerprint_of
+from common.grpc_util import (
+    UNAVAILABLE_DEPENDENCY_KEY,
+    ServerHealth,
+    create_server,
+    enable_reflection,
+    graceful_stop,
+    status_for,
+)
+from common.media import media_from_proto, media_modality
 from common.metrics import DecodeMetrics, MetricsServer, new_registry, start_metrics_server
-from common.settings import GrpcSettings, env_log_level, redis_settings, security_settings
+from common.prefix_routing import PrefixDirectory, request_prefix_hashes
+from common.settings import DecodeSettings, GrpcSettings, decode_settings
 from common.wire import modality_to_proto
-from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingInput, ServiceLimits
+from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingParams
 from decode_service.chat import ChatMessage, MediaPart, TextPart, ToolCall, ToolSpec
-from decode_service.encoder_client import ClientSettings, EncoderClient, EncoderPoolUnavailableError, parse_targets
-from decode_service.router import UNAVAILABLE_DEPENDENCY_KEY, PrefixDirectory, request_prefix_hashes
+from decode_service.encoder_client import ClientSettings, EncoderClient, EncoderPoolUnavailableError
 from decode_service.service import DecodeService, build_engine
 from decode_service.structured.constraint import constraint_from_proto
-from encoder_service.server import media_from_proto
+from encoder_service.planner import MediaPlanner
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc
 
@@ -71,11 +79,14 @@ def _json_object(text: str, where: str) -> dict:
     return value
 
 
-def sampling_input(s: pb.SamplingParams) -> SamplingInput:
+def sampling_params(s: pb.SamplingParams) -> SamplingParams:
+    """The proto's sampling (unset fields: the neutral defaults; max_tokens unset: None, the server's
+    bounded default); validation is `SamplingParams.validate`, in the service."""
+
     def opt(name: str, default):
         return getattr(s, name) if s.HasField(name) else default
 
-    return SamplingInput(
+    return SamplingParams(
         temperature=opt("temperature", 1.0),
         top_k=opt("top_k", 0),
         top_p=opt("top_p", 1.0),
@@ -97,11 +108,12 @@ def generate_input(request: pb.GenerateRequest, timeout_s: float | None) -> Gene
     """A `GenerateRequest` -> the service's native input; malformed fields raise `InvalidInputError`."""
     common = dict(
         request_id=request.request_id,
-        sampling=sampling_input(request.sampling),
+        sampling=sampling_params(request.sampling),
         cache_salt=request.cache_salt,
         priority=request.priority,
         timeout_s=timeout_s,
         constraint=constraint_from_proto(request),
+        return_prompt_token_ids=request.return_prompt_token_ids,
     )
     kind = request.WhichOneof("prompt")
     if kind == "tokens":
@@ -122,9 +134,8 @@ def generate_input(request: pb.GenerateRequest, timeout_s: float | None) -> Gene
             if which == "text":
                 parts.append(TextPart(part.text))
             elif which == "media":
-                parts.append(
-                    MediaPart(_media_kind(part.media.modality, f"chat.messages[{m}].content[{p}]"), len(media))
-                )
+                where = f"chat.messages[{m}].content[{p}].media"
+                parts.append(MediaPart(media_modality(part.media.modality, where), len(media)))
                 media.append(media_from_proto(len(media), part.media))
             else:
                 raise InvalidInputError(f"chat.messages[{m}].content[{p}]: empty content part")
@@ -145,13 +156,6 @@ def generate_input(request: pb.GenerateRequest, timeout_s: float | None) -> Gene
     )
     effort = chat.reasoning_effort if chat.HasField("reasoning_effort") else None
     return GenerateInput(messages=tuple(messages), tools=tools, reasoning_effort=effort, media=tuple(media), **common)
-
-
-def _media_kind(modality: int, where: str) -> str:
-    kinds = {1: "image", 2: "audio", 3: "video"}
-    if modality not in kinds:
-        raise InvalidInputError(f"{where}.media.modality: not set or unknown ({modality})")
-    return kinds[modality]
 
 
 def delta_message(event: DeltaEvent) -> pb.GenerateResponse:
@@ -193,6 +197,7 @@ def final_message(event: FinalEvent) -> pb.GenerateResponse:
         ),
         matched_stop=event.matched_stop,
         finish_detail=event.finish_detail,
+        prompt_token_ids=event.prompt_token_ids,
     )
     if event.matched_stop_token_id is not None:
         final.matched_stop_token_id = event.matched_stop_token_id
@@ -399,65 +404,52 @@ def build_server(
     )
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    from decode_service.local_encoder import LocalEncoder
-
-    grpc_settings = GrpcSettings(
-        host=args.host, port=args.port, grace_s=args.grace_seconds, security=security_settings(args)
-    )
-    if args.dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
-    model_name = served_model_name(args.checkpoint, getattr(args, "model_name", None))
-    metrics = DecodeMetrics(new_registry(), model_name)
-    redis = redis_settings(args.redis_url)
+async def _serve(settings: DecodeSettings) -> None:
+    metrics = DecodeMetrics(new_registry(), settings.model_name)
+    redis = settings.redis
     prefix_store = None
-    if redis is not None and getattr(args, "redis_prefix", False):
+    if settings.redis_prefix is not None:
         from decode_service.engine.redis_prefix import PrefixStore
 
-        prefix_store = PrefixStore.connect(redis)
-    engine = await asyncio.to_thread(
-        build_engine,
-        args.checkpoint,
-        args.device,
-        args.dtype,
-        int(args.kv_budget_mb * (1 << 20)),
-        args.max_num_seqs,
-        args.max_batch_tokens,
-        True,
-        prefix_store,
-        getattr(args, "cuda_graphs", True),
-    )
-    keys = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
+        assert redis is not None  # DecodeSettings checks it
+        prefix_store = PrefixStore.connect(redis, settings.redis_prefix)
+    engine = await asyncio.to_thread(build_engine, settings.checkpoint, settings.engine, prefix_store)
+    # mm_keys need the preprocessing policies and the towers' fingerprint, not the towers: those are loaded
+    # only to encode in-process (--local-encode).
+    planner = MediaPlanner.for_checkpoint(settings.checkpoint)
+    encoder_fingerprint = encoder_fingerprint_of(settings.checkpoint, settings.engine.dtype)
+    local = None
+    if settings.local_encode:
+        from decode_service.local_encoder import LocalEncoder
+
+        local = await asyncio.to_thread(
+            LocalEncoder.load, settings.checkpoint, settings.engine.device, settings.engine.dtype
+        )
     cache = (
         RedisCache(redis.url, key_prefix=redis.key_prefix, timeout_s=redis.timeout_s, async_writes=False)
         if redis is not None
         else None
     )
     encoder = EncoderClient(
-        parse_targets(args.encoders),
-        keys.preprocess_fingerprint,
+        settings.encoders,
+        planner.preprocess_fingerprint,
         cache=cache,
-        local=keys if args.local_encode else None,
-        local_fingerprint=keys.fingerprint,
-        settings=ClientSettings(security=grpc_settings.security),
+        local=local,
+        local_fingerprint=encoder_fingerprint,
+        settings=ClientSettings(security=settings.grpc.security),
         observer=metrics,
     )
-    defaults = ServiceLimits()
-    limits = ServiceLimits(
-        max_prompt_tokens=getattr(args, "max_prompt_tokens", defaults.max_prompt_tokens),
-        max_completion_tokens=getattr(args, "max_completion_tokens", defaults.max_completion_tokens),
-        max_media_items=getattr(args, "max_media_items", defaults.max_media_items),
-        max_live_requests=getattr(args, "max_live_requests", defaults.max_live_requests),
-    )
-    service = DecodeService(engine, encoder, limits, model_id=model_name)
+    service = DecodeService(engine, encoder, settings.limits, model_id=settings.model_name)
     directory = None
-    if redis is not None and args.replica_id:
+    if redis is not None and settings.replica_id:
         import redis.asyncio as aioredis
 
         directory = PrefixDirectory(
             aioredis.from_url(redis.url, socket_timeout=redis.timeout_s, socket_connect_timeout=redis.timeout_s)
         )
-    server = build_server(service, grpc_settings, encoder, metrics, args.metrics_port, directory, args.replica_id)
+    server = build_server(
+        service, settings.grpc, encoder, metrics, settings.metrics_port, directory, settings.replica_id
+    )
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -466,27 +458,18 @@ async def _serve(args: argparse.Namespace) -> None:
     waiter = asyncio.create_task(server.wait())
     stopper = asyncio.create_task(stopping.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    log.info("decode replica shutting down (grace %.1fs)", grpc_settings.grace_s)
-    await server.stop(grpc_settings.grace_s)
-    await keys.close()
+    log.info("decode replica shutting down (grace %.1fs)", settings.grpc.grace_s)
+    await server.stop(settings.grpc.grace_s)
+    if local is not None:
+        await local.close()
     if cache is not None:
         cache.close()
     stopper.cancel()
 
 
-def served_model_name(checkpoint: str, name: str | None = None) -> str:
-    """The model id clients see (`ModelInfo.model_id`, the `model_name` metric label): `--model-name`, else the
-    checkpoint directory's name, never the server's filesystem path."""
-    if name is not None:
-        if not name.strip():
-            raise ConfigError("--model-name: must not be empty")
-        return name.strip()
-    return Path(checkpoint).resolve().name
-
-
 def serve(args: argparse.Namespace) -> int:
     """`inkling-epd decode`: load the decoder, connect to the encoders, serve until SIGTERM/SIGINT, drain."""
-    level = (getattr(args, "log_level", None) or env_log_level()).upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(args))
+    settings = decode_settings(args)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(settings))
     return 0

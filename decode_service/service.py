@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-import math
 import queue
 import threading
 import time
@@ -34,8 +33,12 @@ import torch
 
 from common.checkpoint import CheckpointFiles, load_decoder_weights
 from common.config import load_model_config
+from common.dtypes import torch_dtype
 from common.errors import InvalidInputError, ResourceExhaustedError, UnavailableError
+from common.fingerprint import model_fingerprint
+from common.media import MediaInput
 from common.request_ids import check_request_id
+from common.settings import DecodeEngineSettings
 from common.wire import EncodedItem
 from decode_service.api import (
     DeltaEvent,
@@ -46,7 +49,6 @@ from decode_service.api import (
     LoadSnapshot,
     MediaEncoder,
     ModelInfo,
-    SamplingInput,
     ServiceLimits,
     Timings,
     TokenLogprob,
@@ -64,7 +66,6 @@ from decode_service.chat import (
     MediaSpan,
     RenderedPrompt,
     attach_media,
-    decode_tokens,
     encode_text,
     render_chat,
 )
@@ -75,16 +76,35 @@ from decode_service.model.inkling import InklingDecoder
 from decode_service.output_parser import OutputParser
 from decode_service.structured.compiler import ConstraintCompiler
 from decode_service.structured.matcher import ConstraintMatcher, finish_detail
-from encoder_service.service import MediaInput
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_REASONING_EFFORT = 0.9  # proto ChatPrompt.reasoning_effort unset
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The engine thread's side of a request
+
+
+@dataclass(frozen=True)
+class _Add:
+    """Add `request` to the engine; its outputs go to `sink`."""
+
+    request: Request
+    sink: _Sink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """Nothing to do: unblocks the engine thread (shutdown)."""
+
+
+_Command = _Add | _Abort | _Wake
 
 
 class _Sink:
@@ -119,7 +139,7 @@ class DecodeService:
         self.config = engine.config
         self.dtype: torch.dtype = getattr(engine.runner.model, "dtype", torch.float32)
         self.ready = False
-        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._live: dict[str, bool] = {}  # event loop only: request id -> aborted
         self._thread: threading.Thread | None = None
@@ -141,7 +161,7 @@ class DecodeService:
             warm = GenerateInput(
                 request_id=f"warmup-{uuid.uuid4().hex[:8]}",
                 prompt_token_ids=prompt,
-                sampling=SamplingInput(temperature=0.0, max_tokens=2, ignore_eos=True),
+                sampling=SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
             )
             async for _ in self._generate(warm):
                 pass
@@ -152,7 +172,7 @@ class DecodeService:
     async def close(self) -> None:
         self.ready = False
         self._stopping.set()
-        self._commands.put(("wake",))
+        self._commands.put(_Wake())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
         self.structured.close()
@@ -172,7 +192,7 @@ class DecodeService:
         found = [rid for rid in request_ids if rid in self._live]
         for rid in found:
             self._live[rid] = True
-            self._commands.put(("abort", rid))
+            self._commands.put(_Abort(rid))
         return found
 
     def load(self) -> LoadSnapshot:
@@ -185,11 +205,7 @@ class DecodeService:
 
     def model_info(self) -> ModelInfo:
         prefix = self.engine.prefix_cache
-        fingerprint = (
-            prefix.fingerprint
-            if prefix is not None
-            else hashlib.sha256(repr(sorted(self.config.fingerprint_fields().items())).encode()).digest()
-        )
+        fingerprint = self.engine.settings.model_fingerprint or (prefix.fingerprint if prefix is not None else b"")
         modalities = tuple(
             m
             for m, present in (
@@ -237,11 +253,11 @@ class DecodeService:
             limit = self.limits.max_prompt_tokens
             if limit is not None and len(prompt.token_ids) > limit:
                 raise ResourceExhaustedError(f"prompt: {len(prompt.token_ids)} tokens exceeds the limit of {limit}")
-            if inp.sampling.max_tokens is None:
+            if sampling.max_tokens is None:
                 room = max(1, self.engine.max_model_len - len(prompt.token_ids))
-                if self.limits.max_completion_tokens is not None:
-                    room = min(room, self.limits.max_completion_tokens)
-                sampling = dataclasses.replace(sampling, max_tokens=room)
+                cap = self.limits.max_completion_tokens
+                default = min(room, self.limits.default_max_tokens, cap if cap is not None else room)
+                sampling = dataclasses.replace(sampling, max_tokens=default)
             matcher = None
             if compiled is not None:
                 matcher = ConstraintMatcher(
@@ -251,32 +267,33 @@ class DecodeService:
                 rid, prompt.token_ids, sampling, mm_items, inp.priority, inp.cache_salt or None, constraint=matcher
             )
             counts = _MediaCounts.of(prompt, encoded)
+            echo = tuple(prompt.token_ids) if inp.return_prompt_token_ids else ()
             if self._live.get(rid):
                 finished = True
-                yield FinalEvent(
-                    "abort", Usage(prompt_tokens=len(prompt.token_ids)), Timings(encode_s=encoded_at - started)
-                )
+                usage, timings = Usage(prompt_tokens=len(prompt.token_ids)), Timings(encode_s=encoded_at - started)
+                yield FinalEvent("abort", usage, timings, prompt_token_ids=echo)
                 return
             sink = _Sink(asyncio.get_running_loop())
-            self._commands.put(("add", request, sink))
+            self._commands.put(_Add(request, sink))
             submitted = True
             log.debug(
                 "request %s submitted: %d prompt tokens, %d media items", rid, len(prompt.token_ids), len(encoded)
             )
-            async for event in self._stream(rid, inp.sampling, sink, counts, started, encoded_at):
+            async for event in self._stream(rid, sampling, sink, counts, started, encoded_at):
                 if isinstance(event, FinalEvent):
                     finished = True
+                    event = dataclasses.replace(event, prompt_token_ids=echo)
                 yield event
         finally:
             if submitted and not finished:
-                self._commands.put(("abort", rid))
+                self._commands.put(_Abort(rid))
                 log.info("request %s: cancelled, aborting it in the engine", rid)
             self._live.pop(rid, None)
 
     async def _stream(
-        self, rid: str, params: SamplingInput, sink: _Sink, counts: _MediaCounts, started: float, encoded_at: float
+        self, rid: str, params: SamplingParams, sink: _Sink, counts: _MediaCounts, started: float, encoded_at: float
     ) -> AsyncIterator[Event]:
-        parser = OutputParser(params.stop)
+        parser = OutputParser(params.stop, params.min_tokens)
         completion = reasoning = 0
         thinking = False
         first_token_at: float | None = None
@@ -307,15 +324,13 @@ class DecodeService:
                 was_done = parser.done
                 deltas = parser.feed(token)
                 events += _token_events(token, logprobs[n : n + 1], deltas)
-                if not was_done and parser.done and token != MODEL_END_SAMPLING and params.stop:
-                    matched_stop = _which_stop(
-                        params.stop, out.token_ids[: len(out.token_ids) - len(out.new_token_ids) + n + 1]
-                    )
+                if not was_done and parser.matched_stop:
+                    matched_stop = parser.matched_stop
                     break
             for event in events:
                 yield event
             if matched_stop:
-                self._commands.put(("abort", rid))
+                self._commands.put(_Abort(rid))
                 reason = "stop"
             elif out.finished:
                 reason = out.finish_reason or "stop"
@@ -364,16 +379,12 @@ class DecodeService:
 
     # -- validation and prompt building ----------------------------------------------------------------------
 
-    def _sampling(self, s: SamplingInput) -> SamplingParams:
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(s, name)):
-                raise InvalidInputError(f"sampling.{name}={getattr(s, name)!r} must be finite")
-        if s.min_tokens:
-            raise InvalidInputError("sampling.min_tokens is not supported by this server yet")
+    def _sampling(self, s: SamplingParams) -> SamplingParams:
+        """The request's sampling, checked once: its own ranges (`SamplingParams.validate`), then this
+        service's limits."""
+        s.validate(self.config.text.unpadded_vocab_size)
         if s.logprobs is not None and s.logprobs > self.limits.max_logprobs:
             raise InvalidInputError(f"sampling.logprobs={s.logprobs} exceeds the limit of {self.limits.max_logprobs}")
-        if s.max_tokens is not None and s.max_tokens < 1:
-            raise InvalidInputError(f"sampling.max_tokens={s.max_tokens} must be >= 1")
         cap = self.limits.max_completion_tokens
         if s.max_tokens is not None and cap is not None and s.max_tokens > cap:
             raise InvalidInputError(f"sampling.max_tokens={s.max_tokens} exceeds the limit of {cap}")
@@ -386,22 +397,7 @@ class DecodeService:
                 raise InvalidInputError(
                     f"sampling.stop[{i}]: must have 1 to {self.limits.max_stop_string_chars} characters"
                 )
-        params = SamplingParams(
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            min_p=s.min_p,
-            seed=s.seed,
-            repetition_penalty=s.repetition_penalty,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            max_tokens=s.max_tokens or 1,
-            stop_token_ids=tuple(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-            logprobs=s.logprobs,
-        )
-        params.validate(self.config.text.unpadded_vocab_size)
-        return params
+        return s
 
     def _check_media(self, inp: GenerateInput) -> None:
         if len(inp.media) > self.limits.max_media_items:
@@ -506,19 +502,17 @@ class DecodeService:
             except queue.Empty:
                 return
 
-    def _apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request, sink = command
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _Add):
             try:
-                self.engine.add_request(request)
+                self.engine.add_request(command.request)
             except Exception as exc:  # validation errors go back to the caller, the engine carries on
-                sink.put(exc)
+                command.sink.put(exc)
                 return
-            sink.request = request
-            self._sinks[request.request_id] = sink
-        elif kind == "abort":
-            self.engine.abort(command[1])
+            command.sink.request = command.request
+            self._sinks[command.request.request_id] = command.sink
+        elif isinstance(command, _Abort):
+            self.engine.abort(command.request_id)
 
     def _note_scheduled(self, step_started: float) -> None:
         """Requests that left WAITING in the step that began at `step_started` were scheduled then."""
@@ -599,44 +593,36 @@ def _token_events(token: int, logprobs: list[TokenLogprob], deltas: list) -> lis
     return events
 
 
-def _which_stop(stops: Sequence[str], token_ids: Sequence[int]) -> str:
-    """The stop string that ended the output: the one whose last occurrence ends latest (longest on ties)."""
-    text = decode_tokens(token_ids)
-    best = max(stops, key=lambda s: (text.rfind(s) + len(s) if s in text else -1, len(s)))
-    return best
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Construction
 
 
 def build_engine(
     checkpoint: str | Path,
-    device: str = "cpu",
-    dtype: str = "bfloat16",
-    kv_cache_bytes: int = 512 << 20,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
-    enable_prefix_cache: bool = True,
+    settings: DecodeEngineSettings | None = None,
     prefix_store: PrefixStore | None = None,
-    cuda_graphs: bool = True,
 ) -> Engine:
     """Load the decoder weights of a checkpoint and wrap them in an `Engine` (`prefix_store`: the shared Redis
-    prefix tier; `cuda_graphs`: replay decode steps from CUDA graphs where the fast path runs)."""
-    if dtype not in DTYPES:
-        raise InvalidInputError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    prefix tier). The prefix and Redis keys carry `common.fingerprint.model_fingerprint` (config, dtype, weights)."""
+    settings = settings or DecodeEngineSettings()
+    dtype = torch_dtype(settings.dtype)
     config = load_model_config(checkpoint)
-    weights, _ = load_decoder_weights(CheckpointFiles(checkpoint), config, dtype=DTYPES[dtype], device=device)
-    model = InklingDecoder.from_weights(config.text, weights, DTYPES[dtype], device)
-    settings = EngineSettings(
-        kv_cache_bytes=kv_cache_bytes,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        device=device,
-        enable_prefix_cache=enable_prefix_cache,
-        cuda_graphs=cuda_graphs,
+    weights, _ = load_decoder_weights(CheckpointFiles(checkpoint), config, dtype=dtype, device=settings.device)
+    model = InklingDecoder.from_weights(config.text, weights, dtype, settings.device)
+    engine_settings = EngineSettings(
+        kv_cache_bytes=settings.kv_cache_bytes,
+        page_size=settings.page_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        enable_prefix_cache=settings.enable_prefix_cache,
+        snapshot_interval_blocks=settings.snapshot_interval_blocks,
+        device=settings.device,
+        seed=settings.seed,
+        model_fingerprint=model_fingerprint(checkpoint, settings.dtype),
+        cuda_graphs=settings.cuda_graphs,
     )
-    return Engine(model, config, settings, prefix_store)
+    return Engine(model, config, engine_settings, prefix_store)
 
 
 __all__ = [
@@ -650,7 +636,7 @@ __all__ = [
     "MediaInput",
     "MediaSpan",
     "ModelInfo",
-    "SamplingInput",
+    "SamplingParams",
     "ServiceLimits",
     "Timings",
     "TokenLogprob",

@@ -22,66 +22,18 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from common.auth import bind_server, server_interceptors
-from common.errors import InvalidInputError
 from common.grpc_util import ServerHealth, create_server, enable_reflection, graceful_stop, status_for
+from common.media import media_from_proto
 from common.metrics import EncoderMetrics, MetricsServer, new_registry, start_metrics_server
 from common.request_ids import check_request_id
 from common.settings import GrpcSettings, encoder_settings
 from common.wire import CHUNK_BYTES, EncodedItem, item_messages, modality_to_proto
-from encoder_service.service import (
-    EncoderEngine,
-    ImageOptions,
-    ItemError,
-    MediaInput,
-    VideoOptions,
-    load_engine,
-)
-from proto.inkling_epd.v1 import encoder_pb2, encoder_pb2_grpc, media_pb2
+from encoder_service.service import EncoderEngine, ItemError, load_engine
+from proto.inkling_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
-_MODALITIES = {media_pb2.MODALITY_IMAGE: "image", media_pb2.MODALITY_AUDIO: "audio", media_pb2.MODALITY_VIDEO: "video"}
-_RESCALE = {
-    media_pb2.RESCALE_POLICY_SERVER_DEFAULT: "default",
-    media_pb2.RESCALE_POLICY_NONE: "none",
-    media_pb2.RESCALE_POLICY_LONG_EDGE: "long_edge",
-}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# protobuf -> native
-
-
-def _image_options(params: media_pb2.ImageParams) -> ImageOptions:
-    return ImageOptions(
-        rescale=_RESCALE.get(params.rescale_policy, f"enum value {params.rescale_policy}"),
-        rescale_frac=params.rescale_frac if params.HasField("rescale_frac") else None,
-        rescale_max_long_edge=(params.rescale_max_long_edge if params.HasField("rescale_max_long_edge") else None),
-    )
-
-
-def media_from_proto(index: int, item: media_pb2.MediaItem) -> MediaInput:
-    modality = _MODALITIES.get(item.modality)
-    if modality is None:
-        raise InvalidInputError(f"item {index}: modality is not set or unknown ({item.modality})")
-    if item.WhichOneof("source") != "data":
-        raise InvalidInputError(f"item {index} ({modality}): no media data")
-    params = item.WhichOneof("params")
-    expected = {"image": "image", "audio": "audio", "video": "video"}[modality]
-    if params is not None and params != expected:
-        raise InvalidInputError(f"item {index} ({modality}): {params} parameters do not match the modality")
-    image = _image_options(item.image) if params == "image" else None
-    video = None
-    if params == "video":
-        v = item.video
-        video = VideoOptions(
-            fps=v.fps if v.HasField("fps") else None,
-            max_frames=v.max_frames if v.HasField("max_frames") else None,
-            include_audio=v.include_audio if v.HasField("include_audio") else None,
-            frame=_image_options(v.frame),
-        )
-    return MediaInput(modality=modality, data=item.data, image=image, video=video)
 
 
 # ---------------------------------------------------------------------------------------------------------

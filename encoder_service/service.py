@@ -11,13 +11,11 @@ call), the computation is cancelled too.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,49 +23,27 @@ import torch
 
 from common.cache_store import EmbeddingCache, Entry, LruCache, RedisCache, TieredCache
 from common.checkpoint import AUDIO, VISUAL, CheckpointFiles, load_tower_weights
-from common.config import ModelConfig, load_model_config
+from common.config import load_model_config
+from common.dtypes import torch_dtype
 from common.errors import InklingError, InvalidInputError, ResourceExhaustedError
-from common.hashing import encoder_fingerprint, mm_key, tensor_digest
+from common.fingerprint import encoder_fingerprint_of
+from common.hashing import mm_key
+from common.media import MediaInput
 from common.metrics import EncoderMetrics
 from common.settings import BatcherSettings, EncoderLimits, EncoderSettings
 from common.wire import DTYPE_BF16, EncodedItem, Span
 from encoder_service.batcher import DynamicBatcher
-from encoder_service.preprocess.audio import AudioPolicy, preprocess_audio
-from encoder_service.preprocess.image import ImagePolicy, image_token_count, preprocess_image, probe_image
-from encoder_service.preprocess.video import VideoItems, VideoPolicy, preprocess_video
+from encoder_service.planner import MediaPlanner
+from encoder_service.preprocess.audio import AudioPolicy
+from encoder_service.preprocess.image import ImagePolicy, image_token_count, probe_image
+from encoder_service.preprocess.video import VideoItems, VideoPolicy
 from encoder_service.towers import AudioTower, VisionTower, build_towers
 
 log = logging.getLogger(__name__)
 
-PREPROCESS_VERSION = "encoder-preprocess/v1"  # bump when preprocessing code changes its output
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 # ---------------------------------------------------------------------------------------------------------
 # Requests in native form (the server converts protobuf to these)
-
-
-@dataclass(frozen=True)
-class ImageOptions:
-    rescale: str = "default"  # "default" (server policy), "none", "long_edge"
-    rescale_frac: float | None = None  # long_edge: overrides the server factor
-    rescale_max_long_edge: int | None = None  # long_edge: overrides the server growth cap
-
-
-@dataclass(frozen=True)
-class VideoOptions:
-    fps: float | None = None  # None: the server's policy
-    max_frames: int | None = None
-    include_audio: bool | None = None
-    frame: ImageOptions = field(default_factory=ImageOptions)
-
-
-@dataclass(frozen=True)
-class MediaInput:
-    modality: str  # "image", "audio", "video"
-    data: bytes
-    image: ImageOptions | None = None
-    video: VideoOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -97,26 +73,6 @@ def bf16_bits(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
-def tower_fingerprint(
-    config: ModelConfig, vision: VisionTower | None, audio: AudioTower | None, dtype: torch.dtype
-) -> bytes:
-    """Encoder fingerprint: tower configs, compute dtype and a digest of every tower tensor as loaded."""
-    digests: dict[str, bytes] = {}
-    for prefix, tower in ((VISUAL, vision), (AUDIO, audio)):
-        if tower is None:
-            continue
-        for name, tensor in tower.state_dict().items():
-            raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            digests[prefix + name] = tensor_digest(str(tensor.dtype), tuple(tensor.shape), raw.tobytes())
-    fields: dict[str, Any] = {
-        "vision": dataclasses.asdict(config.vision) if config.vision else None,
-        "audio": dataclasses.asdict(config.audio) if config.audio else None,
-        "compute_dtype": str(dtype),
-        "output_dtype": DTYPE_BF16,
-    }
-    return encoder_fingerprint(fields, digests)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Engine
 
@@ -143,30 +99,12 @@ class EncoderEngine:
         batcher = batcher or BatcherSettings()
         self.vision, self.audio, self.dim, self.fingerprint = vision, audio, dim, fingerprint
         self.model_id = model_id
-        base_image = image_policy or ImagePolicy()
-        self.image_policy = dataclasses.replace(
-            base_image,
-            max_patches=self.limits.max_image_patches,
-            max_pixels=self.limits.max_image_pixels,
-            max_bytes=self.limits.max_item_bytes,
+        self.planner = MediaPlanner(
+            vision is not None, audio is not None, self.limits, image_policy, audio_policy, video_policy
         )
-        base_audio = audio_policy or AudioPolicy()
-        self.audio_policy = dataclasses.replace(
-            base_audio,
-            max_seconds=self.limits.max_audio_seconds,
-            max_bytes=self.limits.max_item_bytes,
-            max_frames=min(
-                base_audio.max_frames,
-                math.ceil(self.limits.max_audio_seconds * base_audio.sample_rate / base_audio.hop_length),
-            ),
-        )
-        base_video = video_policy or VideoPolicy()
-        self.video_policy = dataclasses.replace(
-            base_video,
-            max_frames=min(base_video.max_frames, self.limits.max_video_frames),
-            max_seconds=self.limits.max_audio_seconds,
-            max_bytes=self.limits.max_item_bytes,
-        )
+        self.image_policy = self.planner.image_policy
+        self.audio_policy = self.planner.audio_policy
+        self.video_policy = self.planner.video_policy
         self.cache = cache
         self.metrics = metrics
         self.max_batch_tokens = batcher.max_batch_tokens
@@ -187,14 +125,7 @@ class EncoderEngine:
 
     @property
     def modalities(self) -> tuple[str, ...]:
-        out = []
-        if self.vision is not None:
-            out.append("image")
-        if self.audio is not None:
-            out.append("audio")
-        if self.vision is not None:
-            out.append("video")
-        return tuple(out)
+        return self.planner.modalities
 
     @property
     def inflight_items(self) -> int:
@@ -260,90 +191,13 @@ class EncoderEngine:
 
     # -- per item --------------------------------------------------------------------------------------------
 
-    def _image_policy(self, options: ImageOptions | None, item: str) -> ImagePolicy:
-        base = self.image_policy
-        if options is None or options.rescale == "default":
-            if options is not None and (options.rescale_frac is not None or options.rescale_max_long_edge):
-                raise InvalidInputError(f"{item}: rescale_frac/rescale_max_long_edge need the long_edge policy")
-            return base
-        if options.rescale == "none":
-            return dataclasses.replace(base, rescale_frac=None)
-        if options.rescale != "long_edge":
-            raise InvalidInputError(f"{item}: unknown rescale policy {options.rescale!r}")
-        frac = options.rescale_frac if options.rescale_frac is not None else (base.rescale_frac or 1.0)
-        cap = options.rescale_max_long_edge or base.max_upscaled_long_edge
-        try:
-            return dataclasses.replace(base, rescale_frac=frac, max_upscaled_long_edge=cap)
-        except InvalidInputError as exc:
-            raise InvalidInputError(f"{item}: {exc}") from None
-
-    def _video_policy(self, options: VideoOptions, item: str) -> VideoPolicy:
-        base = self.video_policy
-        if options.max_frames is not None and options.max_frames < 1:
-            raise InvalidInputError(f"{item}: max_frames must be >= 1, got {options.max_frames}")
-        include_audio = options.include_audio
-        if include_audio is None:
-            include_audio = base.include_audio and self.audio is not None
-        if include_audio and self.audio is None:
-            raise InvalidInputError(f"{item}: include_audio needs the audio tower, which this encoder lacks")
-        try:
-            return dataclasses.replace(
-                base,
-                fps=base.fps if options.fps is None else options.fps,
-                include_audio=include_audio,
-                max_frames=min(options.max_frames or base.max_frames, self.limits.max_video_frames),
-            )
-        except InvalidInputError as exc:
-            raise InvalidInputError(f"{item}: {exc}") from None
-
-    def _plan(self, media: MediaInput, item: str) -> tuple[dict, Callable[[], np.ndarray | VideoItems]]:
-        """(preprocessing fingerprint, the CPU preprocessing call) for one item."""
-        if media.modality not in self.modalities:
-            supported = ", ".join(self.modalities) or "none"
-            raise InvalidInputError(f"{item}: modality {media.modality!r} is not served here ({supported})")
-        if media.modality != "image" and media.image is not None:
-            raise InvalidInputError(f"{item}: image parameters given for a {media.modality} item")
-        if media.modality != "video" and media.video is not None:
-            raise InvalidInputError(f"{item}: video parameters given for a {media.modality} item")
-        if not media.data:
-            raise InvalidInputError(f"{item}: empty media data")
-        if len(media.data) > self.limits.max_item_bytes:
-            raise InvalidInputError(
-                f"{item}: {len(media.data)} bytes exceeds the limit of {self.limits.max_item_bytes}"
-            )
-        data = media.data
-        if media.modality == "image":
-            policy = self._image_policy(media.image, item)
-            return (
-                {"version": PREPROCESS_VERSION, "image": policy.fingerprint()},
-                lambda: preprocess_image(data, policy, item).pixels,
-            )
-        if media.modality == "audio":
-            audio_policy = self.audio_policy
-            return (
-                {"version": PREPROCESS_VERSION, "audio": audio_policy.fingerprint()},
-                lambda: preprocess_audio(data, audio_policy, item),
-            )
-        options = media.video or VideoOptions()
-        frame_policy = self._image_policy(options.frame, item)
-        video_policy = self._video_policy(options, item)
-        audio_policy = self.audio_policy
-        fingerprint = {
-            "version": PREPROCESS_VERSION,
-            "video": video_policy.fingerprint(),
-            "frame": frame_policy.fingerprint(),
-            "audio": audio_policy.fingerprint() if video_policy.include_audio else None,
-        }
-        return fingerprint, lambda: preprocess_video(data, video_policy, frame_policy, audio_policy, item)
-
     def preprocess_fingerprint(self, media: MediaInput, item: str = "item") -> dict:
-        """The preprocessing part of `media`'s mm_key: the decode side's encoder client computes keys with
-        this very function, so its Redis lookups hit what encoders store."""
-        return self._plan(media, item)[0]
+        """The preprocessing part of `media`'s mm_key (`MediaPlanner.preprocess_fingerprint`)."""
+        return self.planner.preprocess_fingerprint(media, item)
 
     async def _encode_item(self, index: int, media: MediaInput) -> EncodedItem:
         item = f"item {index} ({media.modality})"
-        fingerprint, preprocess = self._plan(media, item)
+        fingerprint, preprocess = self.planner.plan(media, item)
         key = mm_key(media.modality, media.data, fingerprint, self.fingerprint)
         entry = await self._lookup(key, media, item)
         hit = entry is not None
@@ -404,7 +258,7 @@ class EncoderEngine:
             return None
         if media.modality == "image":
             # A cheap header probe catches a row count that cannot belong to this image (spec serving 2.5).
-            policy = self._image_policy(media.image, item)
+            policy = self.planner.image_policy_for(media.image, item)
             width, height = probe_image(media.data, policy.exif_transpose, item)
             if entry.rows != image_token_count(width, height, policy):
                 log.warning(
@@ -505,7 +359,7 @@ def build_cache(settings: EncoderSettings, metrics: EncoderMetrics | None) -> Em
 def load_engine(settings: EncoderSettings, metrics: EncoderMetrics | None = None) -> EncoderEngine:
     """Read config + tower weights from the checkpoint and build the engine described by `settings`."""
     config = load_model_config(settings.checkpoint)
-    dtype = DTYPES[settings.dtype]
+    dtype = torch_dtype(settings.dtype)
     files = CheckpointFiles(settings.checkpoint)
     vision_state = audio_state = None
     if config.vision is not None:
@@ -513,20 +367,14 @@ def load_engine(settings: EncoderSettings, metrics: EncoderMetrics | None = None
     if config.audio is not None:
         audio_state, _ = load_tower_weights(files, AUDIO, config, dtype, settings.device)
     vision, audio = build_towers(config, vision_state, audio_state, settings.device, dtype)
-    image_policy = ImagePolicy(patch_size=config.vision.patch_size) if config.vision else None
-    audio_policy = None
-    if config.audio is not None:
-        a = config.audio
-        audio_policy = AudioPolicy(
-            n_mels=a.n_mel_bins, num_dmel_bins=a.mel_vocab_size, dmel_min=a.dmel_min_value, dmel_max=a.dmel_max_value
-        )
+    planner = MediaPlanner.for_config(config, settings.limits)
     return EncoderEngine(
         vision=vision,
         audio=audio,
         dim=config.text.hidden_size,
-        fingerprint=tower_fingerprint(config, vision, audio, dtype),
-        image_policy=image_policy,
-        audio_policy=audio_policy,
+        fingerprint=encoder_fingerprint_of(settings.checkpoint, settings.dtype),
+        image_policy=planner.image_policy,
+        audio_policy=planner.audio_policy,
         cache=build_cache(settings, metrics),
         limits=settings.limits,
         batcher=settings.batcher,

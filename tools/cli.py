@@ -94,6 +94,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         request = _generate_request(args)
     except InvalidInputError as exc:
         raise SystemExit(f"generate: {exc}") from exc
+    if args.json and request.WhichOneof("prompt") == "chat":
+        request.return_prompt_token_ids = True  # the JSON shows the prompt as rendered by the server
     return _print_stream(args, request)
 
 
@@ -167,13 +169,17 @@ def _responses(args: argparse.Namespace, request):
         return
     import asyncio
 
+    from common.settings import DecodeEngineSettings, served_model_name
     from decode_service.api import FinalEvent
     from decode_service.local_encoder import LocalEncoder
-    from decode_service.server import delta_message, final_message, generate_input, served_model_name
+    from decode_service.server import delta_message, final_message, generate_input
     from decode_service.service import DecodeService, build_engine
 
     async def run() -> list:
-        engine = build_engine(args.checkpoint, args.device, args.dtype, 256 << 20, 4, 2048)
+        engine = build_engine(
+            args.checkpoint,
+            DecodeEngineSettings(device=args.device, dtype=args.dtype, kv_cache_bytes=256 << 20, max_num_seqs=4),
+        )
         encoder = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
         service = DecodeService(engine, encoder, model_id=served_model_name(args.checkpoint))
         await service.start(warm_up=False)
@@ -261,10 +267,107 @@ def _serve_common(p: argparse.ArgumentParser, port: int, max_streams_per_client:
     add_security_args(p, max_streams_per_client)
 
 
+def _add_decode_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `DecodeSettings` beyond the common serve flags; defaults come from the dataclasses."""
+    from common.settings import (
+        DTYPE_NAMES,
+        MIB,
+        DecodeEngineSettings,
+        RedisPrefixSettings,
+        ServiceLimits,
+        add_message_size_args,
+    )
+
+    e, lim, rp = DecodeEngineSettings(), ServiceLimits(), RedisPrefixSettings()
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    parser.add_argument("--encoders", default="", help="comma-separated host:port list or dns:///name:port")
+    parser.add_argument(
+        "--local-encode", action="store_true", help="load the towers and encode in-process when no encoder answers"
+    )
+    parser.add_argument("--replica-id", default="", help="name published to the router's prefix directory")
+    parser.add_argument(
+        "--model-name", default=None, help="model id clients and metrics see (default: the checkpoint directory's name)"
+    )
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--device", default=e.device, help="torch device of the decoder")
+    engine.add_argument("--dtype", default=e.dtype, choices=DTYPE_NAMES, help="weights and KV dtype")
+    engine.add_argument("--kv-budget-mb", type=float, default=e.kv_cache_bytes / MIB, help="KV cache budget")
+    engine.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="sequences per step")
+    engine.add_argument(
+        "--max-batch-tokens", type=int, default=e.max_num_batched_tokens, help="tokens per step (chunked prefill)"
+    )
+    engine.add_argument("--page-size", type=int, default=e.page_size, help="tokens per KV page")
+    engine.add_argument(
+        "--max-model-len", type=int, default=e.max_model_len, help="context limit (default: the model's)"
+    )
+    engine.add_argument(
+        "--no-prefix-cache", dest="prefix_cache", action="store_false", help="disable the GPU prefix cache"
+    )
+    engine.add_argument(
+        "--snapshot-interval-blocks",
+        type=int,
+        default=e.snapshot_interval_blocks,
+        help="conv-state snapshots for the prefix cache every N blocks",
+    )
+    engine.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run decode steps eagerly on CUDA (same kernels; for debugging)",
+    )
+    engine.add_argument("--seed", type=int, default=e.seed, help="seeds requests that bring no seed")
+    limits = parser.add_argument_group("request limits")
+    limits.add_argument(
+        "--max-prompt-tokens", type=int, default=lim.max_prompt_tokens, help="longer prompts: INVALID_ARGUMENT"
+    )
+    limits.add_argument(
+        "--max-completion-tokens", type=int, default=lim.max_completion_tokens, help="cap on sampling.max_tokens"
+    )
+    limits.add_argument(
+        "--default-max-tokens", type=int, default=lim.default_max_tokens, help="max_tokens when a request sets none"
+    )
+    limits.add_argument("--max-media-items", type=int, default=lim.max_media_items, help="media items per request")
+    limits.add_argument("--max-logprobs", type=int, default=lim.max_logprobs, help="largest sampling.logprobs")
+    limits.add_argument("--max-stop-strings", type=int, default=lim.max_stop_strings, help="stop strings per request")
+    limits.add_argument(
+        "--max-stop-string-chars", type=int, default=lim.max_stop_string_chars, help="characters per stop string"
+    )
+    limits.add_argument(
+        "--max-live-requests",
+        type=int,
+        default=lim.max_live_requests,
+        help="requests encoding, queued or running; more get RESOURCE_EXHAUSTED",
+    )
+    add_message_size_args(parser)
+    tier = parser.add_argument_group("shared KV prefix tier (Redis)")
+    tier.add_argument(
+        "--redis-prefix",
+        action="store_true",
+        help="share KV prefixes through Redis (needs a Redis URL; used where its measured cost model beats recompute)",
+    )
+    tier.add_argument("--redis-prefix-key-prefix", default=rp.key_prefix, help="key prefix of the tier")
+    tier.add_argument("--redis-prefix-ttl-s", type=int, default=rp.ttl_s, help="expiry of stored prefixes")
+    tier.add_argument(
+        "--redis-prefix-max-value-mb", type=float, default=rp.max_value_bytes / MIB, help="larger values are skipped"
+    )
+    tier.add_argument("--redis-prefix-write-queue", type=int, default=rp.write_queue, help="queued writes at most")
+    tier.add_argument(
+        "--redis-prefix-max-pending-mb", type=float, default=rp.max_pending_bytes / MIB, help="queued bytes at most"
+    )
+    tier.add_argument(
+        "--redis-prefix-retry-after-s", type=float, default=rp.retry_after_s, help="skip Redis this long after an error"
+    )
+    tier.add_argument(
+        "--redis-prefix-probe-mb", type=float, default=rp.probe_bytes / MIB, help="value size of the start-up probe"
+    )
+
+
 def _add_servers(sub: argparse._SubParsersAction) -> None:
     from common.settings import add_encoder_args
 
-    enc = sub.add_parser("encoder", help="serve the Encoder gRPC service")
+    enc = sub.add_parser(
+        "encoder", help="serve the Encoder gRPC service", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     _serve_common(enc, 50061)
     enc.add_argument("--checkpoint", required=True)
     enc.add_argument("--device", default="cpu")
@@ -274,47 +377,13 @@ def _add_servers(sub: argparse._SubParsersAction) -> None:
     add_encoder_args(enc)
     enc.set_defaults(func=_lazy("encoder_service.server", "serve"))
 
-    dec = sub.add_parser("decode", help="serve the Generator gRPC service on one decode replica")
+    dec = sub.add_parser(
+        "decode",
+        help="serve the Generator gRPC service on one decode replica",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     _serve_common(dec, 50051)
-    dec.add_argument("--checkpoint", required=True)
-    dec.add_argument("--encoders", default="", help="comma-separated host:port list or dns:///name:port")
-    dec.add_argument("--local-encode", action="store_true", help="encode in-process when no encoder is reachable")
-    dec.add_argument("--device", default="cpu")
-    dec.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    dec.add_argument("--max-num-seqs", type=int, default=64)
-    dec.add_argument("--max-batch-tokens", type=int, default=2048)
-    dec.add_argument("--kv-budget-mb", type=float, default=512.0)
-    dec.add_argument(
-        "--no-cuda-graphs",
-        dest="cuda_graphs",
-        action="store_false",
-        help="run decode steps eagerly on CUDA (same kernels; for debugging)",
-    )
-    dec.add_argument("--replica-id", default="", help="name published to the router's prefix directory")
-    dec.add_argument(
-        "--model-name", default=None, help="model id clients and metrics see (default: the checkpoint directory's name)"
-    )
-    dec.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=None,
-        help="longer prompts: INVALID_ARGUMENT (default: the context limit)",
-    )
-    dec.add_argument(
-        "--max-completion-tokens", type=int, default=None, help="cap on max_tokens (default: the context limit)"
-    )
-    dec.add_argument("--max-media-items", type=int, default=32, help="media items per request")
-    dec.add_argument(
-        "--max-live-requests",
-        type=int,
-        default=1024,
-        help="requests encoding, queued or running; more get RESOURCE_EXHAUSTED",
-    )
-    dec.add_argument(
-        "--redis-prefix",
-        action="store_true",
-        help="share KV prefixes through Redis (needs a Redis URL; used where its measured cost model beats recompute)",
-    )
+    _add_decode_args(dec)
     dec.set_defaults(func=_lazy("decode_service.server", "serve"))
 
     router = sub.add_parser("router", help="serve the Generator gRPC service in front of decode replicas")

@@ -11,8 +11,6 @@ requests of that step with an error and leaves the engine usable.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ import torch
 
 from common.config import ModelConfig
 from common.errors import InvalidInputError, ResourceExhaustedError
+from common.fingerprint import config_fingerprint
 from decode_service.engine.decode_graphs import DecodeGraphs
 from decode_service.engine.kv_cache import CacheSpec, KVCache
 from decode_service.engine.prefix_cache import PrefixCache
@@ -47,7 +46,7 @@ class EngineSettings:
     cache_dtype: torch.dtype | None = None  # default: the model's dtype
     device: str = "cpu"
     seed: int = 0  # seeds the generators of requests without their own seed
-    model_fingerprint: bytes | None = None  # default: a hash of the model config and cache dtype
+    model_fingerprint: bytes | None = None  # build_engine: common.fingerprint.model_fingerprint; else config + dtype
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (fast path on CUDA); False: the same path eagerly
 
 
@@ -91,12 +90,7 @@ class Engine:
         self.cache = KVCache(text, spec)
         self.prefix_cache: PrefixCache | None = None
         if settings.enable_prefix_cache:
-            fingerprint = (
-                settings.model_fingerprint
-                or hashlib.sha256(
-                    json.dumps(config.fingerprint_fields(), sort_keys=True).encode() + str(dtype).encode()
-                ).digest()
-            )
+            fingerprint = settings.model_fingerprint or config_fingerprint(config.fingerprint_fields(), str(dtype))
             self.prefix_cache = PrefixCache(self.cache, fingerprint, settings.snapshot_interval_blocks)
         self.redis_prefix: RedisPrefixTier | None = None
         if prefix_store is not None and self.prefix_cache is not None:

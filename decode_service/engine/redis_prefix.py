@@ -47,7 +47,7 @@ import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.cache_store import connect_redis
-from common.settings import RedisSettings
+from common.settings import RedisPrefixSettings, RedisSettings
 from common.wire import checksum
 from common.write_behind import WriteBehind
 from decode_service.engine.kv_cache import NUM_CONVS, CacheHandle, ConvSnapshot, KVCache
@@ -77,17 +77,6 @@ _STRLEN_MANY = "local n = {} for i, key in ipairs(KEYS) do n[i] = redis.call('ST
 
 # ----------------------------------------------------------------------------------------------------------
 # Redis I/O
-
-
-@dataclass(frozen=True)
-class RedisPrefixSettings:
-    key_prefix: str = "ink:kvp:v1:"
-    ttl_s: int | None = 3600
-    max_value_bytes: int = 64 << 20  # larger values are not stored (they stall a single-threaded server)
-    write_queue: int = 256  # queued values; beyond this (or `max_pending_bytes`) new values are dropped
-    max_pending_bytes: int = 256 << 20
-    retry_after_s: float = 1.0  # after an error, Redis is skipped this long (a miss, not a stall)
-    probe_bytes: int = 4 << 20  # value size used to measure Redis throughput at start-up
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -35,7 +36,10 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 = greedy; top_k 0 = off; logprobs = number of top alternatives."""
+    """Per-request sampling, the one type from the API edge to the sampler. temperature 0 = greedy; top_k 0 =
+    off; logprobs = number of top alternatives; max_tokens None = the server's bounded default (the decode
+    service resolves it before the engine sees the request); min_tokens: no EOS / stop-token / stop-string
+    stop before that many output tokens; stop strings are matched by the output parser, not the engine."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -45,16 +49,24 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # over prompt + output (>1 discourages repeats)
     presence_penalty: float = 0.0  # over output tokens
     frequency_penalty: float = 0.0  # over output tokens
-    max_tokens: int = 16
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+
+    _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int) -> None:
+        """Reject non-finite and out-of-range values with an error naming the field."""
+        for name in self._FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidInputError(f"sampling.{name}={getattr(self, name)!r} must be finite")
         checks = (
             ("temperature", self.temperature >= 0.0),
             ("top_k", self.top_k >= 0),
@@ -63,13 +75,19 @@ class SamplingParams:
             ("repetition_penalty", self.repetition_penalty > 0.0),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0),
-            ("max_tokens", self.max_tokens >= 1),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1),
+            ("min_tokens", self.min_tokens >= 0),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= vocab_size),
             ("stop_token_ids", all(0 <= t < vocab_size for t in self.stop_token_ids)),
         )
         for name, ok in checks:
             if not ok:
                 raise InvalidInputError(f"sampling.{name}={getattr(self, name)!r} is out of range")
+        for i, stop in enumerate(self.stop):
+            if not isinstance(stop, str) or not stop:
+                raise InvalidInputError(f"sampling.stop[{i}]={stop!r} must be a non-empty string")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidInputError(f"sampling.min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
 
 
 @dataclass(frozen=True)

@@ -113,13 +113,14 @@ def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
 
 
 def check_stop(request: Request, eos_token_ids: Sequence[int], max_model_len: int) -> FinishReason | None:
-    """After a token was appended: EOS (unless ignore_eos) or a stop token id -> STOP; max_tokens or the
-    context limit -> LENGTH."""
-    p, token = request.sampling, request.output_token_ids[-1]
+    """After a token was appended: EOS (unless ignore_eos) or a stop token id -> STOP once min_tokens were
+    generated, or a finished structured-output constraint; max_tokens (None: no per-request cap) or the context
+    limit -> LENGTH."""
+    p, token, n = request.sampling, request.output_token_ids[-1], len(request.output_token_ids)
     if request.constraint is not None and request.constraint.is_terminated:
         return FinishReason.STOP
-    if (not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids:
+    if n >= p.min_tokens and ((not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids):
         return FinishReason.STOP
-    if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= max_model_len:
+    if (p.max_tokens is not None and n >= p.max_tokens) or request.num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None

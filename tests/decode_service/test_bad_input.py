@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from common.settings import EncoderLimits, EncoderSettings, GrpcSettings
+from common.settings import DecodeEngineSettings, EncoderLimits, EncoderSettings, GrpcSettings
 from decode_service.api import ServiceLimits
 from decode_service.chat import AUDIO_PLACEHOLDER, CONTENT_TEXT, END_MESSAGE, IMAGE_PLACEHOLDER, MESSAGE_USER
 from decode_service.encoder_client import EncoderClient
@@ -59,11 +59,13 @@ async def stub(checkpoint):
     )
     engine = build_engine(
         checkpoint,
-        dtype="float32",
-        kv_cache_bytes=8 << 20,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        enable_prefix_cache=False,
+        DecodeEngineSettings(
+            dtype="float32",
+            kv_cache_bytes=8 << 20,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            enable_prefix_cache=False,
+        ),
     )
     service = DecodeService(
         engine, client, ServiceLimits(max_prompt_tokens=MAX_PROMPT_TOKENS, max_media_items=MAX_MEDIA_ITEMS)
@@ -167,11 +169,13 @@ async def test_prompt_over_the_context_limit(checkpoint):
     """Without a prompt limit, the engine's context (here the KV capacity) bounds the prompt."""
     engine = build_engine(
         checkpoint,
-        dtype="float32",
-        kv_cache_bytes=1 << 20,
-        max_num_seqs=2,
-        max_num_batched_tokens=256,
-        enable_prefix_cache=False,
+        DecodeEngineSettings(
+            dtype="float32",
+            kv_cache_bytes=1 << 20,
+            max_num_seqs=2,
+            max_num_batched_tokens=256,
+            enable_prefix_cache=False,
+        ),
     )
     decode = build_server(DecodeService(engine), GrpcSettings(port=0))
     await decode.start()

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from common.errors import InvalidInputError
-from common.settings import GrpcSettings
+from common.settings import DecodeEngineSettings, GrpcSettings
+from decode_service.chat import IMAGE_PLACEHOLDER
 from decode_service.client import OutputPrinter, load_messages
 from decode_service.local_encoder import LocalEncoder
 from decode_service.server import build_server
@@ -39,11 +40,13 @@ async def server(checkpoint):
     encoder = LocalEncoder.load(checkpoint, dtype="float32")
     engine = build_engine(
         checkpoint,
-        dtype="float32",
-        kv_cache_bytes=8 << 20,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        enable_prefix_cache=False,
+        DecodeEngineSettings(
+            dtype="float32",
+            kv_cache_bytes=8 << 20,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            enable_prefix_cache=False,
+        ),
     )
     decode = build_server(DecodeService(engine, encoder), GrpcSettings(port=0))
     await decode.start()
@@ -98,7 +101,9 @@ async def test_messages_file_through_the_server(server, messages_file, capsys):
     assert code == 0
     result = json.loads(out)
     assert len(result["token_ids"]) == 4 and result["finish_reason"] == "length"
-    assert result["prompt_token_ids"] is None
+    # The chat as the server rendered it, media placeholders expanded (issue 20 item 12).
+    assert len(result["prompt_token_ids"]) == result["usage"]["prompt_tokens"]
+    assert result["prompt_token_ids"].count(IMAGE_PLACEHOLDER) == result["usage"]["image_tokens"]
     assert result["usage"]["image_tokens"] == 104 and result["usage"]["completion_tokens"] == 4
     assert set(result["timings"]) >= {"ttft_s", "decode_s"}
 

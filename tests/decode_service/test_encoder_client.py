@@ -13,16 +13,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.cache_store import Entry, LruCache
 from common.errors import InvalidInputError, UnavailableError
 from common.hashing import mm_key
+from common.media import MediaInput
+from common.targets import parse_targets, rendezvous_order
 from common.wire import EncodedItem, Span, item_messages
-from decode_service.encoder_client import (
-    ClientSettings,
-    EncoderClient,
-    media_to_proto,
-    parse_targets,
-    rendezvous_order,
-)
-from encoder_service.server import media_from_proto
-from encoder_service.service import ImageOptions, MediaInput, VideoOptions
+from decode_service.encoder_client import ClientSettings, EncoderClient
 from proto.inkling_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 pytestmark = pytest.mark.anyio
@@ -149,12 +143,20 @@ async def test_items_come_back_in_order_spread_over_replicas(pool):
         await client.close()
 
 
-async def test_rendezvous_order_is_a_stable_permutation():
-    addresses = [f"10.0.0.{i}:1" for i in range(5)]
-    order = rendezvous_order(b"k" * 32, addresses)
-    assert sorted(order) == sorted(addresses) and order == rendezvous_order(b"k" * 32, list(reversed(addresses)))
-    # Removing a replica keeps the relative order of the others (only its keys move).
-    assert rendezvous_order(b"k" * 32, [a for a in addresses if a != order[0]]) == order[1:]
+async def test_dns_target_resolves_to_the_replicas(pool):
+    addresses, fakes, _ = pool
+    port = addresses[0].rsplit(":", 1)[1]
+    assert parse_targets(f"dns:///localhost:{port}, {addresses[1]}", "--encoders") == (
+        f"dns:///localhost:{port}",
+        addresses[1],
+    )
+    client = await started([f"dns:///127.0.0.1:{port}"])
+    try:
+        assert [r.address for r in client.healthy()] == [addresses[0]]
+        await client.encode(images(b"via-dns"), "r7", timeout_s=10)
+        assert fakes[addresses[0]].calls == 1
+    finally:
+        await client.close()
 
 
 async def test_cache_hit_skips_the_encoders(pool):
@@ -276,32 +278,5 @@ async def test_local_fallback_when_no_encoder_is_reachable():
     try:
         out = await client.encode(images(b"z"), "r6", timeout_s=5)
         assert local.calls == 1 and observer.fallbacks == 1 and out[0].rows == 1
-    finally:
-        await client.close()
-
-
-def test_media_to_proto_round_trips_through_the_encoder_edge_parser():
-    items = [
-        MediaInput("image", b"a", ImageOptions("long_edge", 1.5, 1024)),
-        MediaInput("audio", b"b"),
-        MediaInput(
-            "video", b"c", video=VideoOptions(fps=2.0, max_frames=3, include_audio=False, frame=ImageOptions("none"))
-        ),
-    ]
-    for i, item in enumerate(items):
-        assert media_from_proto(i, media_to_proto(item)) == item
-
-
-async def test_dns_target_resolves_to_the_replicas(pool):
-    addresses, fakes, _ = pool
-    port = addresses[0].rsplit(":", 1)[1]
-    assert parse_targets(f"dns:///localhost:{port}, {addresses[1]}") == [f"dns:///localhost:{port}", addresses[1]]
-    with pytest.raises(InvalidInputError, match="--encoders"):
-        parse_targets("no-port")
-    client = await started([f"dns:///127.0.0.1:{port}"])
-    try:
-        assert [r.address for r in client.healthy()] == [addresses[0]]
-        await client.encode(images(b"via-dns"), "r7", timeout_s=10)
-        assert fakes[addresses[0]].calls == 1
     finally:
         await client.close()

@@ -14,21 +14,16 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.errors import ConfigError
-from common.grpc_util import ServerHealth, bind, create_server
+from common.grpc_util import UNAVAILABLE_DEPENDENCY_KEY, ServerHealth, bind, create_server
+from common.prefix_routing import PREFIX_DIRECTORY_PREFIX, ROUTING_BLOCK_TOKENS
 from common.settings import GrpcSettings, RedisSettings
 from decode_service.router import (
     GENERATOR_SERVICE,
-    PREFIX_DIRECTORY_PREFIX,
-    ROUTING_BLOCK_TOKENS,
-    UNAVAILABLE_DEPENDENCY_KEY,
     PrefixDirectory,
     Router,
     RouterConfig,
-    parse_targets,
     prefix_directory_key,
     request_prefix_hashes,
-    resolve_targets,
 )
 from deploy.launch import free_port
 from proto.inkling_epd.v1 import generator_pb2 as pb
@@ -290,23 +285,6 @@ def test_health_follows_the_replicas_and_watch_streams_changes():
     asyncio.run(scenario())
 
 
-def test_prefix_hashes_follow_shared_prefixes():
-    def chat(*texts: str, salt: str = "") -> pb.GenerateRequest:
-        messages = [pb.Message(role=pb.ROLE_USER, content=[pb.ContentPart(text=t)]) for t in texts]
-        return pb.GenerateRequest(chat=pb.ChatPrompt(messages=messages), cache_salt=salt)
-
-    short, longer = request_prefix_hashes(chat("sys", "q1")), request_prefix_hashes(chat("sys", "q1", "q2"))
-    assert len(short) == 2 and longer[:2] == short and len(longer) == 3
-    assert not set(request_prefix_hashes(chat("sys", "q1", salt="tenant"))) & set(short)
-
-    ids = list(range(2 * ROUTING_BLOCK_TOKENS + 5))
-    base = request_prefix_hashes(pb.GenerateRequest(tokens=pb.TokenPrompt(token_ids=ids)))
-    ids[ROUTING_BLOCK_TOKENS + 1] += 1
-    changed = request_prefix_hashes(pb.GenerateRequest(tokens=pb.TokenPrompt(token_ids=ids)))
-    assert len(base) == 2 and base[0] == changed[0] and base[1] != changed[1]
-    assert prefix_directory_key(base[0], "ns").startswith(PREFIX_DIRECTORY_PREFIX + "ns:")
-
-
 @pytest.fixture
 def namespace():
     client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5)
@@ -364,15 +342,6 @@ def test_router_imports_no_model_or_media_libraries():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
     assert out.stdout.strip() == "[]"
-
-
-def test_targets_are_validated_and_dns_names_resolved():
-    assert parse_targets("a:1, dns:///decode:50051") == ("a:1", "dns:///decode:50051")
-    for bad in ("", "nohost", "dns:///x", "h:0", "h:port"):
-        with pytest.raises(ConfigError):
-            parse_targets(bad)
-    resolved = asyncio.run(resolve_targets(["10.0.0.1:5", "dns:///localhost:7", "dns:///no-such-host.invalid:1"]))
-    assert resolved[0] == "10.0.0.1:5" and "127.0.0.1:7" in resolved and len(resolved) <= 3
 
 
 def test_stop_drains_running_streams():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import grpc
@@ -10,15 +12,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.errors import UnavailableError
+from common.fingerprint import encoder_fingerprint_of
+from common.grpc_util import UNAVAILABLE_DEPENDENCY_KEY
 from common.metrics import DecodeMetrics, new_registry
-from common.settings import EncoderSettings, GrpcSettings
+from common.settings import DecodeEngineSettings, EncoderSettings, GrpcSettings
 from decode_service.api import DeltaEvent
 from decode_service.encoder_client import EncoderClient, EncoderPoolUnavailableError
-from decode_service.local_encoder import LocalEncoder
 from decode_service.output_parser import ParsedToolCall
-from decode_service.router import UNAVAILABLE_DEPENDENCY_KEY
 from decode_service.server import GeneratorServicer, build_server, delta_message
 from decode_service.service import DecodeService, build_engine
+from encoder_service.planner import MediaPlanner
 from encoder_service.server import build_server as build_encoder_server
 from encoder_service.service import load_engine
 from proto.inkling_epd.v1 import generator_pb2 as pb
@@ -45,11 +48,13 @@ def checkpoint(tmp_path_factory):
 def engine(checkpoint):
     return build_engine(
         checkpoint,
-        dtype="float32",
-        kv_cache_bytes=8 << 20,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        enable_prefix_cache=False,
+        DecodeEngineSettings(
+            dtype="float32",
+            kv_cache_bytes=8 << 20,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            enable_prefix_cache=False,
+        ),
     )
 
 
@@ -60,10 +65,13 @@ async def cluster(checkpoint, engine):
         load_engine(EncoderSettings(checkpoint=str(checkpoint), dtype="float32")), GrpcSettings(port=0)
     )
     await encoder.start()
-    keys = LocalEncoder.load(checkpoint, dtype="float32")
+    planner = MediaPlanner.for_checkpoint(checkpoint)  # mm_keys without the towers, as `inkling-epd decode` does
     metrics = DecodeMetrics(new_registry(), MODEL)
     client = EncoderClient(
-        [f"127.0.0.1:{encoder.port}"], keys.preprocess_fingerprint, local_fingerprint=keys.fingerprint, observer=metrics
+        [f"127.0.0.1:{encoder.port}"],
+        planner.preprocess_fingerprint,
+        local_fingerprint=encoder_fingerprint_of(checkpoint, "float32"),
+        observer=metrics,
     )
     service = DecodeService(engine, client)
     decode = build_server(service, GrpcSettings(port=0), client, metrics)
@@ -90,7 +98,6 @@ async def cluster(checkpoint, engine):
         await channel.close()
         await decode.stop(0.5)
         await encoder.stop(0.5)
-        await keys.close()
 
 
 def chat_request(rid: str, media: list[media_pb2.MediaItem], max_tokens: int = 5) -> pb.GenerateRequest:
@@ -312,3 +319,12 @@ def test_an_encoder_pool_outage_is_flagged_for_the_router(exc, trailing):
     with pytest.raises(grpc.aio.AbortError):
         asyncio.run(GeneratorServicer(None)._abort(context, "r1", exc))
     assert context.aborted == (grpc.StatusCode.UNAVAILABLE, str(exc), trailing)
+
+
+def test_decode_server_imports_neither_the_encoder_server_nor_the_router():
+    code = (
+        "import sys, decode_service.server; "
+        "print(sorted(m for m in ('encoder_service.server', 'decode_service.router') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

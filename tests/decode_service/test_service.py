@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import pytest
 
 from common.errors import InvalidInputError
-from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingInput
+from common.fingerprint import model_fingerprint
+from common.media import ImageOptions, MediaInput
+from common.settings import DecodeEngineSettings
+from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingParams, ServiceLimits
 from decode_service.chat import CONTENT_TEXT, END_MESSAGE, MESSAGE_USER, ChatMessage, MediaPart, TextPart, encode_text
 from decode_service.local_encoder import LocalEncoder
 from decode_service.service import DecodeService, build_engine
-from encoder_service.service import ImageOptions, MediaInput
 from tools.make_sample_media import sample_media
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 PROMPT = (MESSAGE_USER, CONTENT_TEXT, *encode_text("Hello there"), END_MESSAGE)
-GREEDY = SamplingInput(temperature=0.0, max_tokens=6, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 pytestmark = pytest.mark.anyio
 
@@ -44,11 +47,13 @@ async def local_encoder(checkpoint):
 def engine(checkpoint):
     return build_engine(
         checkpoint,
-        dtype="float32",
-        kv_cache_bytes=8 << 20,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        enable_prefix_cache=False,
+        DecodeEngineSettings(
+            dtype="float32",
+            kv_cache_bytes=8 << 20,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            enable_prefix_cache=False,
+        ),
     )
 
 
@@ -101,7 +106,7 @@ async def test_text_request_streams_deltas_and_ends_with_usage(service):
 async def test_logprobs_and_stop_token_ids(service):
     first, _ = await collect(service, GenerateInput("lp-0", prompt_token_ids=PROMPT, sampling=GREEDY))
     tokens = [t for d in first for t in d.token_ids]
-    sampling = SamplingInput(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, stop_token_ids=(tokens[2],))
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, stop_token_ids=(tokens[2],))
     deltas, final = await collect(service, GenerateInput("lp-1", prompt_token_ids=PROMPT, sampling=sampling))
     got = [t for d in deltas for t in d.token_ids]
     assert got == tokens[: tokens.index(tokens[2]) + 1]
@@ -109,6 +114,39 @@ async def test_logprobs_and_stop_token_ids(service):
     logprobs = [lp for d in deltas for lp in d.logprobs]
     assert [lp.token_id for lp in logprobs] == got
     assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in logprobs)
+
+
+async def test_min_tokens_holds_off_stop_token_ids_and_stop_strings(service):
+    first, _ = await collect(service, GenerateInput("mt-0", prompt_token_ids=PROMPT, sampling=GREEDY))
+    tokens = [t for d in first for t in d.token_ids]
+    text = "".join(d.text for d in first)
+    early = tokens.index(tokens[0]) + 1  # the stop token would end the output after its first occurrence
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop_token_ids=(tokens[0],))
+    stopped, _ = await collect(service, GenerateInput("mt-1", prompt_token_ids=PROMPT, sampling=sampling))
+    assert len([t for d in stopped for t in d.token_ids]) == early
+    held = dataclasses.replace(sampling, min_tokens=early + 1)
+    deltas, final = await collect(service, GenerateInput("mt-2", prompt_token_ids=PROMPT, sampling=held))
+    later = [i + 1 for i in range(held.min_tokens - 1, len(tokens)) if tokens[i] == tokens[0]]
+    assert [t for d in deltas for t in d.token_ids] == tokens[: later[0] if later else len(tokens)]
+    # A stop string that matches from the first token on ends nothing before min_tokens.
+    strings = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=(text[:1],), min_tokens=6)
+    deltas, final = await collect(service, GenerateInput("mt-3", prompt_token_ids=PROMPT, sampling=strings))
+    assert [t for d in deltas for t in d.token_ids] == tokens
+    short, _ = await collect(
+        service, GenerateInput("mt-4", prompt_token_ids=PROMPT, sampling=dataclasses.replace(strings, min_tokens=0))
+    )
+    assert len([t for d in short for t in d.token_ids]) < len(tokens)
+
+
+async def test_unset_max_tokens_is_the_bounded_default(engine):
+    svc = DecodeService(engine, limits=ServiceLimits(default_max_tokens=3))
+    await svc.start(warm_up=False)
+    try:
+        sampling = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+        _, final = await collect(svc, GenerateInput("dm-1", prompt_token_ids=PROMPT, sampling=sampling))
+        assert final.finish_reason == "length" and final.usage.completion_tokens == 3
+    finally:
+        await svc.close()
 
 
 async def test_stop_string_cuts_the_text(service):
@@ -121,7 +159,7 @@ async def test_stop_string_cuts_the_text(service):
         GenerateInput(
             "s-1",
             prompt_token_ids=PROMPT,
-            sampling=SamplingInput(temperature=0.0, max_tokens=6, ignore_eos=True, stop=(stop,)),
+            sampling=SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=(stop,)),
         ),
     )
     assert "".join(d.text for d in deltas) == text[: text.index(stop)]
@@ -130,7 +168,7 @@ async def test_stop_string_cuts_the_text(service):
 
 
 async def test_abort_by_id_ends_with_abort(service):
-    sampling = SamplingInput(temperature=0.0, max_tokens=500, ignore_eos=True)
+    sampling = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
     gen = service.generate(GenerateInput("ab-1", prompt_token_ids=PROMPT, sampling=sampling))
     first = await anext(gen)
     assert isinstance(first, DeltaEvent)
@@ -145,7 +183,7 @@ async def test_cancellation_frees_pages_and_conv_slots(service):
     cache = service.engine.cache
     free_pages = {k: pool.num_free for k, pool in cache.pools.items()}
     free_slots = cache.num_free_slots
-    sampling = SamplingInput(temperature=0.0, max_tokens=500, ignore_eos=True)
+    sampling = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
     gen = service.generate(GenerateInput("cx-1", prompt_token_ids=PROMPT, sampling=sampling))
     await anext(gen)
     await wait_for(lambda: service.load().running == 1)
@@ -160,11 +198,15 @@ async def test_cancellation_frees_pages_and_conv_slots(service):
 @pytest.mark.parametrize(
     ("sampling", "field"),
     [
-        (SamplingInput(top_p=0.0), "sampling.top_p"),
-        (SamplingInput(temperature=float("nan")), "sampling.temperature"),
-        (SamplingInput(logprobs=1000), "sampling.logprobs"),
-        (SamplingInput(max_tokens=0), "sampling.max_tokens"),
-        (SamplingInput(stop=("",)), "sampling.stop[0]"),
+        (SamplingParams(top_p=0.0), "sampling.top_p"),
+        (SamplingParams(temperature=float("nan")), "sampling.temperature"),
+        (SamplingParams(temperature=float("inf")), "sampling.temperature=inf must be finite"),
+        (SamplingParams(repetition_penalty=float("inf")), "sampling.repetition_penalty=inf must be finite"),
+        (SamplingParams(min_tokens=-1), "sampling.min_tokens"),
+        (SamplingParams(min_tokens=7, max_tokens=6), "sampling.min_tokens=7 exceeds max_tokens=6"),
+        (SamplingParams(logprobs=1000), "sampling.logprobs"),
+        (SamplingParams(max_tokens=0), "sampling.max_tokens"),
+        (SamplingParams(stop=("",)), "sampling.stop[0]"),
     ],
 )
 async def test_bad_sampling_names_the_field(service, sampling, field):
@@ -242,12 +284,11 @@ async def test_an_engine_step_that_raises_fails_the_request_and_the_service_carr
 
 async def test_too_many_live_requests_is_resource_exhausted(engine):
     from common.errors import ResourceExhaustedError
-    from decode_service.api import ServiceLimits
 
     svc = DecodeService(engine, limits=ServiceLimits(max_live_requests=1))
     await svc.start(warm_up=False)
     try:
-        sampling = SamplingInput(temperature=0.0, max_tokens=500, ignore_eos=True)
+        sampling = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
         async with contextlib.aclosing(
             svc.generate(GenerateInput("busy-1", prompt_token_ids=PROMPT, sampling=sampling))
         ) as first:
@@ -262,11 +303,13 @@ async def test_too_many_live_requests_is_resource_exhausted(engine):
 async def test_a_repeated_prompt_reports_prefix_cache_tokens(checkpoint):
     engine = build_engine(
         checkpoint,
-        dtype="float32",
-        kv_cache_bytes=8 << 20,
-        max_num_seqs=2,
-        max_num_batched_tokens=256,
-        enable_prefix_cache=True,
+        DecodeEngineSettings(
+            dtype="float32",
+            kv_cache_bytes=8 << 20,
+            max_num_seqs=2,
+            max_num_batched_tokens=256,
+            enable_prefix_cache=True,
+        ),
     )
     svc = DecodeService(engine)
     await svc.start(warm_up=False)
@@ -283,5 +326,8 @@ async def test_a_repeated_prompt_reports_prefix_cache_tokens(checkpoint):
         assert final2.usage.cached_tokens == final2.usage.cached_tokens_gpu
         assert [t for d in second for t in d.token_ids] == [t for d in first for t in d.token_ids]
         assert svc.load().prefix_cache_hit_rate > 0
+        # The prefix keys carry the weights fingerprint of the checkpoint, and GetModelInfo reports it.
+        assert engine.prefix_cache.fingerprint == model_fingerprint(checkpoint, "float32")
+        assert svc.model_info().model_fingerprint == model_fingerprint(checkpoint, "float32")
     finally:
         await svc.close()

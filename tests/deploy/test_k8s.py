@@ -540,8 +540,7 @@ def test_every_container_requests_resources(overlay):
 
 def check_server_settings(name: str, args: argparse.Namespace) -> None:
     """Build the settings each server builds from its flags at start-up (value checks beyond argparse)."""
-    from common.settings import GrpcSettings, encoder_settings, redis_settings, security_settings
-    from decode_service.encoder_client import parse_targets
+    from common.settings import decode_settings, encoder_settings
     from decode_service.router import router_config
 
     if name == "encoder":
@@ -549,9 +548,8 @@ def check_server_settings(name: str, args: argparse.Namespace) -> None:
     elif name == "router":
         assert router_config(args).redis is not None
     elif name == "decode":
-        GrpcSettings(host=args.host, port=args.port, grace_s=args.grace_seconds, security=security_settings(args))
-        assert parse_targets(args.encoders) == ["dns:///encoder:50061"]
-        assert redis_settings(args.redis_url) is not None
+        settings = decode_settings(args)
+        assert settings.encoders == ("dns:///encoder:50061",) and settings.redis is not None
 
 
 @requires_kubectl

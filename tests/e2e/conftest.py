@@ -22,7 +22,14 @@ import pytest
 from common.auth import bind_server, server_interceptors
 from common.cache_store import EmbeddingCache
 from common.grpc_util import ServerHealth, create_server, enable_reflection
-from common.settings import EncoderLimits, EncoderSettings, GrpcSettings, RedisSettings, SecuritySettings
+from common.settings import (
+    DecodeEngineSettings,
+    EncoderLimits,
+    EncoderSettings,
+    GrpcSettings,
+    RedisSettings,
+    SecuritySettings,
+)
 from decode_service.api import ServiceLimits
 from decode_service.encoder_client import ClientSettings, EncoderClient
 from decode_service.local_encoder import LocalEncoder
@@ -160,7 +167,17 @@ async def start_decode(
     grace_s: float = 5.0,
     security: SecuritySettings | None = None,
 ) -> DecodeServer:
-    engine = await asyncio.to_thread(build_engine, checkpoint, "cpu", "float32", 16 << 20, 8, 256, prefix_cache)
+    engine = await asyncio.to_thread(
+        build_engine,
+        checkpoint,
+        DecodeEngineSettings(
+            dtype="float32",
+            kv_cache_bytes=16 << 20,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            enable_prefix_cache=prefix_cache,
+        ),
+    )
     security = security or SecuritySettings()
     encoder = EncoderClient(
         list(encoders),

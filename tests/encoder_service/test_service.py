@@ -11,11 +11,12 @@ import torch
 from PIL import Image
 
 from common.errors import InvalidInputError, ResourceExhaustedError
+from common.media import ImageOptions, MediaInput, VideoOptions
 from common.settings import EncoderLimits, EncoderSettings, RedisSettings
 from common.wire import bytes_to_bf16
 from encoder_service.preprocess.audio import preprocess_audio
 from encoder_service.preprocess.image import image_token_count, preprocess_image
-from encoder_service.service import EncodedItem, ImageOptions, ItemError, MediaInput, VideoOptions, bf16_bits
+from encoder_service.service import EncodedItem, ItemError, bf16_bits
 from encoder_service.service import load_engine as _load_engine
 from tools.make_sample_media import sample_media
 from tools.make_tiny_checkpoint import make_tiny_checkpoint

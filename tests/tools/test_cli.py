@@ -1,17 +1,138 @@
-"""`inkling-epd` front door: --version, bad flag values end in an argparse-style error (exit 2), not a
-traceback; the served model id is never a filesystem path."""
+"""`inkling-epd` front door: `generate --local` on a make-tiny checkpoint, the decode flags, --version, bad flag
+values ending in an argparse-style error (exit 2) rather than a traceback, and the served model id (never a
+filesystem path)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.errors import ConfigError
-from decode_service.server import served_model_name
+from common.settings import DecodeEngineSettings, RedisPrefixSettings, ServiceLimits, decode_settings, served_model_name
+from tools.cli import build_parser, main
+from tools.make_tiny_checkpoint import make_tiny_checkpoint
+
+PROMPT = [200000, 200004, 9906, 11, 1917, 200010]
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    make_tiny_checkpoint(out, nvfp4=False, seed=3)
+    return out
+
+
+def generate_json(capsys, checkpoint, *flags: str) -> dict:
+    argv = ["generate", "--local", "--checkpoint", str(checkpoint), "--dtype", "float32", "--json", *flags]
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@torch.no_grad()
+def test_generate_local_greedy_equals_transformers_generate(tiny_bf16, capsys):
+    from transformers import InklingForConditionalGeneration
+
+    hf = InklingForConditionalGeneration.from_pretrained(tiny_bf16, dtype=torch.float32).eval()
+    hf.config.text_config._attn_implementation = "eager"
+    ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[
+        0, len(PROMPT) :
+    ].tolist()
+    ids = ",".join(map(str, PROMPT))
+    ours = generate_json(capsys, tiny_bf16, "--prompt-ids", ids, "--max-tokens", "12", "--ignore-eos")
+    assert ours["token_ids"] == ref and ours["finish_reason"] == "length"
+    assert ours["prompt_token_ids"] == PROMPT
+
+
+def test_generate_local_json_and_out_of_vocab_prompts(tiny_bf16, capsys):
+    result = generate_json(capsys, tiny_bf16, "--prompt-ids", "1,2,3", "--max-tokens", "4", "--ignore-eos")
+    assert result["prompt_token_ids"] == [1, 2, 3]
+    assert len(result["token_ids"]) == 4 and isinstance(result["text"], str)
+    assert result["finish_reason"] == "length"
+    argv = ["generate", "--local", "--checkpoint", str(tiny_bf16), "--prompt-ids", "1,250000", "--max-tokens", "1"]
+    assert main(argv) == 1
+    assert "out of range" in capsys.readouterr().err
+
+
+def test_decode_flags_build_the_settings_tree():
+    args = build_parser().parse_args(["decode", "--checkpoint", "ck"])
+    settings = decode_settings(args)
+    assert settings.engine == DecodeEngineSettings()
+    assert settings.limits == ServiceLimits() and settings.redis_prefix is None and settings.encoders == ()
+    args = build_parser().parse_args(
+        [
+            "decode",
+            "--checkpoint",
+            "ck",
+            "--redis-url",
+            "redis://127.0.0.1:6379/15",
+            "--redis-prefix",
+            "--redis-prefix-ttl-s",
+            "60",
+            "--max-num-seqs",
+            "3",
+            "--kv-budget-mb",
+            "2",
+            "--default-max-tokens",
+            "7",
+            "--encoders",
+            "a:1,dns:///enc:2",
+            "--no-prefix-cache",
+        ]
+    )
+    settings = decode_settings(args)
+    assert settings.engine.max_num_seqs == 3 and settings.engine.kv_cache_bytes == 2 << 20
+    assert not settings.engine.enable_prefix_cache and settings.limits.default_max_tokens == 7
+    assert settings.redis_prefix == RedisPrefixSettings(ttl_s=60) and settings.encoders == ("a:1", "dns:///enc:2")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--kv-budget-mb", "-1"], "--kv-budget-mb"),
+        (["--default-max-tokens", "0"], "--default-max-tokens"),
+        (["--redis-prefix"], "--redis-prefix needs a Redis"),
+        (["--encoders", "nohost"], "--encoders"),
+        (["--metrics-port", "70000"], "--metrics-port"),
+    ],
+)
+def test_bad_decode_flags_name_the_flag(flags, message, monkeypatch):
+    monkeypatch.delenv("INKLING_REDIS_URL", raising=False)
+    args = build_parser().parse_args(["decode", "--checkpoint", "ck", *flags])
+    with pytest.raises(ConfigError, match=message):
+        decode_settings(args)
+
+
+def test_decode_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--help"])
+    out = capsys.readouterr().out
+    assert "--redis-prefix-ttl-s" in out and "(default: 3600)" in out and "(default: 64)" in out
+
+
+def test_generate_json_echoes_the_rendered_chat_prompt(tiny_bf16, capsys):
+    from decode_service.chat import ChatMessage, TextPart, render_chat
+    from decode_service.service import DEFAULT_REASONING_EFFORT
+
+    result = generate_json(capsys, tiny_bf16, "--prompt", "hello there", "--max-tokens", "2", "--ignore-eos")
+    rendered = render_chat([ChatMessage("user", [TextPart("hello there")])], [], DEFAULT_REASONING_EFFORT, [])
+    assert result["prompt_token_ids"] == list(rendered.token_ids)
+    assert result["usage"]["prompt_tokens"] == len(rendered.token_ids)
+
+
+def test_encoder_flags_build_the_encoder_settings():
+    from common.settings import encoder_settings
+
+    args = build_parser().parse_args(["encoder", "--checkpoint", "ck", "--max-message-mb", "4", "--port", "0"])
+    settings = encoder_settings(args)
+    assert settings.grpc.max_message_bytes == 4 << 20 and settings.grpc.port == 0 and settings.dtype == "bfloat16"
+
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -113,9 +113,34 @@ def test_check_stop():
     assert check_stop(ignoring, eos, 100) is None
 
 
+def test_min_tokens_holds_off_eos_and_stop_ids_and_unset_max_tokens_has_no_cap():
+    eos = (3,)
+    r = req(max_tokens=None, min_tokens=3, stop_token_ids=(7,))
+    for early in ([3], [5, 7]):
+        r.output_token_ids = early
+        assert check_stop(r, eos, 100) is None
+    r.output_token_ids = [5, 6, 3]
+    assert check_stop(r, eos, 100) is FinishReason.STOP
+    r.output_token_ids = [5] * 90
+    assert check_stop(r, eos, 100) is None  # no max_tokens: only the context limit ends it
+    r.output_token_ids = [3]
+    assert check_stop(r, eos, 3) is FinishReason.LENGTH  # the context limit wins over min_tokens
+
+
 @pytest.mark.parametrize(
     "field,value",
-    [("temperature", -1.0), ("top_p", 0.0), ("top_k", -1), ("max_tokens", 0), ("min_p", 2.0), ("logprobs", V + 1)],
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_k", -1),
+        ("max_tokens", 0),
+        ("min_p", 2.0),
+        ("logprobs", V + 1),
+        ("temperature", float("inf")),
+        ("repetition_penalty", float("inf")),
+        ("presence_penalty", float("nan")),
+        ("min_tokens", -1),
+    ],
 )
 def test_invalid_params_are_rejected(field, value):
     with pytest.raises(InvalidInputError, match=field):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.settings import DecodeEngineSettings
 from decode_service.service import build_engine
 from decode_service.structured.compiler import ConstraintCompiler
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
@@ -16,14 +17,10 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(checkpoint):
-    return build_engine(
-        checkpoint,
-        dtype="float32",
-        kv_cache_bytes=16 << 20,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        enable_prefix_cache=False,
+    settings = DecodeEngineSettings(
+        dtype="float32", kv_cache_bytes=16 << 20, max_num_seqs=8, max_num_batched_tokens=512, enable_prefix_cache=False
     )
+    return build_engine(checkpoint, settings)
 
 
 @pytest.fixture(scope="session")

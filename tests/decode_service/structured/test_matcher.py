@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from common.errors import InvalidInputError
-from decode_service.api import FinalEvent, GenerateInput, SamplingInput
+from decode_service.api import FinalEvent, GenerateInput, SamplingParams
 from decode_service.chat import (
     CONTENT_TEXT,
     END_MESSAGE,
@@ -81,7 +81,7 @@ async def run(service, **fields):
 
 
 async def test_forced_tool_call_through_the_chat_service(service):
-    sampling = SamplingInput(temperature=1.0, seed=11, max_tokens=96)
+    sampling = SamplingParams(temperature=1.0, seed=11, max_tokens=96)
     for choice in (ForcedToolCall(), ForcedToolCall("lookup")):
         _, calls, final = await run(service, messages=MESSAGES, tools=(TOOL,), sampling=sampling, constraint=choice)
         assert final.finish_reason == "tool_calls" and calls
@@ -94,11 +94,11 @@ async def test_forced_tool_call_through_the_chat_service(service):
 async def test_constraint_with_stop_strings(service):
     schema = {"type": "object", "properties": {"k": {"enum": ["alpha", "beta"]}}, "required": ["k"]}
     constraint = OutputConstraint("json_schema", json.dumps(schema))
-    never = SamplingInput(temperature=0.5, seed=5, max_tokens=64, stop=("zzz",))
+    never = SamplingParams(temperature=0.5, seed=5, max_tokens=64, stop=("zzz",))
     text, _, final = await run(service, messages=MESSAGES, sampling=never, constraint=constraint)
     assert final.finish_reason == "stop" and not final.matched_stop
     jsonschema.validate(json.loads(text), schema)
-    cut = SamplingInput(temperature=0.0, max_tokens=64, stop=('"k"',))
+    cut = SamplingParams(temperature=0.0, max_tokens=64, stop=('"k"',))
     text, _, final = await run(service, messages=MESSAGES, sampling=cut, constraint=constraint)
     assert final.finish_reason == "stop" and final.matched_stop == '"k"' and text == "{"
 

@@ -271,16 +271,13 @@ def test_mask_keeps_unconstrained_rows_and_raw_logits(compiler, engine):
 
 def test_matchers_survive_preemption(compiler, checkpoint):
     """A preempted request is recomputed from its prompt and output; its matcher keeps its state meanwhile."""
+    from common.settings import DecodeEngineSettings
     from decode_service.service import build_engine
 
-    small = build_engine(
-        checkpoint,
-        dtype="float32",
-        kv_cache_bytes=256 << 10,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        enable_prefix_cache=False,
+    settings = DecodeEngineSettings(
+        dtype="float32", kv_cache_bytes=256 << 10, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_cache=False
     )
+    small = build_engine(checkpoint, settings)
     names = ["nested", "any_of", "array_bounds", "optional"]
     schemas = [OutputConstraint("json_schema", json.dumps(SCHEMAS[n])) for n in names]
     prompt = [MESSAGE_USER, CONTENT_TEXT, *encode_text(" Give me some JSON, please." * 6), END_MESSAGE]
