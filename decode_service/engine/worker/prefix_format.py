@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from common.wire import checksum
-from decode_service.engine.kv_cache import KVCache
+from decode_service.engine.worker.kv_cache import KVCache
 
 FORMAT_VERSION = 1
 KIND_GLOBAL = 1  # one block of global-layer KV
