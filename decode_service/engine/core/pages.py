@@ -122,6 +122,7 @@ class SequencePages:
         self._reported = {True: 0, False: 0}
         self._freed: dict[bool, list[int]] = {True: [], False: []}
         self.is_new = True  # no update taken yet: the data plane starts a fresh view of this slot
+        self._unchanged: dict[bool, PageUpdate | None] = {True: None, False: None}
 
     @property
     def released(self) -> bool:
@@ -134,8 +135,11 @@ class SequencePages:
         return sliding, max(0, n - len(self.tables[False])) if allocator.has_global else 0
 
     def grow(self, total_tokens: int) -> None:
-        for sliding, need in zip((True, False), self.pages_needed(total_tokens), strict=True):
-            self.extend_table(sliding, self.allocator.pools[sliding].allocate(need))
+        sliding, global_ = self.pages_needed(total_tokens)
+        if sliding:
+            self.extend_table(True, self.allocator.pools[True].allocate(sliding))
+        if global_:
+            self.extend_table(False, self.allocator.pools[False].allocate(global_))
 
     def extend_table(self, sliding: bool, pages: list[int | None]) -> None:
         """Append already-referenced pages (None = a sliding page outside the window) to a block table."""
@@ -167,14 +171,19 @@ class SequencePages:
 
     def take_updates(self) -> tuple[PageUpdate, PageUpdate]:
         """(sliding, global) table entries appended and pages released since the last call."""
-        updates = []
-        for sliding in (True, False):
-            first, table = self._reported[sliding], self.tables[sliding]
-            updates.append(PageUpdate(first, tuple(table[first:]), tuple(self._freed[sliding])))
-            self._reported[sliding] = len(table)
-            self._freed[sliding] = []
         self.is_new = False
-        return updates[0], updates[1]
+        return self._take(True), self._take(False)
+
+    def _take(self, sliding: bool) -> PageUpdate:
+        first, table, freed = self._reported[sliding], self.tables[sliding], self._freed[sliding]
+        if len(table) == first and not freed:  # most decode steps: reuse the empty update
+            unchanged = self._unchanged[sliding]
+            if unchanged is None or unchanged.first != first:
+                unchanged = self._unchanged[sliding] = PageUpdate(first, (), ())
+            return unchanged
+        self._reported[sliding] = len(table)
+        self._freed[sliding] = []
+        return PageUpdate(first, tuple(table[first:]), tuple(freed))
 
     def release(self) -> None:
         """Return every page reference and the conv slot. Idempotent."""

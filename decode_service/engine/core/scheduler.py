@@ -50,14 +50,12 @@ class _Step:
         self.finished: list[str] = []
 
     def freeze(self, dropped: list[int]) -> SchedulerOutput:
-        ops = self.conv_ops + [ConvOp(DROP, None, s) for s in dropped]
-        return SchedulerOutput(
-            tuple(self.chunks),
-            tuple(ops),
-            PrefixTierPlan(tuple(self.loads), tuple(self.saves)),
-            tuple(self.preempted),
-            tuple(self.finished),
-        )
+        ops = self.conv_ops + [ConvOp(DROP, None, s) for s in dropped] if dropped else self.conv_ops
+        plan = PrefixTierPlan(tuple(self.loads), tuple(self.saves)) if self.loads or self.saves else _NO_TIER_IO
+        return SchedulerOutput(tuple(self.chunks), tuple(ops), plan, tuple(self.preempted), tuple(self.finished))
+
+
+_NO_TIER_IO = PrefixTierPlan()
 
 
 class Scheduler:

@@ -132,17 +132,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
         """Run one step; every scheduled sequence's cache advances; sampled tokens keyed by request id."""
+        if self.prefix_tier is None:
+            return self._execute(output)
         try:
-            self._prepare(output)
-            results = self._forward(output) if output.chunks else {}
-            self.snapshots.after_forward(output.conv_ops)
-            if self.prefix_tier is not None:
-                for save in output.prefix_tier.saves:
-                    self.prefix_tier.save(save)
-            self.snapshots.drop(output.conv_ops)
+            return self._execute(output)
         finally:
-            if self.prefix_tier is not None:
-                self.prefix_tier.discard_staged()  # lookups the scheduler could not make room for
+            self.prefix_tier.discard_staged()  # lookups the scheduler could not make room for
+
+    def _execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+        self._prepare(output)
+        results = self._forward(output) if output.chunks else {}
+        if output.conv_ops:
+            self.snapshots.after_forward(output.conv_ops)
+        if self.prefix_tier is not None:
+            for save in output.prefix_tier.saves:
+                self.prefix_tier.save(save)
+        if output.conv_ops:
+            self.snapshots.drop(output.conv_ops)
         return results
 
     def _prepare(self, output: SchedulerOutput) -> None:
