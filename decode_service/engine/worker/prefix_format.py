@@ -1,6 +1,6 @@
 """Byte format of the Redis prefix tier's values: a versioned header, then the raw little-endian payload.
 
-See `redis_prefix.py` for the keys and what a value holds; a value never passes through pickle."""
+See `redis_tier.py` for the keys and what a value holds; a value never passes through pickle."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import sys
 from decode_service.engine.core.outputs import DROP, RESTORE, SNAPSHOT, ZERO, SchedulerOutput
 from decode_service.engine.core.pages import KVAllocator, PoolSizes
 from decode_service.engine.core.prefix_index import PrefixCache
+from decode_service.engine.core.prefix_tier import TierHit
 from decode_service.engine.core.scheduler import Scheduler, SchedulerConfig
 from decode_service.engine.request import FinishReason, Request, RequestStatus, SamplingParams
 
@@ -216,3 +217,48 @@ def test_scheduler_output_pickles(model_config):
     assert out.chunks and out.conv_ops
     again = pickle.loads(pickle.dumps(out))
     assert again == out and again is not out
+
+
+class FakeTier:
+    """A shared tier that holds every prompt's first `blocks` blocks."""
+
+    def __init__(self, blocks: int):
+        self.blocks = blocks
+        self.lookups: list[tuple[int, int]] = []
+
+    def lookup(self, block_hashes, start_block):
+        self.lookups.append((len(block_hashes), start_block))
+        return TierHit(41, self.blocks) if self.blocks > start_block else None
+
+
+def test_the_shared_tier_is_planned_as_saves_and_loads(model_config):
+    cache = KVAllocator(model_config.text, PoolSizes(4, 64, 64, 4))
+    prefix = PrefixCache(cache, b"model", snapshot_interval_blocks=2)
+    tier = FakeTier(blocks=2)
+    s = Scheduler(cache, SchedulerConfig(64, 4), prefix, tier)
+    a = request("a", 19, max_tokens=2)
+    s.add(a)
+    out = s.schedule()
+    assert tier.lookups == [(4, 0)]  # (19 - 1) // 4 blocks may come from a cache
+    (load,) = out.prefix_tier.loads
+    assert (load.load_id, load.start_block, load.end_block) == (41, 0, 2) and len(load.global_pages) == 2
+    assert load.sliding_first == 0 and len(load.sliding_pages) == 2  # the window of 8 (W = 8) covers both blocks
+    (chunk,) = out.chunks
+    assert (chunk.start, chunk.end) == (8, 16)  # up to the next tracked boundary
+    assert chunk.global_pages.pages[:2] == load.global_pages and chunk.sliding_pages.pages[:2] == load.sliding_pages
+    zero, restore, snapshot = out.conv_ops
+    assert (zero.kind, restore.kind, snapshot.kind) == (ZERO, RESTORE, SNAPSHOT)
+    assert restore.snapshot_id == load.snapshot_id and snapshot.snapshot_id == chunk.snapshot_id
+    (save,) = out.prefix_tier.saves  # blocks 2 and 3, and the boundary 16 with its window (blocks 2, 3)
+    assert [(b.index, b.page) for b in save.blocks] == [
+        (2, chunk.global_pages.pages[2]),
+        (3, chunk.global_pages.pages[3]),
+    ]
+    assert save.boundary.boundary == 16 and save.boundary.sliding_pages == chunk.sliding_pages.pages[2:4]
+    assert save.blocks[1].block_hash == save.boundary.block_hash == prefix.block_hashes(a, 4)[3]
+    assert pickle.loads(pickle.dumps(out)) == out
+    s.commit(out)
+    assert a.num_cached_tokens == 8 and s.num_cached_tokens_redis == {"a": 8}
+    b = request("b", 19, max_tokens=2)
+    s.add(b)
+    assert s.schedule().chunks[-1].start == 16  # the GPU index now holds the loaded and the computed blocks
