@@ -21,13 +21,12 @@ bytes; a full queue drops the write, it never blocks decoding. Values above `max
 SET with a TTL; Redis evicts with allkeys-lru.
 
 Read path (`lookup`, called by the scheduler at admission after the GPU prefix lookup, then `load` from the
-step's `PrefixLoad`): one STRLEN script over the candidate keys
-gives the chain present in Redis; the cost model picks the boundary with the largest estimated saving (tokens /
-measured prefill rate minus bytes / measured Redis throughput); one MGET fetches it; every value is verified,
-and staged; the scheduler allocates pages and records the blocks in the GPU prefix index, and `load` copies
-the staged payloads into those pages and returns the conv snapshot (restored into the slot by a conv op). Any
-failure (Redis down, a value missing, corrupt or from another model) means recompute from the GPU hit; corrupt
-values are deleted.
+step's `PrefixLoad`): one STRLEN script over the candidate keys gives the chain present in Redis; the cost model
+picks the boundary with the largest estimated saving (tokens / measured prefill rate minus bytes / measured Redis
+throughput); one MGET fetches it; every value is verified and staged. The scheduler allocates pages and records
+the blocks in the GPU prefix index; `load` copies the staged payloads into those pages and returns the conv
+snapshot (restored into the slot by a conv op). Any failure (Redis down, a value missing, corrupt or from another
+model) means recompute from the GPU hit; corrupt values are deleted.
 
 Not yet: the lookup is synchronous on the engine thread (bounded by the Redis timeout and a circuit breaker); on
 a GPU the host copies are synchronous too.

@@ -262,3 +262,17 @@ def test_the_shared_tier_is_planned_as_saves_and_loads(model_config):
     b = request("b", 19, max_tokens=2)
     s.add(b)
     assert s.schedule().chunks[-1].start == 16  # the GPU index now holds the loaded and the computed blocks
+
+
+def test_an_abandoned_step_drops_the_snapshots_it_planned(model_config):
+    s = make(model_config.text, budget=64, prefix=True)
+    a = request("a", 19, max_tokens=2)
+    s.add(a)
+    out = s.schedule()
+    planned = {c.snapshot_id for c in out.chunks if c.snapshot_id is not None}
+    assert planned
+    s.abandon(out)  # the data plane failed: the caller finishes the step's requests
+    s.finish(a, FinishReason.ERROR, "forward failed")
+    s.add(request("b", 3))
+    dropped = {op.snapshot_id for op in s.schedule().conv_ops if op.kind == DROP}
+    assert dropped == planned and not s.prefix_cache.entries
