@@ -121,6 +121,7 @@ class SequencePages:
         self.tables: dict[bool, list[int | None]] = {True: [], False: []}
         self._reported = {True: 0, False: 0}
         self._freed: dict[bool, list[int]] = {True: [], False: []}
+        self._released = 0  # sliding table entries before this index are released
         self.is_new = True  # no update taken yet: the data plane starts a fresh view of this slot
         self._unchanged: dict[bool, PageUpdate | None] = {True: None, False: None}
 
@@ -151,12 +152,14 @@ class SequencePages:
         self.num_tokens = num_tokens
         first_visible = num_tokens - (self.allocator.window - 1)
         table, pool = self.tables[True], self.allocator.pools[True]
-        for i in range(min(len(table), max(0, first_visible) // self.allocator.page_size)):
+        end = min(len(table), max(0, first_visible) // self.allocator.page_size)
+        for i in range(self._released, end):
             if table[i] is not None:
                 pool.decref(table[i])
                 if i < self._reported[True]:  # else the data plane gets the entry as None
                     self._freed[True].append(table[i])
                 table[i] = None
+        self._released = max(self._released, end)
 
     def adopt_prefix(self, num_tokens: int, global_pages: list[int], sliding_pages: list[int | None]) -> None:
         """Start from a prefix-cache hit: share its pages (one more reference each). The conv states come from
@@ -194,5 +197,6 @@ class SequencePages:
                 if p is not None:
                     self.allocator.pools[sliding].decref(p)
             self.tables[sliding] = []
+        self._released = 0
         self.allocator._release_slot(self.slot)
         self.slot = None
