@@ -40,8 +40,9 @@ import torch
 
 from bench.floors import measure_ceilings, time_eager_ms
 from common.config import TextConfig, parse_model_config
-from decode_service.engine.decode_graphs import DecodeGraphs
-from decode_service.engine.kv_cache import CacheSpec, KVCache
+from decode_service.engine.core.pages import KVAllocator
+from decode_service.engine.worker.decode_graphs import DecodeGraphs
+from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.layers import Bf16Experts, NVFP4Experts
@@ -121,15 +122,19 @@ def paged_decode_batch(model: InklingDecoder, batch: int, ctx: int, max_model_le
     window_pages = math.ceil(config.sliding_window / PAGE) + 2
     ctx_pages = math.ceil((ctx + 1) / PAGE)
     spec = CacheSpec(PAGE, batch * window_pages + ctx_pages, batch * ctx_pages, batch, torch.bfloat16, device)
-    cache = KVCache(config, spec)
+    cache, allocator = KVCache(config, spec), KVAllocator(config, spec)
     for pool in (*cache.k.values(), *cache.v.values()):
         pool.normal_()
     graphs = DecodeGraphs(model, cache, max_num_seqs=batch, max_model_len=max_model_len)  # tables before handles
     seqs, handles = [], []
     for _ in range(batch):
-        handle = cache.new_handle()
-        handle.grow(ctx + 1)
-        handle.commit(ctx)  # drops the sliding pages before the window
+        pages = allocator.new_sequence()
+        pages.grow(ctx + 1)
+        pages.commit(ctx)  # drops the sliding pages before the window
+        handle = SequenceView(cache, pages.slot)
+        for sliding, update in zip((True, False), pages.take_updates(), strict=True):
+            handle.update(sliding, update)
+        handle.num_tokens = ctx
         seqs.append(SequenceSlice(ctx, 1, handle.layers))
         handles.append(handle)
     tokens = torch.randint(0, config.unpadded_vocab_size, (batch,), device=device)

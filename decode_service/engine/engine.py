@@ -7,6 +7,9 @@
 
 Every request ends FINISHED with a reason (stop, length, abort, error:<msg>); a failing forward finishes the
 requests of that step with an error and leaves the engine usable.
+
+The engine wires the two planes: the control plane (`core/`: scheduler, page ids, prefix index) plans each step as
+a plain-data `SchedulerOutput`; the data plane (`worker/`: tensors, runner, sampler, Redis I/O) executes it.
 """
 
 from __future__ import annotations
@@ -20,14 +23,18 @@ import torch
 from common.config import ModelConfig
 from common.errors import InvalidInputError, ResourceExhaustedError
 from common.fingerprint import config_fingerprint
-from decode_service.engine.decode_graphs import DecodeGraphs
-from decode_service.engine.kv_cache import CacheSpec, KVCache
-from decode_service.engine.prefix_cache import PrefixCache
-from decode_service.engine.redis_prefix import PrefixStore, RedisPrefixTier, measure_prefill_rate
+from decode_service.engine.core.pages import KVAllocator
+from decode_service.engine.core.prefix_index import PrefixCache
+from decode_service.engine.core.scheduler import Scheduler, SchedulerConfig
+from decode_service.engine.core.stop import check_stop
 from decode_service.engine.request import FinishReason, Request, TokenLogprobs
-from decode_service.engine.runner import DecoderModel, ModelRunner
-from decode_service.engine.sampler import Sampler, check_stop
-from decode_service.engine.scheduler import Scheduler, SchedulerConfig
+from decode_service.engine.worker.calibrate import measure_prefill_rate
+from decode_service.engine.worker.decode_graphs import DecodeGraphs
+from decode_service.engine.worker.kv_cache import CacheSpec, KVCache
+from decode_service.engine.worker.prefix_store import PrefixStore
+from decode_service.engine.worker.redis_tier import RedisPrefixTier
+from decode_service.engine.worker.runner import DecoderModel, ModelRunner, WorkerRequest
+from decode_service.engine.worker.sampler import Sampler
 from decode_service.model import fast_path
 from decode_service.model.inkling import InklingDecoder
 
@@ -87,14 +94,15 @@ class Engine:
             dtype=dtype,
             device=settings.device,
         )
-        self.cache = KVCache(text, spec)
+        self.cache = KVAllocator(text, spec)  # control plane: page and slot ids
+        self.kv = KVCache(text, spec)  # data plane: the tensors they index
         self.prefix_cache: PrefixCache | None = None
+        fingerprint = settings.model_fingerprint or config_fingerprint(config.fingerprint_fields(), str(dtype))
         if settings.enable_prefix_cache:
-            fingerprint = settings.model_fingerprint or config_fingerprint(config.fingerprint_fields(), str(dtype))
             self.prefix_cache = PrefixCache(self.cache, fingerprint, settings.snapshot_interval_blocks)
         self.redis_prefix: RedisPrefixTier | None = None
         if prefix_store is not None and self.prefix_cache is not None:
-            self.redis_prefix = RedisPrefixTier(self.cache, self.prefix_cache, prefix_store)
+            self.redis_prefix = RedisPrefixTier(self.kv, fingerprint, prefix_store)
         self.scheduler = Scheduler(
             self.cache,
             SchedulerConfig(settings.max_num_batched_tokens, settings.max_num_seqs),
@@ -104,16 +112,13 @@ class Engine:
         self.max_model_len = min(
             settings.max_model_len or text.max_position_embeddings, self.cache.max_tokens_per_sequence()
         )
-        decode_graphs = None
-        if isinstance(model, InklingDecoder) and fast_path.supports_batched_decode(model):
-            decode_graphs = DecodeGraphs(
-                model, self.cache, settings.max_num_seqs, self.max_model_len, use_graphs=settings.cuda_graphs
-            )
-            decode_graphs.capture_all()
-        self.runner = ModelRunner(model, Sampler(settings.seed), settings.device, decode_graphs)
+        decode_graphs = build_decode_graphs(model, self.kv, settings, self.max_model_len)
+        self.runner = ModelRunner(
+            model, self.kv, Sampler(settings.seed), settings.device, decode_graphs, self.redis_prefix
+        )
         if self.redis_prefix is not None:
             chunk = min(settings.max_num_batched_tokens, 256)
-            self.redis_prefix.calibrate(measure_prefill_rate(self.cache, self.runner, chunk))
+            self.redis_prefix.calibrate(measure_prefill_rate(self.runner, self.cache, chunk))
         self.requests: dict[str, Request] = {}
 
     @property
@@ -143,6 +148,7 @@ class Engine:
                 f"KV cache ({self.max_model_len} tokens)"
             )
         self.requests[request.request_id] = request
+        self.runner.add_request(WorkerRequest.of(request))
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> None:
@@ -153,21 +159,23 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns outputs of requests that got tokens or finished."""
         output = self.scheduler.schedule()
-        assert output.sequences or output.finished or not self.has_unfinished, "scheduler made no progress"
+        assert output.chunks or output.finished or not self.has_unfinished, "scheduler made no progress"
         deltas: dict[str, tuple[Request, list[int], list[TokenLogprobs]]] = {
-            r.request_id: (r, [], []) for r in output.finished
+            rid: (self.requests[rid], [], []) for rid in output.finished
         }
         try:
             results = self.runner.execute(output)
         except Exception as exc:  # the step's requests fail; the engine and the other requests carry on
-            logger.exception("forward step failed; finishing its %d requests", len(output.sequences))
-            for seq in output.sequences:
-                self.scheduler.finish(seq.request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
-                deltas[seq.request.request_id] = (seq.request, [], [])
+            logger.exception("forward step failed; finishing its %d requests", len(output.chunks))
+            self.scheduler.abandon(output)
+            for chunk in output.chunks:
+                request = self.requests[chunk.request_id]
+                self.scheduler.finish(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+                deltas[request.request_id] = (request, [], [])
             return self._emit(deltas)
         self.scheduler.commit(output)
-        for seq in output.sequences:
-            request = seq.request
+        for chunk in output.chunks:
+            request = self.requests[chunk.request_id]
             result = results.get(request.request_id)
             if result is None:
                 continue
@@ -179,7 +187,7 @@ class Engine:
                 [result.token_id],
                 [result.logprobs] if result.logprobs is not None else [],
             )
-            reason = check_stop(request, self.config.eos_token_ids, self.max_model_len)
+            reason = check_stop(request, self.config.eos_token_ids, self.max_model_len, result.constraint_finished)
             if reason is not None:
                 self.scheduler.finish(request, reason)
         return self._emit(deltas)
@@ -190,6 +198,7 @@ class Engine:
             redis_tokens = self.scheduler.num_cached_tokens_redis.get(request.request_id, 0)
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
+                self.runner.remove_request(request.request_id)
                 self.scheduler.num_cached_tokens_redis.pop(request.request_id, None)
             outputs.append(
                 RequestOutput(
@@ -220,3 +229,14 @@ class Engine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[rid] for rid in order]
+
+
+def build_decode_graphs(
+    model: DecoderModel, cache: KVCache, settings: EngineSettings, max_model_len: int
+) -> DecodeGraphs | None:
+    """The batched paged decode path when the model runs it (the one place the engine asks `fast_path`)."""
+    if not (isinstance(model, InklingDecoder) and fast_path.supports_batched_decode(model)):
+        return None
+    graphs = DecodeGraphs(model, cache, settings.max_num_seqs, max_model_len, use_graphs=settings.cuda_graphs)
+    graphs.capture_all()
+    return graphs

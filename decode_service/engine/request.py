@@ -1,4 +1,7 @@
-"""A generation request and its lifecycle: WAITING -> RUNNING <-> PREEMPTED -> FINISHED (with a reason)."""
+"""A generation request and its lifecycle: WAITING -> RUNNING <-> PREEMPTED -> FINISHED (with a reason).
+
+Control-plane data: this module does not import torch (media rows are the data plane's tensors, only
+carried here)."""
 
 from __future__ import annotations
 
@@ -9,12 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from common.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from decode_service.engine.kv_cache import CacheHandle
+    import torch
+
+    from decode_service.engine.core.pages import SequencePages
     from decode_service.structured.matcher import ConstraintMatcher
 
 _arrival_counter = itertools.count()
@@ -135,9 +138,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV/conv state is in `handle`
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the first admission
     num_preemptions: int = 0
-    handle: CacheHandle | None = None
+    handle: SequencePages | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of the full blocks so far
-    generator: torch.Generator | None = None
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
 
     @property

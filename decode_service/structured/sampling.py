@@ -9,15 +9,21 @@ distribution.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from decode_service.engine.request import Request
-from decode_service.structured.matcher import fill_bitmasks
+from decode_service.structured.matcher import ConstraintMatcher, fill_bitmasks
 from kernels.token_mask import apply_token_mask, token_mask_reference
 
 
-def mask_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+class Constrained(Protocol):
+    """What the hooks read of a request (the data plane's `WorkerRequest`)."""
+
+    constraint: ConstraintMatcher | None
+
+
+def mask_logits(logits: torch.Tensor, requests: Sequence[Constrained]) -> torch.Tensor:
     """logits `[N, V]` -> the same, or a copy with the disallowed tokens of constrained rows at -inf."""
     rows = [i for i, r in enumerate(requests) if r.constraint is not None]
     if not rows:
@@ -32,7 +38,7 @@ def mask_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tens
     return masked
 
 
-def advance_matchers(requests: Sequence[Request], token_ids: Sequence[int]) -> None:
+def advance_matchers(requests: Sequence[Constrained], token_ids: Sequence[int]) -> None:
     for request, token in zip(requests, token_ids, strict=True):
         if request.constraint is not None:
             request.constraint.accept(token)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -136,3 +137,18 @@ def test_eos_abort_and_errors_end_every_request(fake_model, model_config):
     with pytest.raises(InvalidInputError, match="placeholder"):
         placeholder = dataclasses.replace(model_config, image_token_id=7)
         Engine(fake_model, placeholder, settings()).add_request(Request("img", [5, 7, 7, 6]))
+
+
+def test_the_data_plane_runs_plans_that_crossed_a_process_boundary(fake_model, model_config, reference):
+    """Every step's SchedulerOutput is pickled and unpickled before the runner sees it; prefix hits (snapshots by
+    id) and chunked prefill still give each request's own tokens."""
+    engine = Engine(fake_model, model_config, settings())
+    execute = engine.runner.execute
+    engine.runner.execute = lambda output: execute(pickle.loads(pickle.dumps(output)))
+    shared = prompt(26, 0)
+    prompts = [shared + [5, 6, 7], shared + [8, 9], prompt(30, 1), prompt(17, 2)]
+    outs = engine.generate(Request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts))
+    for out, p in zip(outs, prompts, strict=True):
+        assert out.token_ids == reference(fake_model, model_config.text, p, 12)
+    again = engine.generate([Request("again", shared + [5, 6, 7], GREEDY)])[0]
+    assert again.num_cached_tokens > 0 and again.token_ids == outs[0].token_ids

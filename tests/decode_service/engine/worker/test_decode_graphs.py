@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_service.engine.decode_graphs import DecodeGraphs
 from decode_service.engine.engine import Engine, EngineSettings
 from decode_service.engine.request import MultimodalItem, Request, SamplingParams
+from decode_service.engine.worker.decode_graphs import DecodeGraphs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -27,7 +27,7 @@ def settings(**kw) -> EngineSettings:
 
 def test_buckets_end_at_max_num_seqs(kernel_model, kernel_config):
     engine = Engine(kernel_model, kernel_config, settings(max_num_seqs=6))
-    graphs = DecodeGraphs(kernel_model, engine.cache, max_num_seqs=6, max_model_len=64)
+    graphs = DecodeGraphs(kernel_model, engine.kv, max_num_seqs=6, max_model_len=64)
     assert graphs.buckets == [1, 2, 4, 6]
     assert [graphs.bucket(b) for b in (1, 3, 5, 6)] == [1, 4, 6, 6]
     with pytest.raises(AssertionError):
@@ -51,7 +51,7 @@ def test_batched_decode_equals_each_sequence_alone(cpu_interpreter, kernel_model
     assert graphs is not None and not graphs.capture
     calls = []
     run = graphs.run
-    graphs.run = lambda ids, handles: calls.append(len(ids)) or run(ids, handles)
+    graphs.run = lambda ids, views: calls.append(len(ids)) or run(ids, views)
     requests = [Request(f"r{i}", p, GREEDY, mm_items=(media,) if i == 2 else ()) for i, p in enumerate(prompts)]
     outs = engine.generate(requests)
     again = engine.generate([Request("again", prompts[1] + [7, 8, 9, 10], GREEDY)])[0]
@@ -60,7 +60,7 @@ def test_batched_decode_equals_each_sequence_alone(cpu_interpreter, kernel_model
         assert out.token_ids == reference(kernel_model, text, p, 8, mm=request.mm_items)
     assert again.token_ids == reference(kernel_model, text, prompts[1] + [7, 8, 9, 10], 8)
 
-    cache = engine.cache
+    cache = engine.kv
     for t in (*cache.k.values(), *cache.v.values(), *(s for c in cache.conv for s in c)):
         t[..., 0].fill_(-1.0)  # the padding step's writes show even where they repeat earlier ones
     before = [t.clone() for t in (*cache.k.values(), *cache.v.values(), *(s for c in cache.conv for s in c))]

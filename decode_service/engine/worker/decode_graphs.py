@@ -18,7 +18,7 @@ import bisect
 
 import torch
 
-from decode_service.engine.kv_cache import CacheHandle, KVCache
+from decode_service.engine.worker.kv_cache import KVCache, SequenceView
 from decode_service.model.batch import ForwardBatch, PagedDecode
 from decode_service.model.inkling import InklingDecoder
 
@@ -48,13 +48,14 @@ class DecodeGraphs:
         assert 0 < batch <= self.buckets[-1], f"decode batch of {batch} outside 1..{self.buckets[-1]}"
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-    def run(self, token_ids: list[int], handles: list[CacheHandle]) -> torch.Tensor:
-        """Decode one token for each sequence (its handle grown to hold it) -> final-normed hidden `[B, H]`."""
+    def run(self, token_ids: list[int], views: list[SequenceView]) -> torch.Tensor:
+        """Decode one token for each sequence (its view has the page of the new position) -> final-normed hidden
+        `[B, H]`."""
         batch = len(token_ids)
         size = self.bucket(batch)
         if self.capture and size not in self._graphs:
             self._graphs[size] = self._capture(size)
-        self._fill(token_ids, handles, size)
+        self._fill(token_ids, views, size)
         self._upload(size)
         if not self.capture:
             return self._forward(size)[:batch]
@@ -73,18 +74,18 @@ class DecodeGraphs:
         self.tables.upload()
         self._meta[:, :size].copy_(self._host[:, :size], non_blocking=self.capture)
 
-    def _fill(self, token_ids: list[int], handles: list[CacheHandle], size: int) -> None:
+    def _fill(self, token_ids: list[int], views: list[SequenceView], size: int) -> None:
         """Metadata rows for the real sequences, then padding rows on the scratch slot and pages."""
         page, scratch = self.cache.page_size, self.cache.scratch_page
         rows: list[list[int]] = [[], [], [], [], []]
-        for token, handle in zip(token_ids, handles, strict=True):
-            position = handle.num_tokens  # the new token's position: everything before it is committed
+        for token, view in zip(token_ids, views, strict=True):
+            position = view.num_tokens  # the new token's position: everything before it is committed
             assert position < self.max_model_len, f"decode at position {position} >= max_model_len"
             rows[_IDS].append(token)
             rows[_SEQ_LENS].append(position + 1)
-            rows[_SLOTS].append(handle.slot)
+            rows[_SLOTS].append(view.slot)
             for sliding, row in ((True, _ROWS_SLIDING), (False, _ROWS_GLOBAL)):
-                table = handle.tables[sliding]
+                table = view.tables[sliding]
                 physical = table[position // page] if table else scratch[sliding]
                 rows[row].append(physical * page + position % page)
         padding = (0, 1, self.cache.scratch_slot, scratch[True] * page, scratch[False] * page)

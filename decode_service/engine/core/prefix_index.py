@@ -6,7 +6,8 @@ from a root that covers the model fingerprint and the request's cache salt. So e
 and media history.
 
 An entry holds one reference on its global page, on its sliding page while that page is still alive when the
-entry is made, and optionally a conv snapshot taken when a computation ended exactly on its boundary. The
+entry is made, and optionally the id of a conv snapshot taken when a computation ended exactly on its boundary
+(the data plane holds the states; `SnapshotIds` hands out ids and collects those to drop). The
 scheduler cuts prefill chunks at tracked boundaries (every N blocks, the last block start inside each media
 span's end, the last full block before the prompt's last token) so those snapshots exist. A hit is usable only
 up to a boundary that has a snapshot and whose trailing sliding window pages are held. Unreferenced entries
@@ -20,17 +21,36 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from decode_service.engine.kv_cache import CacheHandle, ConvSnapshot, KVCache
+from decode_service.engine.core.pages import KVAllocator, SequencePages
 from decode_service.engine.request import Request
 
 _ROOT_TAG = b"inkling-epd/prefix-cache/v1"
+
+
+class SnapshotIds:
+    """Conv-snapshot ids: new ones for the data plane to fill, dropped ones for it to free."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._dropped: list[int] = []
+
+    def new(self) -> int:
+        self._next += 1
+        return self._next
+
+    def drop(self, snapshot_id: int) -> None:
+        self._dropped.append(snapshot_id)
+
+    def take_dropped(self) -> list[int]:
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
 
 @dataclass
 class _Entry:
     global_page: int | None
     sliding_page: int | None
-    snapshot: ConvSnapshot | None = None
+    snapshot: int | None = None  # conv snapshot id
 
 
 @dataclass(frozen=True)
@@ -38,7 +58,7 @@ class PrefixHit:
     num_tokens: int
     global_pages: list[int]
     sliding_pages: list[int | None]  # None where the page is outside the window of `num_tokens`
-    snapshot: ConvSnapshot
+    snapshot: int  # conv snapshot id
 
 
 @dataclass
@@ -50,7 +70,7 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, cache: KVCache, fingerprint: bytes, snapshot_interval_blocks: int = 16):
+    def __init__(self, cache: KVAllocator, fingerprint: bytes, snapshot_interval_blocks: int = 16):
         assert snapshot_interval_blocks >= 1
         self.cache = cache
         self.page_size = cache.page_size
@@ -58,6 +78,7 @@ class PrefixCache:
         self.interval = snapshot_interval_blocks * cache.page_size
         self.entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self.stats = PrefixCacheStats()
+        self.snapshots = SnapshotIds()
 
     # -- hashing and boundaries ------------------------------------------------------------------------------
 
@@ -94,6 +115,10 @@ class PrefixCache:
 
     def is_tracked(self, request: Request, boundary: int) -> bool:
         return boundary > 0 and (boundary % self.interval == 0 or boundary in self._candidate_boundaries(request))
+
+    def wants_snapshot(self, request: Request, end: int) -> bool:
+        """Whether a computation that ends at `end` should keep its conv states (a tracked block boundary)."""
+        return end % self.page_size == 0 and self.is_tracked(request, end)
 
     def next_boundary(self, request: Request, after: int) -> int:
         """The first tracked boundary after `after` (prefill chunks end there so a snapshot is taken)."""
@@ -140,12 +165,18 @@ class PrefixCache:
             self.entries.move_to_end(h)
 
     def insert(
-        self, request: Request, handle: CacheHandle, num_tokens: int, snapshot: ConvSnapshot | None = None
-    ) -> None:
+        self,
+        request: Request,
+        handle: SequencePages,
+        num_tokens: int,
+        snapshot: int | None = None,
+        loaded: bool = False,
+    ) -> bool:
         """Record the blocks completed by a step that brings `handle` from `handle.num_tokens` to
         `num_tokens`. Call before `handle.commit`, which releases sliding pages that left the window.
-        `snapshot`: the conv states at `num_tokens` of a prefix loaded from another tier (not computed here); it
-        makes `num_tokens` a usable boundary even where this request does not track one."""
+        `snapshot`: the id of the conv states at `num_tokens` (planned where `wants_snapshot`). `loaded`: the
+        prefix came from another tier; its snapshot makes `num_tokens` a usable boundary even where this request
+        does not track one. True when the entry took the snapshot (else the caller drops it)."""
         size = self.page_size
         first, last = handle.num_tokens // size, num_tokens // size
         hashes = self.block_hashes(request, last)
@@ -154,7 +185,7 @@ class PrefixCache:
             entry = self.entries.get(hashes[i])
             g_page = handle.tables[False][i] if self.cache.has_global else None
             keep_sliding = self._window_needs(request, i) or (
-                snapshot is not None and self.cache.has_sliding and (i + 1) * size > window_start
+                loaded and self.cache.has_sliding and (i + 1) * size > window_start
             )
             s_page = handle.tables[True][i] if keep_sliding else None
             if entry is None:
@@ -167,10 +198,12 @@ class PrefixCache:
                 self.cache.pools[True].incref(s_page)
                 entry.sliding_page = s_page
             self.entries.move_to_end(hashes[i])
-        if last > 0 and num_tokens == last * size and (snapshot is not None or self.is_tracked(request, num_tokens)):
+        if snapshot is not None and last > 0 and num_tokens == last * size:
             entry = self.entries[hashes[last - 1]]
             if entry.snapshot is None:
-                entry.snapshot = snapshot if snapshot is not None else handle.snapshot_conv()
+                entry.snapshot = snapshot
+                return True
+        return False
 
     def _window_needs(self, request: Request, block: int) -> bool:
         """Whether block `block` lies in the sliding window before the next tracked boundary (the only
@@ -196,6 +229,8 @@ class PrefixCache:
                 entry.sliding_page = None
             if need[1] > pools[False].num_free and g_free and (entry.sliding_page is None or s_free):
                 del self.entries[h]
+                if entry.snapshot is not None:
+                    self.snapshots.drop(entry.snapshot)
                 for s, page in ((True, entry.sliding_page), (False, entry.global_page)):
                     if page is not None:
                         pools[s].decref(page)
@@ -204,6 +239,8 @@ class PrefixCache:
     def clear(self) -> None:
         for h in list(self.entries):
             entry = self.entries.pop(h)
+            if entry.snapshot is not None:
+                self.snapshots.drop(entry.snapshot)
             for s, p in ((True, entry.sliding_page), (False, entry.global_page)):
                 if p is not None:
                     self.cache.pools[s].decref(p)

@@ -11,11 +11,12 @@ import uuid
 import pytest
 import redis
 import torch
-from prometheus_client import CollectorRegistry
 
-from decode_service.engine import prefix_format
 from decode_service.engine.engine import Engine, EngineSettings
-from decode_service.engine.prefix_format import (
+from decode_service.engine.redis_prefix import CostModel, PrefixStore, RedisPrefixSettings
+from decode_service.engine.request import MultimodalItem, Request, SamplingParams
+from decode_service.engine.worker import prefix_format
+from decode_service.engine.worker.prefix_format import (
     KIND_BOUNDARY,
     KIND_GLOBAL,
     CorruptValueError,
@@ -24,8 +25,6 @@ from decode_service.engine.prefix_format import (
     decode_value,
     encode_value,
 )
-from decode_service.engine.redis_prefix import CostModel, PrefixCacheCollector, PrefixStore, RedisPrefixSettings
-from decode_service.engine.request import MultimodalItem, Request, SamplingParams
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
@@ -248,7 +247,7 @@ def test_oversize_values_are_not_stored_and_pressure_drops_writes(inkling_model,
 
 
 def test_value_header_checks(model_config, inkling_model):
-    geometry = Geometry.of(replica(inkling_model, model_config, None).cache)
+    geometry = Geometry.of(replica(inkling_model, model_config, None).kv)
     vid = ValueId(KIND_BOUNDARY, 28, 2, 1, 3)
     payload = bytes(range(64))
     value = encode_value(vid, b"model", geometry, payload)
@@ -292,16 +291,3 @@ def test_boundaries_are_split_into_parts(inkling_model, model_config, stores, re
     c = replica(inkling_model, model_config, stores())
     out = run(c, "c", item)
     assert out.token_ids == want.token_ids and out.num_cached_tokens_redis != 28
-
-
-def test_metrics_cover_both_tiers(computed_by_a, inkling_model, model_config, stores):
-    _, item, _ = computed_by_a
-    b = replica(inkling_model, model_config, stores())
-    run(b, "b", item)
-    run(b, "b2", item)
-    registry = CollectorRegistry()
-    registry.register(PrefixCacheCollector(b.prefix_cache, b.redis_prefix))
-    assert registry.get_sample_value("inkling_prefix_cache_hits_total", {"tier": "redis"}) == 1
-    assert registry.get_sample_value("inkling_prefix_cache_hits_total", {"tier": "gpu"}) == 1
-    assert registry.get_sample_value("inkling_prefix_redis_decisions_total", {"decision": "fetch"}) == 1
-    assert registry.get_sample_value("inkling_prefix_redis_bytes_fetched_total") > 0

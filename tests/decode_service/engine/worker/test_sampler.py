@@ -4,14 +4,15 @@ import pytest
 import torch
 
 from common.errors import InvalidInputError
-from decode_service.engine.request import FinishReason, Request, SamplingParams
-from decode_service.engine.sampler import Sampler, apply_penalties, check_stop, filtered_probs
+from decode_service.engine.request import SamplingParams
+from decode_service.engine.worker.runner import WorkerRequest
+from decode_service.engine.worker.sampler import Sampler, apply_penalties, filtered_probs
 
 V = 12
 
 
-def req(rid: str = "r", prompt=(1, 2), **params) -> Request:
-    return Request(rid, list(prompt), SamplingParams(**params))
+def req(rid: str = "r", prompt=(1, 2), **params) -> WorkerRequest:
+    return WorkerRequest(rid, list(prompt), SamplingParams(**params))
 
 
 def logits_row(seed: int = 0) -> torch.Tensor:
@@ -93,38 +94,6 @@ def test_logprobs_are_raw_model_logprobs():
     assert res.logprobs.logprob == pytest.approx(float(raw[res.token_id]))
     assert [t for t, _ in res.logprobs.top] == raw.topk(3).indices.tolist()
     assert Sampler().sample(logits, [req()])[0].logprobs is None
-
-
-def test_check_stop():
-    eos = (3,)
-    r = req(max_tokens=3, stop_token_ids=(7,))
-    r.output_token_ids = [5]
-    assert check_stop(r, eos, 100) is None
-    r.output_token_ids = [5, 3]
-    assert check_stop(r, eos, 100) is FinishReason.STOP
-    r.output_token_ids = [5, 7]
-    assert check_stop(r, eos, 100) is FinishReason.STOP
-    r.output_token_ids = [5, 6, 8]
-    assert check_stop(r, eos, 100) is FinishReason.LENGTH
-    r.output_token_ids = [5]
-    assert check_stop(r, eos, 3) is FinishReason.LENGTH  # 2 prompt + 1 output reach the context limit
-    ignoring = req(max_tokens=5, ignore_eos=True)
-    ignoring.output_token_ids = [3]
-    assert check_stop(ignoring, eos, 100) is None
-
-
-def test_min_tokens_holds_off_eos_and_stop_ids_and_unset_max_tokens_has_no_cap():
-    eos = (3,)
-    r = req(max_tokens=None, min_tokens=3, stop_token_ids=(7,))
-    for early in ([3], [5, 7]):
-        r.output_token_ids = early
-        assert check_stop(r, eos, 100) is None
-    r.output_token_ids = [5, 6, 3]
-    assert check_stop(r, eos, 100) is FinishReason.STOP
-    r.output_token_ids = [5] * 90
-    assert check_stop(r, eos, 100) is None  # no max_tokens: only the context limit ends it
-    r.output_token_ids = [3]
-    assert check_stop(r, eos, 3) is FinishReason.LENGTH  # the context limit wins over min_tokens
 
 
 @pytest.mark.parametrize(

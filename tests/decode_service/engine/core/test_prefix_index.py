@@ -1,28 +1,30 @@
-"""Prefix-cache bookkeeping without a model: hashes, usable boundaries, window pages, eviction."""
+"""Prefix-cache bookkeeping without a model: hashes, usable boundaries, window pages, snapshot ids, eviction."""
 
 from __future__ import annotations
 
 import torch
 
-from decode_service.engine.kv_cache import CacheSpec, KVCache
-from decode_service.engine.prefix_cache import PrefixCache
+from decode_service.engine.core.pages import KVAllocator, PoolSizes
+from decode_service.engine.core.prefix_index import PrefixCache
 from decode_service.engine.request import MultimodalItem, Request
 
 P = 4  # page size; the tiny config's window is 8 (a query sees itself + 7 earlier tokens)
 
 
 def make(config, pages: int = 64, interval_blocks: int = 2) -> PrefixCache:
-    cache = KVCache(config, CacheSpec(P, pages, pages, 4, torch.float32))
-    return PrefixCache(cache, b"model-a", interval_blocks)
+    return PrefixCache(KVAllocator(config, PoolSizes(P, pages, pages, 4)), b"model-a", interval_blocks)
 
 
 def compute(prefix: PrefixCache, request: Request, chunks: list[int]) -> None:
-    """Pretend to prefill `request` in the given chunks, recording blocks as the engine does, then free it."""
-    handle = prefix.cache.new_handle()
+    """Pretend to prefill `request` in the given chunks, recording blocks (and planned snapshot ids) as the scheduler
+    does, then free it."""
+    handle = prefix.cache.new_sequence()
     done = 0
     for n in chunks:
         handle.grow(done + n)
-        prefix.insert(request, handle, done + n)
+        snapshot = prefix.snapshots.new() if prefix.wants_snapshot(request, done + n) else None
+        taken = prefix.insert(request, handle, done + n, snapshot)
+        assert taken == (snapshot is not None)
         handle.commit(done + n)
         done += n
     handle.release()
@@ -89,9 +91,12 @@ def test_eviction_is_lru_and_spares_shared_pages(model_config):
     compute(prefix, Request("new", tokens(17, offset=40)), [8, 8, 1])
     assert cache.num_free_pages(False) == 12 - 8
     hit = prefix.lookup(Request("user", tokens(17, offset=40)))
-    user = cache.new_handle()
-    user.adopt_prefix(hit.num_tokens, hit.global_pages, hit.sliding_pages, hit.snapshot)
+    user = cache.new_sequence()
+    user.adopt_prefix(hit.num_tokens, hit.global_pages, hit.sliding_pages)
+    snapshots = {e.snapshot for e in prefix.entries.values() if e.snapshot is not None}
     assert prefix.evict((0, 9)) is False  # "new" is referenced by "user": only "old" can go
+    dropped = prefix.snapshots.take_dropped()
+    assert len(dropped) == 2 and set(dropped) < snapshots  # old's snapshots at 8 and 16 go with its entries
     assert prefix.lookup(Request("x", tokens(17, offset=40))).num_tokens == 16
     assert prefix.lookup(Request("y", tokens(17, offset=10))) is None
     user.release()

@@ -4,17 +4,19 @@ Order (vLLM semantics): penalties (repetition over prompt + output, presence/fre
 argmax or temperature -> min-p -> top-k -> top-p -> a draw with the request's own generator (exponential-race
 sampling: `argmax(p / q)`, `q ~ Exp(1)`), so a seeded request gives the same tokens whatever it is batched
 with. Logprobs are those of the raw model distribution. Logits arrive already sliced to the unpadded
-vocabulary. Stop strings are the output parser's job, not this module's.
+vocabulary. Stop checks are the control plane's (`core/stop.py`); stop strings the output parser's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from decode_service.engine.request import FinishReason, Request, TokenLogprobs
+from decode_service.engine.request import SamplingParams, TokenLogprobs
+from decode_service.structured.matcher import ConstraintMatcher
 from decode_service.structured.sampling import advance_matchers, mask_logits
 
 
@@ -22,13 +24,26 @@ from decode_service.structured.sampling import advance_matchers, mask_logits
 class SampleResult:
     token_id: int
     logprobs: TokenLogprobs | None = None
+    constraint_finished: bool = False  # the request's structured-output grammar is complete: it stops here
+
+
+class SamplingState(Protocol):
+    """What sampling reads of a request (the data plane's `WorkerRequest`); `generator` is set on first use."""
+
+    sampling: SamplingParams
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    constraint: ConstraintMatcher | None
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
 
 
 class Sampler:
     def __init__(self, seed: int = 0):
         self._seeder = torch.Generator().manual_seed(seed)  # seeds requests that bring no seed of their own
 
-    def generator(self, request: Request, device: torch.device) -> torch.Generator:
+    def generator(self, request: SamplingState, device: torch.device) -> torch.Generator:
         if request.generator is None:
             seed = request.sampling.seed
             if seed is None:
@@ -36,7 +51,7 @@ class Sampler:
             request.generator = torch.Generator(device=device).manual_seed(seed)
         return request.generator
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampleResult]:
+    def sample(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> list[SampleResult]:
         """logits `[N, V]` (one row per request) -> one token per request."""
         assert logits.shape[0] == len(requests)
         logits = logits.float()
@@ -67,11 +82,12 @@ class Sampler:
                     top = torch.topk(raw[row], n)
                     pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
                 info = TokenLogprobs(float(raw[row, token]), pairs)
-            results.append(SampleResult(token, info))
+            constraint = requests[row].constraint
+            results.append(SampleResult(token, info, constraint is not None and constraint.is_terminated))
         return results
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
     """Repetition penalty over prompt + output tokens; presence and frequency penalties over output tokens."""
     params = [r.sampling for r in requests]
     if all(p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params):
@@ -110,17 +126,3 @@ def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
     total = sorted_probs.sum(-1, keepdim=True)
     sorted_probs = torch.where(mass_before >= top_p[:, None] * total, 0.0, sorted_probs)
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-
-
-def check_stop(request: Request, eos_token_ids: Sequence[int], max_model_len: int) -> FinishReason | None:
-    """After a token was appended: EOS (unless ignore_eos) or a stop token id -> STOP once min_tokens were
-    generated, or a finished structured-output constraint; max_tokens (None: no per-request cap) or the context
-    limit -> LENGTH."""
-    p, token, n = request.sampling, request.output_token_ids[-1], len(request.output_token_ids)
-    if request.constraint is not None and request.constraint.is_terminated:
-        return FinishReason.STOP
-    if n >= p.min_tokens and ((not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids):
-        return FinishReason.STOP
-    if (p.max_tokens is not None and n >= p.max_tokens) or request.num_tokens >= max_model_len:
-        return FinishReason.LENGTH
-    return None

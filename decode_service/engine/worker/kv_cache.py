@@ -1,15 +1,9 @@
-"""Paged KV pools (one per layer kind) plus the conv-state slot pool, and the per-request `CacheHandle`.
+"""Paged KV pools (one per layer kind) plus the conv-state slot pool, and the per-sequence views the model writes
+through (the data plane; which page or slot belongs to whom is the control plane's `core/pages.py`).
 
-Layout. Sliding and global layers have different KV head counts, so each kind has its own pool of pages; a
-page id indexes the same page in every layer of that kind (one block table per kind per sequence). Each pool
-stores `k`, `v` as `[layers_of_kind, pages * page_size, nKV, hd]`. Sliding layers only keep the last `W-1`
-tokens: once a step is committed, pages that lie entirely before `num_tokens - (W-1)` are released. Conv
-states live in preallocated tensors `[slots, K-1, C]` per layer per conv; a sequence owns one slot index for
-its whole life (stable addresses).
-
-Pages are ref-counted so the prefix cache can share full pages between sequences; a shared page is never
-written (sequences only write positions at or after their own computed prefix, which starts on a page
-boundary).
+Layout. Each kind's pool stores `k`, `v` as `[layers_of_kind, pages * page_size, nKV, hd]`; a page id indexes the
+same page in every layer of that kind. Conv states live in preallocated tensors `[slots, K-1, C]` per layer per
+conv; a sequence owns one slot index for its whole life (stable addresses).
 
 For the batched decode path (`PagedDecode`) the cache also implements the model's `PagedPools` and keeps every
 slot's block tables on the device (`BlockTables`), and each pool has one scratch page and one scratch conv slot
@@ -19,58 +13,23 @@ beyond the allocatable ones: the padding rows of a CUDA-graph batch read and wri
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from common.config import TextConfig
 from common.errors import ConfigError
+from decode_service.engine.core.outputs import PageUpdate
+from decode_service.engine.core.pages import PoolSizes
 
 NUM_CONVS = 4  # k, v, attention-output and MLP-output convs of every layer (spec inkling-text 4.1)
 
 
-class PagePool:
-    """Free list + reference counts of one pool's page ids."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
-        self._refs = [0] * num_pages
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        assert n <= len(self._free), f"allocating {n} pages with {len(self._free)} free"
-        pages = [self._free.popleft() for _ in range(n)]
-        for p in pages:
-            self._refs[p] = 1
-        return pages
-
-    def incref(self, page: int) -> None:
-        assert self._refs[page] > 0, f"page {page} is free"
-        self._refs[page] += 1
-
-    def decref(self, page: int) -> None:
-        assert self._refs[page] > 0, f"page {page} released twice"
-        self._refs[page] -= 1
-        if self._refs[page] == 0:
-            self._free.append(page)
-
-    def refcount(self, page: int) -> int:
-        return self._refs[page]
-
-
 @dataclass(frozen=True)
-class CacheSpec:
-    """Sizes of the pools (a runtime measurement, separate from the model config)."""
+class CacheSpec(PoolSizes):
+    """Sizes of the pools and their tensors' dtype and device (a runtime measurement, separate from the model
+    config)."""
 
-    page_size: int
-    num_sliding_pages: int
-    num_global_pages: int
-    num_conv_slots: int
     dtype: torch.dtype = torch.bfloat16
     device: str = "cpu"
 
@@ -164,7 +123,7 @@ class BlockTables:
 
 
 class KVCache:
-    """The pools. Handles borrow pages and a conv slot from here."""
+    """The pools' tensors: KV pages per layer kind, conv slots per layer, one scratch page and slot each."""
 
     def __init__(self, config: TextConfig, spec: CacheSpec):
         self.config = config
@@ -179,18 +138,18 @@ class KVCache:
             self.layer_kind.append((sliding, counts[sliding]))
             counts[sliding] += 1
         self.has_sliding, self.has_global = counts[True] > 0, counts[False] > 0
-        self.pools = {
-            True: PagePool(spec.num_sliding_pages if self.has_sliding else 0),
-            False: PagePool(spec.num_global_pages if self.has_global else 0),
+        num_pages = {
+            True: spec.num_sliding_pages if self.has_sliding else 0,
+            False: spec.num_global_pages if self.has_global else 0,
         }
         self.k: dict[bool, torch.Tensor] = {}
         self.v: dict[bool, torch.Tensor] = {}
-        self.scratch_page = {kind: pool.num_pages for kind, pool in self.pools.items()}  # the page past the last
+        self.scratch_page = dict(num_pages)  # the page past the last
         self.scratch_slot = spec.num_conv_slots
         for sliding in (True, False):
             geo = config.geometry(sliding)
-            slots = (self.pools[sliding].num_pages + 1) * spec.page_size
-            shape = (counts[sliding], slots, geo.num_kv_heads, geo.head_dim)
+            rows = (num_pages[sliding] + 1) * spec.page_size
+            shape = (counts[sliding], rows, geo.num_kv_heads, geo.head_dim)
             self.k[sliding] = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
             self.v[sliding] = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
         k1 = config.conv_kernel_size - 1
@@ -201,8 +160,8 @@ class KVCache:
             self.conv.append(
                 tuple(torch.zeros(spec.num_conv_slots + 1, k1, c, dtype=spec.dtype, device=spec.device) for c in widths)
             )
-        self._free_slots: deque[int] = deque(range(spec.num_conv_slots))
         self.block_tables: BlockTables | None = None
+        self._tables_written = False  # some view has table entries (block tables must exist before that)
 
     # -- the model's view (`PagedPools`) ---------------------------------------------------------------------
 
@@ -217,136 +176,62 @@ class KVCache:
         """Keep device block tables for sequences of up to `max_tokens` positions (the batched decode path); before
         any sequence holds pages, since tables are written as pages are handed out."""
         if self.block_tables is None:
-            assert self.num_free_slots == self.spec.num_conv_slots, "block tables enabled with live sequences"
+            assert not self._tables_written, "block tables enabled with live sequences"
             max_pages = math.ceil(max_tokens / self.page_size)
             self.block_tables = BlockTables(self.spec.num_conv_slots, max_pages, self.scratch_page, self.spec.device)
         return self.block_tables
 
-    # -- capacity --------------------------------------------------------------------------------------------
+    # -- conv slots ------------------------------------------------------------------------------------------
 
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
-
-    def num_free_pages(self, sliding: bool) -> int:
-        return self.pools[sliding].num_free
-
-    def fits(self, need: tuple[int, int]) -> bool:
-        """need = (sliding pages, global pages)."""
-        return need[0] <= self.pools[True].num_free and need[1] <= self.pools[False].num_free
-
-    def max_tokens_per_sequence(self) -> int:
-        """The longest sequence the global pool can ever hold (sliding layers only need their window)."""
-        if not self.has_global:
-            return 1 << 62
-        return self.pools[False].num_pages * self.page_size
-
-    # -- handles ---------------------------------------------------------------------------------------------
-
-    def new_handle(self) -> CacheHandle:
-        assert self._free_slots, "no free conv slot"
-        slot = self._free_slots.popleft()
+    def zero_conv(self, slot: int) -> None:
         for states in self.conv:
             for s in states:
                 s[slot].zero_()
-        return CacheHandle(self, slot)
 
-    def _release_slot(self, slot: int) -> None:
-        self._free_slots.append(slot)
+    def snapshot_conv(self, slot: int) -> ConvSnapshot:
+        return ConvSnapshot(tuple(tuple(s[slot].clone() for s in states) for states in self.conv))
+
+    def restore_conv(self, slot: int, snapshot: ConvSnapshot) -> None:
+        for states, saved in zip(self.conv, snapshot.states, strict=True):
+            for s, value in zip(states, saved, strict=True):
+                s[slot].copy_(value)
 
 
-class CacheHandle:
-    """One sequence's KV pages (a block table per layer kind) and conv slot; `layers` are its LayerCaches.
-
-    `num_tokens` counts committed positions. The engine grows the tables before a step (`grow`), the model
-    writes through `layers[i]`, and the engine commits afterwards (`commit`), which drops sliding pages
-    outside the window.
-    """
+class SequenceView:
+    """One sequence's slot and block tables as the data plane mirrors them from the scheduler's `PageUpdate`s;
+    `layers` are its LayerCaches. `num_tokens` is the position its next chunk starts at."""
 
     def __init__(self, cache: KVCache, slot: int):
         self.cache = cache
-        self.slot: int | None = slot
+        self.slot = slot
         self.num_tokens = 0
-        # Block table per layer kind (True = sliding); None marks a sliding page released out of the window.
         self.tables: dict[bool, list[int | None]] = {True: [], False: []}
         self.layers = [_PagedLayer(self, i) for i in range(cache.config.num_layers)]
         self._index: dict[bool, tuple[tuple[int, int], torch.Tensor, torch.Tensor, int]] = {}
+        self._first_live = 0  # sliding table entries before this one are released
 
-    @property
-    def released(self) -> bool:
-        return self.slot is None
+    def update(self, sliding: bool, update: PageUpdate) -> None:
+        """Apply the scheduler's table entries (written at `update.first`) and released pages."""
+        table = self.tables[sliding]
+        assert update.first <= len(table), f"table update at {update.first} past {len(table)} entries"
+        if update.pages:
+            self._first_live = min(self._first_live, update.first)
+            del table[update.first :]
+            table.extend(update.pages)
+            self.cache._tables_written = True
+            if self.cache.block_tables is not None:
+                self.cache.block_tables.write(self.slot, sliding, update.first, list(update.pages))
+        if update.freed:  # always the earliest live sliding pages: scan on from the last one released
+            freed, i = set(update.freed), self._first_live
+            while freed:
+                if table[i] in freed:
+                    freed.discard(table[i])
+                    table[i] = None
+                i += 1
+            self._first_live = i
 
     def _pages_for(self, total_tokens: int) -> int:
         return math.ceil(total_tokens / self.cache.page_size)
-
-    def pages_needed(self, total_tokens: int) -> tuple[int, int]:
-        """(sliding, global) pages to allocate so positions `< total_tokens` have a page."""
-        n = self._pages_for(total_tokens)
-        return tuple(max(0, n - len(self.tables[s])) if self._kind_present(s) else 0 for s in (True, False))
-
-    def _kind_present(self, sliding: bool) -> bool:
-        return self.cache.has_sliding if sliding else self.cache.has_global
-
-    def grow(self, total_tokens: int) -> None:
-        for sliding, need in zip((True, False), self.pages_needed(total_tokens), strict=True):
-            self.extend_table(sliding, self.cache.pools[sliding].allocate(need))
-
-    def extend_table(self, sliding: bool, pages: list[int | None]) -> None:
-        """Append already-referenced pages (None = a sliding page outside the window) to a block table."""
-        if self.cache.block_tables is not None:
-            self.cache.block_tables.write(self.slot, sliding, len(self.tables[sliding]), pages)
-        self.tables[sliding].extend(pages)
-
-    def commit(self, num_tokens: int) -> None:
-        """Positions `< num_tokens` are now computed; release sliding pages no future query can see."""
-        assert num_tokens >= self.num_tokens
-        self.num_tokens = num_tokens
-        first_visible = num_tokens - (self.cache.window - 1)
-        table, pool = self.tables[True], self.cache.pools[True]
-        for i in range(min(len(table), max(0, first_visible) // self.cache.page_size)):
-            if table[i] is not None:
-                pool.decref(table[i])
-                table[i] = None
-
-    def adopt_prefix(
-        self,
-        num_tokens: int,
-        global_pages: list[int],
-        sliding_pages: list[int | None],
-        snapshot: ConvSnapshot,
-    ) -> None:
-        """Start from a prefix-cache hit: share its pages (one more reference each), copy its conv states."""
-        assert self.num_tokens == 0 and not self.tables[True] and not self.tables[False]
-        for sliding, pages in ((True, sliding_pages), (False, global_pages)):
-            for p in pages:
-                if p is not None:
-                    self.cache.pools[sliding].incref(p)
-            self.extend_table(sliding, list(pages))
-        self.restore_conv(snapshot)
-        self.num_tokens = num_tokens
-
-    def snapshot_conv(self) -> ConvSnapshot:
-        return ConvSnapshot(tuple(tuple(s[self.slot].clone() for s in states) for states in self.cache.conv))
-
-    def restore_conv(self, snapshot: ConvSnapshot) -> None:
-        for states, saved in zip(self.cache.conv, snapshot.states, strict=True):
-            for s, value in zip(states, saved, strict=True):
-                s[self.slot].copy_(value)
-
-    def release(self) -> None:
-        """Return every page reference and the conv slot. Idempotent."""
-        if self.slot is None:
-            return
-        for sliding in (True, False):
-            for p in self.tables[sliding]:
-                if p is not None:
-                    self.cache.pools[sliding].decref(p)
-            self.tables[sliding] = []
-        self.cache._release_slot(self.slot)
-        self.slot = None
-        self._index.clear()
-
-    # -- data plane ------------------------------------------------------------------------------------------
 
     def _indices(self, sliding: bool, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Flat pool slots to write `[start, start+n)` and to read every visible position; memoised per step
@@ -370,7 +255,7 @@ class CacheHandle:
     def append_kv(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        assert start == self.num_tokens, f"KV append at {start} but {self.num_tokens} tokens are committed"
+        assert start == self.num_tokens, f"KV append at {start} but the chunk starts at {self.num_tokens}"
         sliding, index = self.cache.layer_kind[layer]
         write, read, first = self._indices(sliding, start, k.shape[0])
         k_pool, v_pool = self.cache.k[sliding][index], self.cache.v[sliding][index]  # [slots, nKV, hd]
@@ -380,17 +265,17 @@ class CacheHandle:
 
 
 class _PagedLayer:
-    """`LayerCache` view of one layer of a `CacheHandle`."""
+    """`LayerCache` view of one layer of a `SequenceView`."""
 
-    def __init__(self, handle: CacheHandle, layer: int):
-        self.handle = handle
+    def __init__(self, view: SequenceView, layer: int):
+        self.view = view
         self.layer = layer
 
     def append_kv(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.handle.append_kv(self.layer, k, v, start)
+        return self.view.append_kv(self.layer, k, v, start)
 
     def conv_state(self, index: int) -> torch.Tensor:
-        return self.handle.cache.conv[self.layer][index][self.handle.slot]
+        return self.view.cache.conv[self.layer][index][self.view.slot]
 
     def set_conv_state(self, index: int, state: torch.Tensor) -> None:
-        self.handle.cache.conv[self.layer][index][self.handle.slot].copy_(state)
+        self.view.cache.conv[self.layer][index][self.view.slot].copy_(state)

@@ -1,6 +1,6 @@
 """Byte format of the Redis prefix tier's values: a versioned header, then the raw little-endian payload.
 
-See `redis_prefix.py` for the keys and what a value holds; a value never passes through pickle."""
+See `redis_tier.py` for the keys and what a value holds; a value never passes through pickle."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from common.wire import checksum
-from decode_service.engine.kv_cache import KVCache
+from decode_service.engine.worker.kv_cache import KVCache
 
 FORMAT_VERSION = 1
 KIND_GLOBAL = 1  # one block of global-layer KV

@@ -1,0 +1,194 @@
+"""Data plane: executes a `SchedulerOutput` (tables, loads, conv ops, forward, sampling, snapshots, saves).
+
+The runner keeps what the data plane needs of each request, sent once when it is added (`WorkerRequest`: media
+rows, sampling parameters, the generator, the tokens it sampled) and a `SequenceView` per scheduled sequence;
+the scheduler output names requests by id only. Order of a step: see `core/outputs.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from decode_service.engine.core.outputs import BEFORE_FORWARD, SchedulerOutput
+from decode_service.engine.request import MultimodalItem, Request, SamplingParams
+from decode_service.engine.worker.decode_graphs import DecodeGraphs
+from decode_service.engine.worker.kv_cache import KVCache, SequenceView
+from decode_service.engine.worker.sampler import Sampler, SampleResult
+from decode_service.engine.worker.snapshots import SnapshotStore
+from decode_service.model.batch import ForwardBatch, SequenceSlice
+
+if TYPE_CHECKING:
+    from decode_service.engine.worker.redis_tier import RedisPrefixTier
+    from decode_service.structured.matcher import ConstraintMatcher
+
+
+class DecoderModel(Protocol):
+    """What the runner needs from `decode_service.model.inkling.InklingDecoder`."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(eq=False)
+class WorkerRequest:
+    """The data plane's copy of a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    mm_items: tuple[MultimodalItem, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)  # every token sampled for it (kept on preemption)
+    generator: torch.Generator | None = None
+    constraint: ConstraintMatcher | None = None  # structured output: masks its logits, advanced per token
+
+    @classmethod
+    def of(cls, request: Request) -> WorkerRequest:
+        return cls(
+            request.request_id,
+            list(request.prompt_token_ids),
+            request.sampling,
+            request.mm_items,
+            list(request.output_token_ids),
+            constraint=request.constraint,
+        )
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+def build_batch(
+    output: SchedulerOutput,
+    requests: dict[str, WorkerRequest],
+    views: dict[str, SequenceView],
+    device: torch.device | str = "cpu",
+) -> tuple[ForwardBatch, list[int]]:
+    """Pack the scheduled chunks: the batch and the packed row of each chunk's last token.
+
+    Multimodal rows go to the packed rows of their placeholder tokens inside this step's chunk only; a chunk
+    may start or end inside a media span, in which case just the overlapping rows are placed.
+    """
+    token_ids: list[int] = []
+    slices: list[SequenceSlice] = []
+    last_rows: list[int] = []
+    mm_rows: list[torch.Tensor] = []
+    mm_index: list[torch.Tensor] = []
+    for chunk in output.chunks:
+        offset, start, end = len(token_ids), chunk.start, chunk.end
+        for item in requests[chunk.request_id].mm_items:
+            lo, hi = max(start, item.start), min(end, item.end)
+            if lo < hi:
+                mm_rows.append(item.rows[lo - item.start : hi - item.start])
+                mm_index.append(torch.arange(offset + lo - start, offset + hi - start))
+        token_ids.extend(chunk.token_ids)
+        slices.append(SequenceSlice(start, len(chunk.token_ids), views[chunk.request_id].layers))
+        last_rows.append(len(token_ids) - 1)
+    batch = ForwardBatch(torch.tensor(token_ids, dtype=torch.int64, device=device), slices)
+    if mm_rows:
+        batch.mm_rows = torch.cat(mm_rows).to(device)
+        batch.mm_index = torch.cat(mm_index).to(device)
+    return batch, last_rows
+
+
+def is_uniform_decode(output: SchedulerOutput, requests: dict[str, WorkerRequest]) -> bool:
+    """Every chunk brings one text token (a decode, or a one-token chunk outside any media span)."""
+    return all(
+        len(c.token_ids) == 1 and not any(item.start <= c.start < item.end for item in requests[c.request_id].mm_items)
+        for c in output.chunks
+    )
+
+
+class ModelRunner:
+    """`decode_graphs`: uniform decode steps go there (batched paged path, CUDA graphs); the rest is packed.
+    `prefix_tier`: executes the plan's loads and saves (None without the shared tier)."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        cache: KVCache,
+        sampler: Sampler,
+        device: torch.device | str = "cpu",
+        decode_graphs: DecodeGraphs | None = None,
+        prefix_tier: RedisPrefixTier | None = None,
+    ):
+        self.model = model
+        self.cache = cache
+        self.sampler = sampler
+        self.device = device
+        self.decode_graphs = decode_graphs
+        self.prefix_tier = prefix_tier
+        self.snapshots = SnapshotStore(cache)
+        self.requests: dict[str, WorkerRequest] = {}
+        self.views: dict[str, SequenceView] = {}
+
+    def add_request(self, request: WorkerRequest) -> None:
+        self.requests[request.request_id] = request
+
+    def remove_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.views.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+        """Run one step; every scheduled sequence's cache advances; sampled tokens keyed by request id."""
+        if self.prefix_tier is None:
+            return self._execute(output)
+        try:
+            return self._execute(output)
+        finally:
+            self.prefix_tier.discard_staged()  # lookups the scheduler could not make room for
+
+    def _execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+        self._prepare(output)
+        results = self._forward(output) if output.chunks else {}
+        if output.conv_ops:
+            self.snapshots.after_forward(output.conv_ops)
+        if self.prefix_tier is not None:
+            for save in output.prefix_tier.saves:
+                self.prefix_tier.save(save)
+        if output.conv_ops:
+            self.snapshots.drop(output.conv_ops)
+        return results
+
+    def _prepare(self, output: SchedulerOutput) -> None:
+        views = self.views
+        for chunk in output.chunks:
+            view = views.get(chunk.request_id)
+            if chunk.new_sequence or view is None:
+                assert chunk.new_sequence, f"request {chunk.request_id} continues a sequence this runner never saw"
+                views[chunk.request_id] = view = SequenceView(self.cache, chunk.slot)
+            if chunk.sliding_pages.pages or chunk.sliding_pages.freed:
+                view.update(True, chunk.sliding_pages)
+            if chunk.global_pages.pages:
+                view.update(False, chunk.global_pages)
+            view.num_tokens = chunk.start
+        if self.prefix_tier is not None:
+            for load in output.prefix_tier.loads:
+                self.snapshots.put(load.snapshot_id, self.prefix_tier.load(load))
+        if output.conv_ops:
+            self.snapshots.before_forward(op for op in output.conv_ops if op.kind in BEFORE_FORWARD)
+
+    def _forward(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+        chunks, requests = output.chunks, self.requests
+        if self.decode_graphs is not None and is_uniform_decode(output, requests):
+            hidden = self.decode_graphs.run(
+                [c.token_ids[0] for c in chunks], [self.views[c.request_id] for c in chunks]
+            )  # [B, H]
+            last_rows = list(range(len(chunks)))
+        else:
+            batch, last_rows = build_batch(output, requests, self.views, self.device)
+            hidden = self.model.forward(batch)  # [T, H]
+        sampling = [(requests[c.request_id], row) for c, row in zip(chunks, last_rows, strict=True) if c.needs_logits]
+        if not sampling:
+            return {}
+        sampled = [r for r, _ in sampling]
+        rows = torch.tensor([row for _, row in sampling], device=hidden.device)
+        logits = self.model.logits(hidden.index_select(0, rows))  # [N, V] fp32
+        results = self.sampler.sample(logits, sampled)
+        for request, result in zip(sampled, results, strict=True):
+            request.output_token_ids.append(result.token_id)
+        return {r.request_id: res for r, res in zip(sampled, results, strict=True)}
