@@ -214,7 +214,15 @@ def test_tool_call_round_trip(client, fake_upstream):
             "messages[0].content[0].image_url.url",
         ),
         ({"n": 2}, "n"),
-        ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
+            "tool_choice.function.name",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
         ({"top_p": 0}, "top_p"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
@@ -270,8 +278,44 @@ def test_completions_with_token_ids(client, fake_upstream):
     assert (reply.choices[0].text, reply.choices[0].finish_reason) == ("abc", "length")
     streamed = list(client.completions.create(model="inkling-test", prompt=[1, 2, 3], stream=True))
     assert "".join(c.choices[0].text for c in streamed) == "abc"
-    with pytest.raises(openai.BadRequestError, match="prompt: text prompts"):
-        client.completions.create(model="inkling-test", prompt="hello")
+    reply = client.completions.create(model="inkling-test", prompt="Once upon a time", max_tokens=2)
+    request = fake_upstream.servicer.requests[-1]
+    assert request.WhichOneof("prompt") == "text" and request.text.text == "Once upon a time"
+    assert reply.choices[0].text == "abc"
+    with pytest.raises(openai.BadRequestError, match="prompt: batched"):
+        client.completions.create(model="inkling-test", prompt=["a", "b"])
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_response_format_becomes_the_upstream_constraint(client, fake_upstream):
+    client.chat.completions.create(
+        model="inkling-test",
+        messages=user("hello"),
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}},
+    )
+    constraint = fake_upstream.servicer.requests[-1].constraint
+    assert constraint.WhichOneof("kind") == "json_schema" and json.loads(constraint.json_schema) == SCHEMA
+    client.chat.completions.create(
+        model="inkling-test", messages=user("hello"), response_format={"type": "json_object"}
+    )
+    assert fake_upstream.servicer.requests[-1].constraint.json_object
+    client.chat.completions.create(model="inkling-test", messages=user("hello"), response_format={"type": "text"})
+    assert not fake_upstream.servicer.requests[-1].HasField("constraint")
+    client.completions.create(model="inkling-test", prompt="x", extra_body={"response_format": {"type": "json_object"}})
+    assert fake_upstream.servicer.requests[-1].constraint.json_object
+
+
+def test_forced_tool_choice_becomes_the_upstream_tool_choice(client, fake_upstream):
+    client.chat.completions.create(model="inkling-test", messages=user("weather?"), tools=TOOLS, tool_choice="required")
+    assert fake_upstream.servicer.requests[-1].chat.tool_choice.required
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(
+        model="inkling-test", messages=user("weather?"), tools=TOOLS, tool_choice=named, parallel_tool_calls=False
+    )
+    assert fake_upstream.servicer.requests[-1].chat.tool_choice.function == "get_weather"
+    assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["get_weather"]
 
 
 def test_disconnect_mid_stream_cancels_the_upstream_call(api, fake_upstream):
