@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.metrics import new_registry
 from common.settings import EncoderSettings, GrpcSettings
+from decode_service.chat import encode_text, token_bytes
 from decode_service.encoder_client import EncoderClient
 from decode_service.local_encoder import LocalEncoder
 from decode_service.server import DecodeMetrics, build_server
@@ -263,3 +264,25 @@ async def test_graceful_stop_reports_not_serving_and_drains_running_calls(engine
         await stopping
     finally:
         await channel.close()
+
+
+async def test_text_prompt_is_the_ordinary_token_prompt_and_logprobs_carry_token_text(cluster):
+    _, stub, _, _ = cluster
+    text = "Once upon a time <|content_text|>"  # a special token's spelling stays ordinary text
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    by_text, text_final = await generate(
+        stub, pb.GenerateRequest(request_id="tx-1", text=pb.TextPrompt(text=text), sampling=sampling)
+    )
+    tokens = pb.TokenPrompt(token_ids=encode_text(text))
+    by_ids, ids_final = await generate(stub, pb.GenerateRequest(request_id="tx-2", tokens=tokens, sampling=sampling))
+    assert [t for d in by_text for t in d.token_ids] == [t for d in by_ids for t in d.token_ids]
+    assert text_final.usage.prompt_tokens == ids_final.usage.prompt_tokens == len(encode_text(text))
+    entries = [e for d in by_text for e in d.logprobs]
+    assert len(entries) == 4
+    for entry in entries:
+        for e in (entry, *entry.top):
+            assert e.token_bytes == token_bytes(e.token_id)
+            assert e.token == token_bytes(e.token_id).decode("utf-8", errors="replace")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(stub, pb.GenerateRequest(request_id="tx-3", text=pb.TextPrompt(), sampling=sampling))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text.text" in err.value.details()
