@@ -111,12 +111,12 @@ def _integer(body: dict, name: str, lo: int | None = None, hi: int | None = None
     return value
 
 
-def _boolean(body: dict, name: str) -> bool | None:
+def _boolean(body: dict, name: str, where: str | None = None) -> bool | None:
     value = body.get(name)
     if value is None:
         return None
     if not isinstance(value, bool):
-        raise bad_request(name, f"expected true or false, got {value!r}")
+        raise bad_request(where or name, f"expected true or false, got {value!r}")
     return value
 
 
@@ -340,7 +340,7 @@ def _tools(body: dict, forced: bool) -> list[pb.Tool]:
         name = _string(function, "name", f"{at}.function.name")
         if not name:
             raise bad_request(f"{at}.function.name", "required")
-        if _boolean(function, "strict") and not forced:
+        if _boolean(function, "strict", f"{at}.function.strict") and not forced:
             raise bad_request(
                 f"{at}.function.strict",
                 "arguments are enforced only with tool_choice 'required' or a named function",
@@ -428,7 +428,7 @@ def response_format(body: dict, request: pb.GenerateRequest) -> None:
     if not _string(spec, "name", "response_format.json_schema.name"):
         raise bad_request("response_format.json_schema.name", "required")
     _string(spec, "description", "response_format.json_schema.description")
-    _boolean(spec, "strict")
+    _boolean(spec, "strict", "response_format.json_schema.strict")
     schema = spec.get("schema")
     if schema is None:
         raise bad_request("response_format.json_schema.schema", "required")

@@ -147,6 +147,14 @@ def test_tool_choice_required_and_named_map_onto_tool_choice():
         ("parallel_tool_calls", {"parallel_tool_calls": False, "tools": TOOLS}),
         ("parallel_tool_calls", {"parallel_tool_calls": False, "tools": TOOLS + TOOL_G, "tool_choice": "required"}),
         ("parallel_tool_calls", {"parallel_tool_calls": "no"}),
+        (
+            "response_format.json_schema.strict",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}, "strict": 1}}},
+        ),
+        (
+            "tools[0].function.strict",
+            {"tools": [{"type": "function", "function": {"name": "f", "strict": "y"}}], "tool_choice": "required"},
+        ),
         ("functions", {"functions": [{"name": "f"}]}),
         ("messages", {"messages": []}),
         ("messages[0].name", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}),
