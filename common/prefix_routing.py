@@ -36,7 +36,8 @@ def _link(parent: bytes, payload: bytes) -> bytes:
 
 
 def request_prefix_hashes(request: generator_pb2.GenerateRequest, max_hashes: int = MAX_ROUTING_HASHES) -> list[bytes]:
-    """Chained routing hashes of the request's leading messages (chat) or full token blocks (token prompt)."""
+    """Chained routing hashes of the request's leading messages (chat), full token blocks (token prompt) or
+    full byte blocks (text prompt)."""
     root = _link(_ROUTING_ROOT_TAG, request.cache_salt.encode())
     kind = request.WhichOneof("prompt")
     hashes: list[bytes] = []
@@ -57,6 +58,12 @@ def request_prefix_hashes(request: generator_pb2.GenerateRequest, max_hashes: in
             0, min(len(ids) // ROUTING_BLOCK_TOKENS, max_hashes) * ROUTING_BLOCK_TOKENS, ROUTING_BLOCK_TOKENS
         ):
             parent = _link(parent, struct.pack(f"<{ROUTING_BLOCK_TOKENS}I", *ids[start : start + ROUTING_BLOCK_TOKENS]))
+            hashes.append(parent)
+    elif kind == "text":  # no tokenizer here: blocks of UTF-8 bytes (~4 per token) stand in for token blocks
+        data, block = request.text.text.encode(), 4 * ROUTING_BLOCK_TOKENS
+        parent = _link(root, b"text")
+        for start in range(0, min(len(data) // block, max_hashes) * block, block):
+            parent = _link(parent, data[start : start + block])
             hashes.append(parent)
     return hashes
 

@@ -37,14 +37,16 @@ __all__ = [  # MediaInput, SamplingParams and ServiceLimits are re-exported: the
 
 @dataclass(frozen=True)
 class GenerateInput:
-    """Either a chat (`messages`, media referenced by `MediaPart.index`) or a token prompt
-    (`prompt_token_ids` with ONE image/audio placeholder token per media item, in item order)."""
+    """A chat (`messages`, media referenced by `MediaPart.index`), a token prompt (`prompt_token_ids` with ONE
+    image/audio placeholder token per media item, in item order) or a raw text prompt (`prompt_text`, tokenized
+    as ordinary text without the chat template; no media)."""
 
     request_id: str
     messages: tuple[ChatMessage, ...] = ()
     tools: tuple[ToolSpec, ...] = ()
     reasoning_effort: float | None = None  # None: DEFAULT_REASONING_EFFORT
     prompt_token_ids: tuple[int, ...] | None = None
+    prompt_text: str | None = None
     media: tuple[MediaInput, ...] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str = ""

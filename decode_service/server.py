@@ -42,7 +42,7 @@ from common.prefix_routing import PrefixDirectory, request_prefix_hashes
 from common.settings import DecodeSettings, GrpcSettings, decode_settings
 from common.wire import modality_to_proto
 from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingParams
-from decode_service.chat import ChatMessage, MediaPart, TextPart, ToolCall, ToolSpec
+from decode_service.chat import ChatMessage, MediaPart, TextPart, ToolCall, ToolSpec, token_bytes
 from decode_service.encoder_client import ClientSettings, EncoderClient, EncoderPoolUnavailableError
 from decode_service.service import DecodeService, build_engine
 from decode_service.structured.constraint import constraint_from_proto
@@ -119,8 +119,12 @@ def generate_input(request: pb.GenerateRequest, timeout_s: float | None) -> Gene
     if kind == "tokens":
         media = tuple(media_from_proto(i, m) for i, m in enumerate(request.tokens.media))
         return GenerateInput(prompt_token_ids=tuple(request.tokens.token_ids), media=media, **common)
+    if kind == "text":
+        if not request.text.text:
+            raise InvalidInputError("text.text: is empty")
+        return GenerateInput(prompt_text=request.text.text, **common)
     if kind != "chat":
-        raise InvalidInputError("prompt: neither chat nor tokens is set")
+        raise InvalidInputError("prompt: none of chat, tokens or text is set")
     chat = request.chat
     media = []
     messages = []
@@ -168,12 +172,17 @@ def delta_message(event: DeltaEvent) -> pb.GenerateResponse:
             pb.ToolCall(id=call.id, name=call.name, arguments_json=call.arguments, text=call.text or "")
         )
     for lp in event.logprobs:
+        top = [pb.TopLogprob(token_id=t, logprob=v, **_token_text(t)) for t, v in lp.top]
         delta.logprobs.append(
-            pb.TokenLogprob(
-                token_id=lp.token_id, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
-            )
+            pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=top, **_token_text(lp.token_id))
         )
     return pb.GenerateResponse(delta=delta)
+
+
+def _token_text(token_id: int) -> dict:
+    """A logprob entry's `token` (text; U+FFFD for a partial UTF-8 sequence) and `token_bytes` (exact)."""
+    raw = token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "token_bytes": raw}
 
 
 def final_message(event: FinalEvent) -> pb.GenerateResponse:

@@ -402,8 +402,10 @@ class DecodeService:
     def _check_media(self, inp: GenerateInput) -> None:
         if len(inp.media) > self.limits.max_media_items:
             raise InvalidInputError(f"media: {len(inp.media)} items exceeds the limit of {self.limits.max_media_items}")
-        if inp.prompt_token_ids is None and not inp.messages:
-            raise InvalidInputError("prompt: neither chat messages nor token ids were given")
+        if inp.prompt_token_ids is None and inp.prompt_text is None and not inp.messages:
+            raise InvalidInputError("prompt: no chat messages, token ids or text were given")
+        if inp.prompt_text is not None and inp.media:
+            raise InvalidInputError("media: a text prompt takes no media (send a token prompt with placeholders)")
         for i, item in enumerate(inp.media):
             if item.modality not in ("image", "audio", "video"):
                 raise InvalidInputError(f"media[{i}].modality: unknown modality {item.modality!r}")
@@ -439,6 +441,8 @@ class DecodeService:
         counts: list[int | list[int]] = [
             [s.rows for s in item.spans] if item.modality == "video" else item.rows for item in encoded
         ]
+        if inp.prompt_text is not None:
+            return RenderedPrompt(token_ids=encode_text(inp.prompt_text), media_spans=[])
         if inp.prompt_token_ids is None:
             effort = DEFAULT_REASONING_EFFORT if inp.reasoning_effort is None else inp.reasoning_effort
             return render_chat(list(inp.messages), list(inp.tools), effort, counts)

@@ -62,7 +62,7 @@ CHAT_FIELDS = _SAMPLING_FIELDS | {
     "reasoning_effort",
     "response_format",
 }
-COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
 
 
 @dataclass(frozen=True)
@@ -111,12 +111,12 @@ def _integer(body: dict, name: str, lo: int | None = None, hi: int | None = None
     return value
 
 
-def _boolean(body: dict, name: str) -> bool | None:
+def _boolean(body: dict, name: str, where: str | None = None) -> bool | None:
     value = body.get(name)
     if value is None:
         return None
     if not isinstance(value, bool):
-        raise bad_request(name, f"expected true or false, got {value!r}")
+        raise bad_request(where or name, f"expected true or false, got {value!r}")
     return value
 
 
@@ -322,7 +322,9 @@ async def _message(raw: Any, where: str, loader: MediaLoader) -> pb.Message:
     return message
 
 
-def _tools(body: dict) -> list[pb.Tool]:
+def _tools(body: dict, forced: bool) -> list[pb.Tool]:
+    """The declared tools; `forced` (tool_choice required or named): their arguments are schema-constrained, so
+    `strict: true` holds."""
     value = body.get("tools")
     if value is None:
         return []
@@ -338,8 +340,11 @@ def _tools(body: dict) -> list[pb.Tool]:
         name = _string(function, "name", f"{at}.function.name")
         if not name:
             raise bad_request(f"{at}.function.name", "required")
-        if function.get("strict"):
-            raise bad_request(f"{at}.function.strict", "strict schema enforcement is not supported")
+        if _boolean(function, "strict", f"{at}.function.strict") and not forced:
+            raise bad_request(
+                f"{at}.function.strict",
+                "arguments are enforced only with tool_choice 'required' or a named function",
+            )
         parameters = function.get("parameters")
         if parameters is not None:
             _object(parameters, f"{at}.function.parameters")
@@ -348,15 +353,87 @@ def _tools(body: dict) -> list[pb.Tool]:
     return tools
 
 
-def _tool_choice(body: dict, tools: list[pb.Tool]) -> list[pb.Tool]:
-    """The tools to render: all of them for "auto" (the default), none for "none". Forcing a call ("required"
-    or a named function) is not expressible in the Generate contract."""
+def _forced(body: dict) -> bool:
     choice = body.get("tool_choice")
+    return choice == "required" or isinstance(choice, dict)
+
+
+def _tool_choice(body: dict, tools: list[pb.Tool], chat: pb.ChatPrompt) -> None:
+    """Renders the tools into `chat` as `tool_choice` says: all of them for "auto" (the default), none for
+    "none"; "required" (one or more calls) and a named function (exactly one call to it) also set
+    `ChatPrompt.tool_choice`, so the output is tool calls with schema-valid arguments.
+
+    `parallel_tool_calls: false` asks for at most one call: a named function gives exactly one; "required"
+    with a single declared tool is that tool named; otherwise (the model may answer with several calls) a 400.
+    """
+    choice = body.get("tool_choice")
+    single = _boolean(body, "parallel_tool_calls") is False
     if choice is None or choice == "auto":
-        return tools
+        if single and tools:
+            raise bad_request(
+                "parallel_tool_calls",
+                "false is only supported with tool_choice 'required' or a named function "
+                "(with 'auto' the model may emit several calls)",
+            )
+        chat.tools.extend(tools)
+        return
     if choice == "none":
-        return []
-    raise bad_request("tool_choice", f"only 'auto' and 'none' are supported, got {choice!r}")
+        return
+    if not tools:
+        raise bad_request("tool_choice", f"{choice!r} needs at least one tool in `tools`")
+    chat.tools.extend(tools)
+    if choice == "required":
+        if not single:
+            chat.tool_choice.required = True
+        elif len(tools) == 1:
+            chat.tool_choice.function = tools[0].name
+        else:
+            raise bad_request(
+                "parallel_tool_calls",
+                "false with tool_choice 'required' needs exactly one declared tool (or name the function): "
+                "'required' allows one or more calls",
+            )
+        return
+    if not isinstance(choice, dict):
+        raise bad_request(
+            "tool_choice", f"expected 'auto', 'none', 'required' or a named function object, got {choice!r}"
+        )
+    if choice.get("type") != "function":
+        raise bad_request("tool_choice.type", f"only 'function' is supported, got {choice.get('type')!r}")
+    function = _object(choice.get("function"), "tool_choice.function")
+    name = _string(function, "name", "tool_choice.function.name")
+    if not name:
+        raise bad_request("tool_choice.function.name", "required")
+    if name not in {t.name for t in tools}:
+        raise bad_request("tool_choice.function.name", f"{name!r} is not one of the declared tools")
+    chat.tool_choice.function = name
+
+
+def response_format(body: dict, request: pb.GenerateRequest) -> None:
+    """`response_format` -> `GenerateRequest.constraint`: `json_schema` (its `schema` is enforced whether
+    `strict` is true or not) and `json_object` constrain the answer; `text` (the default) leaves it free."""
+    value = body.get("response_format")
+    if value is None:
+        return
+    fmt = _object(value, "response_format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return
+    if kind == "json_object":
+        request.constraint.json_object = True
+        return
+    if kind != "json_schema":
+        raise bad_request("response_format.type", f"expected 'text', 'json_object' or 'json_schema', got {kind!r}")
+    spec = _object(fmt.get("json_schema"), "response_format.json_schema")
+    if not _string(spec, "name", "response_format.json_schema.name"):
+        raise bad_request("response_format.json_schema.name", "required")
+    _string(spec, "description", "response_format.json_schema.description")
+    _boolean(spec, "strict", "response_format.json_schema.strict")
+    schema = spec.get("schema")
+    if schema is None:
+        raise bad_request("response_format.json_schema.schema", "required")
+    _object(schema, "response_format.json_schema.schema")
+    request.constraint.json_schema = json.dumps(schema)
 
 
 def _reasoning_effort(body: dict) -> float | None:
@@ -384,18 +461,16 @@ async def parse_chat(body: Any, request_id: str, loader: MediaLoader) -> Parsed:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", "expected a non-empty list of messages")
-    fmt = body.get("response_format")
-    if fmt is not None and _object(fmt, "response_format").get("type") != "text":
-        raise bad_request("response_format", f"only {{'type': 'text'}} is supported, got {fmt!r}")
-    if body.get("parallel_tool_calls") is False:
-        raise bad_request("parallel_tool_calls", "false is not supported (the model may emit several calls)")
     stream, include_usage = stream_flags(body)
     params = sampling(body, ("max_tokens", "max_completion_tokens"), None)
     request = _common_request(body, request_id, params)
     chat = request.chat
     for m, raw in enumerate(messages):
         chat.messages.append(await _message(raw, f"messages[{m}]", loader))
-    chat.tools.extend(_tool_choice(body, _tools(body)))
+    _tool_choice(body, _tools(body, _forced(body)), chat)
+    response_format(body, request)
+    if request.HasField("constraint") and chat.HasField("tool_choice"):
+        raise bad_request("response_format", "cannot be combined with a forced tool_choice (the call is the output)")
     if (effort := _reasoning_effort(body)) is not None:
         chat.reasoning_effort = effort
     wanted, top = _logprobs(body, request)
@@ -416,9 +491,9 @@ def _media_paths(chat: pb.ChatPrompt) -> tuple[str, ...]:
 
 
 def parse_completion(body: Any, request_id: str) -> Parsed:
-    """`prompt` is a list of token ids (a `TokenPrompt`, no chat template). A text prompt is a 400: the
-    Generate contract has no raw-text prompt and this front holds no tokenizer (tml-renderers imports torch).
-    A batch of several prompts is a 400 too (send one request per prompt)."""
+    """`prompt` is a text (a `TextPrompt`: the decode replica tokenizes it as ordinary text, no chat template)
+    or a list of token ids (a `TokenPrompt`). A batch of several prompts is a 400 (send one request per
+    prompt)."""
     body = _object(body, "body")
     _known_fields(body, COMPLETION_FIELDS, "completions")
     if _boolean(body, "echo"):
@@ -431,18 +506,26 @@ def parse_completion(body: Any, request_id: str) -> Parsed:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    text: str | None = None
+    ids: list[int] = []
     if isinstance(prompt, str):
-        raise bad_request("prompt", "text prompts are not supported here: send token ids, or use /v1/chat/completions")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if not prompt:
+            raise bad_request("prompt", "expected a non-empty string")
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         ids = _token_ids(prompt, "prompt")
     elif isinstance(prompt, list) and prompt:
         raise bad_request("prompt", "batched prompts are not supported: send one prompt per request")
     else:
-        raise bad_request("prompt", "expected a non-empty list of token ids")
+        raise bad_request("prompt", "expected a non-empty string or a non-empty list of token ids")
     stream, include_usage = stream_flags(body)
     params = sampling(body, ("max_tokens",), 16)  # OpenAI's default for completions
     request = _common_request(body, request_id, params)
-    request.tokens.token_ids.extend(ids)
+    if text is not None:
+        request.text.text = text
+    else:
+        request.tokens.token_ids.extend(ids)
+    response_format(body, request)
     top = _integer(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if top is not None:
         request.sampling.logprobs = top

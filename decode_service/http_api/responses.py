@@ -2,8 +2,8 @@
 (`ChatChunks`, `CompletionChunks`).
 
 Reasoning text goes to `reasoning_content` (vLLM/SGLang's convention), visible text to `content`, complete
-tool calls to `tool_calls` (one delta per call when streaming). The front holds no tokenizer, so logprob
-entries name tokens as `token_id:<id>` (vLLM's `return_tokens_as_token_ids` spelling) with `bytes` null.
+tool calls to `tool_calls` (one delta per call when streaming). The front holds no tokenizer: logprob entries
+carry the token text and bytes the decode replica put in `TokenLogprob.token` / `token_bytes`.
 """
 
 from __future__ import annotations
@@ -48,27 +48,34 @@ def tool_call_json(call: pb.ToolCall) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
 
 
-def _token(token_id: int) -> str:
-    return f"token_id:{token_id}"
+def _checked(entry: pb.TokenLogprob | pb.TopLogprob) -> pb.TokenLogprob | pb.TopLogprob:
+    if not entry.token_bytes:
+        raise ApiError(502, f"upstream logprob entry for token {entry.token_id} carries no token text")
+    return entry
+
+
+def _chat_entry(entry: pb.TokenLogprob | pb.TopLogprob) -> dict:
+    entry = _checked(entry)
+    return {"token": entry.token, "logprob": entry.logprob, "bytes": list(entry.token_bytes)}
 
 
 def chat_logprobs(entries: list[pb.TokenLogprob], top: int) -> list[dict]:
-    return [
-        {
-            "token": _token(e.token_id),
-            "logprob": e.logprob,
-            "bytes": None,
-            "top_logprobs": [{"token": _token(t.token_id), "logprob": t.logprob, "bytes": None} for t in e.top[:top]],
-        }
-        for e in entries
-    ]
+    return [{**_chat_entry(e), "top_logprobs": [_chat_entry(t) for t in e.top[:top]]} for e in entries]
 
 
 def completion_logprobs(entries: list[pb.TokenLogprob], top: int) -> dict:
+    """The legacy shape: token texts, their logprobs, and per position a {token: logprob} map of the top ones
+    (tokens with equal text share one key: the most likely one's logprob is kept)."""
+    tops = []
+    for e in entries:
+        best: dict[str, float] = {}
+        for t in e.top[:top]:
+            best.setdefault(_checked(t).token, t.logprob)
+        tops.append(best)
     return {
-        "tokens": [_token(e.token_id) for e in entries],
+        "tokens": [_checked(e).token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{_token(t.token_id): t.logprob for t in e.top[:top]} for e in entries],
+        "top_logprobs": tops,
     }
 
 

@@ -25,4 +25,9 @@ def test_prefix_hashes_follow_shared_prefixes():
     ids[ROUTING_BLOCK_TOKENS + 1] += 1
     changed = request_prefix_hashes(pb.GenerateRequest(tokens=pb.TokenPrompt(token_ids=ids)))
     assert len(base) == 2 and base[0] == changed[0] and base[1] != changed[1]
+    text = "x" * (8 * ROUTING_BLOCK_TOKENS + 5)
+    base = request_prefix_hashes(pb.GenerateRequest(text=pb.TextPrompt(text=text)))
+    tail = request_prefix_hashes(pb.GenerateRequest(text=pb.TextPrompt(text=text[:-5] + "y" * 5)))
+    changed = request_prefix_hashes(pb.GenerateRequest(text=pb.TextPrompt(text=text[:-10] + "y" * 10)))
+    assert len(base) == 2 and tail == base and changed[0] == base[0] and changed[1] != base[1]
     assert prefix_directory_key(base[0], "ns").startswith(PREFIX_DIRECTORY_PREFIX + "ns:")

@@ -17,6 +17,7 @@ from common.grpc_util import UNAVAILABLE_DEPENDENCY_KEY
 from common.metrics import DecodeMetrics, new_registry
 from common.settings import DecodeEngineSettings, EncoderSettings, GrpcSettings
 from decode_service.api import DeltaEvent
+from decode_service.chat import encode_text, token_bytes
 from decode_service.encoder_client import EncoderClient, EncoderPoolUnavailableError
 from decode_service.output_parser import ParsedToolCall
 from decode_service.server import GeneratorServicer, build_server, delta_message
@@ -328,3 +329,25 @@ def test_decode_server_imports_neither_the_encoder_server_nor_the_router():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+async def test_text_prompt_is_the_ordinary_token_prompt_and_logprobs_carry_token_text(cluster):
+    _, stub, _, _ = cluster
+    text = "Once upon a time <|content_text|>"  # a special token's spelling stays ordinary text
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    by_text, text_final = await generate(
+        stub, pb.GenerateRequest(request_id="tx-1", text=pb.TextPrompt(text=text), sampling=sampling)
+    )
+    tokens = pb.TokenPrompt(token_ids=encode_text(text))
+    by_ids, ids_final = await generate(stub, pb.GenerateRequest(request_id="tx-2", tokens=tokens, sampling=sampling))
+    assert [t for d in by_text for t in d.token_ids] == [t for d in by_ids for t in d.token_ids]
+    assert text_final.usage.prompt_tokens == ids_final.usage.prompt_tokens == len(encode_text(text))
+    entries = [e for d in by_text for e in d.logprobs]
+    assert len(entries) == 4
+    for entry in entries:
+        for e in (entry, *entry.top):
+            assert e.token_bytes == token_bytes(e.token_id)
+            assert e.token == token_bytes(e.token_id).decode("utf-8", errors="replace")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(stub, pb.GenerateRequest(request_id="tx-3", text=pb.TextPrompt(), sampling=sampling))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text.text" in err.value.details()

@@ -220,6 +220,8 @@ async def test_bad_prompts_name_the_field(service):
     media = (MediaInput("image", sample_media()["shapes.png"]),)
     with pytest.raises(InvalidInputError, match="prompt.token_ids"):
         await collect(service, GenerateInput("bad-2", prompt_token_ids=PROMPT, media=media, sampling=GREEDY))
+    with pytest.raises(InvalidInputError, match="^media: a text prompt takes no media"):
+        await collect(service, GenerateInput("bad-2t", prompt_text="Describe.", media=media, sampling=GREEDY))
     with pytest.raises(InvalidInputError, match=r"media\[0\]"):
         bad = (MediaInput("image", b"not an image"),)
         await collect(

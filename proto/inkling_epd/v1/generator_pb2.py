@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from proto.inkling_epd.v1 import media_pb2 as proto_dot_inkling__epd_dot_v1_dot_media__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$proto/inkling_epd/v1/generator.proto\x12\x0einkling_epd.v1\x1a proto/inkling_epd/v1/media.proto\"Q\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x05media\x18\x02 \x01(\x0b\x32\x19.inkling_epd.v1.MediaItemH\x00\x42\x06\n\x04part\"J\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\"\xc0\x01\n\x07Message\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.inkling_epd.v1.Role\x12,\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1b.inkling_epd.v1.ContentPart\x12\x0c\n\x04name\x18\x03 \x01(\t\x12,\n\ntool_calls\x18\x04 \x03(\x0b\x32\x18.inkling_epd.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x11\n\treasoning\x18\x06 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xc1\x01\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.inkling_epd.v1.Message\x12#\n\x05tools\x18\x02 \x03(\x0b\x32\x14.inkling_epd.v1.Tool\x12\x1d\n\x10reasoning_effort\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x1a.inkling_epd.v1.ToolChoiceB\x13\n\x11_reasoning_effort\">\n\nToolChoice\x12\x12\n\x08required\x18\x01 \x01(\x08H\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\x99\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x05 \x01(\tH\x00\x12\x1b\n\x13\x66lexible_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"J\n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12(\n\x05media\x18\x02 \x03(\x0b\x32\x19.inkling_epd.v1.MediaItem\"\x80\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\rH\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nmax_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\r\n\x0b_max_tokensB\r\n\x0b_min_tokens\"\xb9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.inkling_epd.v1.ChatPromptH\x00\x12-\n\x06tokens\x18\x03 \x01(\x0b\x32\x1b.inkling_epd.v1.TokenPromptH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.inkling_epd.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x34\n\nconstraint\x18\x07 \x01(\x0b\x32 .inkling_epd.v1.OutputConstraint\x12\x1f\n\x17return_prompt_token_ids\x18\x08 \x01(\x08\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.inkling_epd.v1.TopLogprob\"\xaf\x01\n\x05\x44\x65lta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12(\n\x07\x63hannel\x18\x03 \x01(\x0e\x32\x17.inkling_epd.v1.Channel\x12+\n\ttool_call\x18\x04 \x01(\x0b\x32\x18.inkling_epd.v1.ToolCall\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.inkling_epd.v1.TokenLogprob\"\x81\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_tokens_gpu\x18\x03 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_tokens_redis\x18\x04 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x61udio_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x08 \x01(\r\x12\x17\n\x0fmm_items_cached\x18\t \x01(\r\x12\x18\n\x10mm_items_encoded\x18\n \x01(\r\"a\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x10\n\x08\x65ncode_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\"\x91\x02\n\x05\x46inal\x12\x33\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1c.inkling_epd.v1.FinishReason\x12$\n\x05usage\x18\x02 \x01(\x0b\x32\x15.inkling_epd.v1.Usage\x12(\n\x07timings\x18\x03 \x01(\x0b\x32\x17.inkling_epd.v1.Timings\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\x12\"\n\x15matched_stop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rfinish_detail\x18\x06 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\rB\x18\n\x16_matched_stop_token_id\"n\n\x10GenerateResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.inkling_epd.v1.DeltaH\x00\x12&\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x15.inkling_epd.v1.FinalH\x00\x42\n\n\x08response\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\r\n\x0bLoadRequest\"\xa1\x01\n\x04Load\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x15\n\rfree_kv_pages\x18\x04 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x02\x12\x1d\n\x15inflight_encode_items\x18\x06 \x01(\r\"\x12\n\x10ModelInfoRequest\"\xfa\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12\x1b\n\x13\x65ncoder_fingerprint\x18\x03 \x01(\x0c\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x16\n\x0eimage_token_id\x18\x07 \x01(\r\x12\x16\n\x0e\x61udio_token_id\x18\x08 \x01(\r\x12,\n\nmodalities\x18\t \x03(\x0e\x32\x18.inkling_epd.v1.Modality*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04*e\n\x07\x43hannel\x12\x17\n\x13\x43HANNEL_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43HANNEL_REASONING\x10\x01\x12\x13\n\x0f\x43HANNEL_CONTENT\x10\x02\x12\x15\n\x11\x43HANNEL_TOOL_CALL\x10\x03*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xad\x02\n\tGenerator\x12O\n\x08Generate\x12\x1f.inkling_epd.v1.GenerateRequest\x1a .inkling_epd.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.inkling_epd.v1.AbortRequest\x1a\x1d.inkling_epd.v1.AbortResponse\x12<\n\x07GetLoad\x12\x1b.inkling_epd.v1.LoadRequest\x1a\x14.inkling_epd.v1.Load\x12K\n\x0cGetModelInfo\x12 .inkling_epd.v1.ModelInfoRequest\x1a\x19.inkling_epd.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$proto/inkling_epd/v1/generator.proto\x12\x0einkling_epd.v1\x1a proto/inkling_epd/v1/media.proto\"Q\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x05media\x18\x02 \x01(\x0b\x32\x19.inkling_epd.v1.MediaItemH\x00\x42\x06\n\x04part\"J\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\"\xc0\x01\n\x07Message\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.inkling_epd.v1.Role\x12,\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1b.inkling_epd.v1.ContentPart\x12\x0c\n\x04name\x18\x03 \x01(\t\x12,\n\ntool_calls\x18\x04 \x03(\x0b\x32\x18.inkling_epd.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x11\n\treasoning\x18\x06 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xc1\x01\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.inkling_epd.v1.Message\x12#\n\x05tools\x18\x02 \x03(\x0b\x32\x14.inkling_epd.v1.Tool\x12\x1d\n\x10reasoning_effort\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x1a.inkling_epd.v1.ToolChoiceB\x13\n\x11_reasoning_effort\">\n\nToolChoice\x12\x12\n\x08required\x18\x01 \x01(\x08H\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\x99\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x05 \x01(\tH\x00\x12\x1b\n\x13\x66lexible_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"J\n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12(\n\x05media\x18\x02 \x03(\x0b\x32\x19.inkling_epd.v1.MediaItem\"\x1a\n\nTextPrompt\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x80\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\rH\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nmax_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\r\n\x0b_max_tokensB\r\n\x0b_min_tokens\"\xe5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.inkling_epd.v1.ChatPromptH\x00\x12-\n\x06tokens\x18\x03 \x01(\x0b\x32\x1b.inkling_epd.v1.TokenPromptH\x00\x12*\n\x04text\x18\t \x01(\x0b\x32\x1a.inkling_epd.v1.TextPromptH\x00\x12\x30\n\x08sampling\x18\x04 \x01(\x0b\x32\x1e.inkling_epd.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x34\n\nconstraint\x18\x07 \x01(\x0b\x32 .inkling_epd.v1.OutputConstraint\x12\x1f\n\x17return_prompt_token_ids\x18\x08 \x01(\x08\x42\x08\n\x06prompt\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"~\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.inkling_epd.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\"\xaf\x01\n\x05\x44\x65lta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12(\n\x07\x63hannel\x18\x03 \x01(\x0e\x32\x17.inkling_epd.v1.Channel\x12+\n\ttool_call\x18\x04 \x01(\x0b\x32\x18.inkling_epd.v1.ToolCall\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.inkling_epd.v1.TokenLogprob\"\x81\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_tokens_gpu\x18\x03 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_tokens_redis\x18\x04 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x61udio_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x08 \x01(\r\x12\x17\n\x0fmm_items_cached\x18\t \x01(\r\x12\x18\n\x10mm_items_encoded\x18\n \x01(\r\"a\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x10\n\x08\x65ncode_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\"\x91\x02\n\x05\x46inal\x12\x33\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1c.inkling_epd.v1.FinishReason\x12$\n\x05usage\x18\x02 \x01(\x0b\x32\x15.inkling_epd.v1.Usage\x12(\n\x07timings\x18\x03 \x01(\x0b\x32\x17.inkling_epd.v1.Timings\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\x12\"\n\x15matched_stop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rfinish_detail\x18\x06 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\rB\x18\n\x16_matched_stop_token_id\"n\n\x10GenerateResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.inkling_epd.v1.DeltaH\x00\x12&\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x15.inkling_epd.v1.FinalH\x00\x42\n\n\x08response\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\r\n\x0bLoadRequest\"\xa1\x01\n\x04Load\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x15\n\rfree_kv_pages\x18\x04 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x02\x12\x1d\n\x15inflight_encode_items\x18\x06 \x01(\r\"\x12\n\x10ModelInfoRequest\"\xfa\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12\x1b\n\x13\x65ncoder_fingerprint\x18\x03 \x01(\x0c\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x16\n\x0eimage_token_id\x18\x07 \x01(\r\x12\x16\n\x0e\x61udio_token_id\x18\x08 \x01(\r\x12,\n\nmodalities\x18\t \x03(\x0e\x32\x18.inkling_epd.v1.Modality*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04*e\n\x07\x43hannel\x12\x17\n\x13\x43HANNEL_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43HANNEL_REASONING\x10\x01\x12\x13\n\x0f\x43HANNEL_CONTENT\x10\x02\x12\x15\n\x11\x43HANNEL_TOOL_CALL\x10\x03*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xad\x02\n\tGenerator\x12O\n\x08Generate\x12\x1f.inkling_epd.v1.GenerateRequest\x1a .inkling_epd.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.inkling_epd.v1.AbortRequest\x1a\x1d.inkling_epd.v1.AbortResponse\x12<\n\x07GetLoad\x12\x1b.inkling_epd.v1.LoadRequest\x1a\x14.inkling_epd.v1.Load\x12K\n\x0cGetModelInfo\x12 .inkling_epd.v1.ModelInfoRequest\x1a\x19.inkling_epd.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.inkling_epd.v1.generator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=3436
-  _globals['_ROLE']._serialized_end=3531
-  _globals['_CHANNEL']._serialized_start=3533
-  _globals['_CHANNEL']._serialized_end=3634
-  _globals['_FINISHREASON']._serialized_start=3637
-  _globals['_FINISHREASON']._serialized_end=3787
+  _globals['_ROLE']._serialized_start=3580
+  _globals['_ROLE']._serialized_end=3675
+  _globals['_CHANNEL']._serialized_start=3677
+  _globals['_CHANNEL']._serialized_end=3778
+  _globals['_FINISHREASON']._serialized_start=3781
+  _globals['_FINISHREASON']._serialized_end=3931
   _globals['_CONTENTPART']._serialized_start=90
   _globals['_CONTENTPART']._serialized_end=171
   _globals['_TOOLCALL']._serialized_start=173
@@ -54,36 +54,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OUTPUTCONSTRAINT']._serialized_end=926
   _globals['_TOKENPROMPT']._serialized_start=928
   _globals['_TOKENPROMPT']._serialized_end=1002
-  _globals['_SAMPLINGPARAMS']._serialized_start=1005
-  _globals['_SAMPLINGPARAMS']._serialized_end=1517
-  _globals['_GENERATEREQUEST']._serialized_start=1520
-  _globals['_GENERATEREQUEST']._serialized_end=1833
-  _globals['_TOPLOGPROB']._serialized_start=1835
-  _globals['_TOPLOGPROB']._serialized_end=1882
-  _globals['_TOKENLOGPROB']._serialized_start=1884
-  _globals['_TOKENLOGPROB']._serialized_end=1974
-  _globals['_DELTA']._serialized_start=1977
-  _globals['_DELTA']._serialized_end=2152
-  _globals['_USAGE']._serialized_start=2155
-  _globals['_USAGE']._serialized_end=2412
-  _globals['_TIMINGS']._serialized_start=2414
-  _globals['_TIMINGS']._serialized_end=2511
-  _globals['_FINAL']._serialized_start=2514
-  _globals['_FINAL']._serialized_end=2787
-  _globals['_GENERATERESPONSE']._serialized_start=2789
-  _globals['_GENERATERESPONSE']._serialized_end=2899
-  _globals['_ABORTREQUEST']._serialized_start=2901
-  _globals['_ABORTREQUEST']._serialized_end=2936
-  _globals['_ABORTRESPONSE']._serialized_start=2938
-  _globals['_ABORTRESPONSE']._serialized_end=2982
-  _globals['_LOADREQUEST']._serialized_start=2984
-  _globals['_LOADREQUEST']._serialized_end=2997
-  _globals['_LOAD']._serialized_start=3000
-  _globals['_LOAD']._serialized_end=3161
-  _globals['_MODELINFOREQUEST']._serialized_start=3163
-  _globals['_MODELINFOREQUEST']._serialized_end=3181
-  _globals['_MODELINFO']._serialized_start=3184
-  _globals['_MODELINFO']._serialized_end=3434
-  _globals['_GENERATOR']._serialized_start=3790
-  _globals['_GENERATOR']._serialized_end=4091
+  _globals['_TEXTPROMPT']._serialized_start=1004
+  _globals['_TEXTPROMPT']._serialized_end=1030
+  _globals['_SAMPLINGPARAMS']._serialized_start=1033
+  _globals['_SAMPLINGPARAMS']._serialized_end=1545
+  _globals['_GENERATEREQUEST']._serialized_start=1548
+  _globals['_GENERATEREQUEST']._serialized_end=1905
+  _globals['_TOPLOGPROB']._serialized_start=1907
+  _globals['_TOPLOGPROB']._serialized_end=1990
+  _globals['_TOKENLOGPROB']._serialized_start=1992
+  _globals['_TOKENLOGPROB']._serialized_end=2118
+  _globals['_DELTA']._serialized_start=2121
+  _globals['_DELTA']._serialized_end=2296
+  _globals['_USAGE']._serialized_start=2299
+  _globals['_USAGE']._serialized_end=2556
+  _globals['_TIMINGS']._serialized_start=2558
+  _globals['_TIMINGS']._serialized_end=2655
+  _globals['_FINAL']._serialized_start=2658
+  _globals['_FINAL']._serialized_end=2931
+  _globals['_GENERATERESPONSE']._serialized_start=2933
+  _globals['_GENERATERESPONSE']._serialized_end=3043
+  _globals['_ABORTREQUEST']._serialized_start=3045
+  _globals['_ABORTREQUEST']._serialized_end=3080
+  _globals['_ABORTRESPONSE']._serialized_start=3082
+  _globals['_ABORTRESPONSE']._serialized_end=3126
+  _globals['_LOADREQUEST']._serialized_start=3128
+  _globals['_LOADREQUEST']._serialized_end=3141
+  _globals['_LOAD']._serialized_start=3144
+  _globals['_LOAD']._serialized_end=3305
+  _globals['_MODELINFOREQUEST']._serialized_start=3307
+  _globals['_MODELINFOREQUEST']._serialized_end=3325
+  _globals['_MODELINFO']._serialized_start=3328
+  _globals['_MODELINFO']._serialized_end=3578
+  _globals['_GENERATOR']._serialized_start=3934
+  _globals['_GENERATOR']._serialized_end=4235
 # @@protoc_insertion_point(module_scope)

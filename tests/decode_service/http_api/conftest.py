@@ -72,14 +72,32 @@ def _delta(text: str = "", channel: int = pb.CHANNEL_CONTENT, ids=(1,), **kw) ->
     return pb.GenerateResponse(delta=pb.Delta(token_ids=list(ids), text=text, channel=channel, **kw))
 
 
+def _logprob(token_id: int, text: str, logprob: float, *top: tuple[int, str, float]) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=token_id,
+        logprob=logprob,
+        token=text,
+        token_bytes=text.encode(),
+        top=[pb.TopLogprob(token_id=i, logprob=v, token=t, token_bytes=t.encode()) for i, t, v in top],
+    )
+
+
 SCRIPTS = {
+    "no token text": [
+        _delta("a", logprobs=[pb.TokenLogprob(token_id=1, logprob=-0.1)]),
+        pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP, usage=_usage())),
+    ],
     # last user text -> the responses (or an abort) the fake streams
     "no final": [_delta("partial")],  # a broken upstream: the stream ends without its Final
     "no reason": [_delta("partial"), pb.GenerateResponse(final=pb.Final(usage=_usage()))],  # Final, reason unset
     "hello": [
         _delta("Let me think.", pb.CHANNEL_REASONING, ids=(10, 11)),
-        _delta("Hello", ids=(12,), logprobs=[pb.TokenLogprob(token_id=12, logprob=-0.5)]),
-        _delta(" world", ids=(13,), logprobs=[pb.TokenLogprob(token_id=13, logprob=-0.25)]),
+        _delta("Hello", ids=(12,), logprobs=[_logprob(12, "Hello", -0.5, (12, "Hello", -0.5), (14, "Hi", -1.5))]),
+        _delta(" world", ids=(13,), logprobs=[_logprob(13, " world", -0.25, (13, " world", -0.25))]),
+        # a token that is half of a UTF-8 character: its text is U+FFFD, its bytes exact
+        _delta(
+            "", ids=(15,), logprobs=[pb.TokenLogprob(token_id=15, logprob=-2.0, token="\ufffd", token_bytes=b"\xc3")]
+        ),
         pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP, usage=_usage(), matched_stop="")),
     ],
     "weather?": [
@@ -97,15 +115,18 @@ SCRIPTS = {
 
 @dataclass
 class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
-    """Streams `SCRIPTS[last user text]`; "status CODE message" aborts with that code; "slow" streams a delta
-    every 20 ms for 60 s and records when its call is cancelled."""
+    """Streams `SCRIPTS[last user text]` (a text prompt: SCRIPTS[its text]); "status CODE message" aborts with
+    that code; "slow" streams a delta every 20 ms for 60 s and records when its call is cancelled."""
 
     requests: list = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def Generate(self, request, context):
         self.requests.append(request)
-        text = request.chat.messages[-1].content[-1].text if request.HasField("chat") else "tokens"
+        kind = request.WhichOneof("prompt")
+        text = {"chat": lambda: request.chat.messages[-1].content[-1].text, "text": lambda: request.text.text}.get(
+            kind, lambda: "tokens"
+        )()
         if text.startswith("status "):
             _, code, message = text.split(" ", 2)
             context.abort(grpc.StatusCode[code], message)

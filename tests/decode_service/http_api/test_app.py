@@ -125,11 +125,42 @@ def test_x_request_id_travels_upstream_and_back(client, fake_upstream):
         )
 
 
-def test_logprobs_name_token_ids(client, fake_upstream):
+def test_logprobs_carry_token_text_and_bytes(client, fake_upstream):
     reply = client.chat.completions.create(model="inkling-test", messages=user("hello"), logprobs=True, top_logprobs=2)
     assert fake_upstream.servicer.requests[-1].sampling.logprobs == 2
     entries = reply.choices[0].logprobs.content
-    assert [(e.token, e.logprob) for e in entries] == [("token_id:12", -0.5), ("token_id:13", -0.25)]
+    assert [(e.token, e.logprob, e.bytes) for e in entries] == [
+        ("Hello", -0.5, list(b"Hello")),
+        (" world", -0.25, list(b" world")),
+        ("\ufffd", -2.0, [0xC3]),
+    ]
+    assert [(t.token, t.logprob, t.bytes) for t in entries[0].top_logprobs] == [
+        ("Hello", -0.5, list(b"Hello")),
+        ("Hi", -1.5, list(b"Hi")),
+    ]
+    one = client.chat.completions.create(model="inkling-test", messages=user("hello"), logprobs=True, top_logprobs=1)
+    assert [len(e.top_logprobs) for e in one.choices[0].logprobs.content] == [1, 1, 0]
+    streamed = client.chat.completions.create(
+        model="inkling-test", messages=user("hello"), logprobs=True, top_logprobs=2, stream=True
+    )
+    tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert tokens == ["Hello", " world", "\ufffd"]
+
+
+def test_completion_logprobs_are_the_legacy_shape(client):
+    reply = client.completions.create(model="inkling-test", prompt="hello", logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs.tokens == ["Hello", " world", "\ufffd"]
+    assert logprobs.token_logprobs == [-0.5, -0.25, -2.0]
+    assert logprobs.top_logprobs == [{"Hello": -0.5, "Hi": -1.5}, {" world": -0.25}, {}]
+    streamed = client.completions.create(model="inkling-test", prompt="hello", logprobs=2, stream=True)
+    assert [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == logprobs.tokens
+
+
+def test_logprobs_without_token_text_are_an_upstream_error(client):
+    with pytest.raises(openai.InternalServerError, match="carries no token text") as info:
+        client.chat.completions.create(model="inkling-test", messages=user("no token text"), logprobs=True)
+    assert info.value.status_code == 502
 
 
 TOOLS = [
@@ -214,7 +245,15 @@ def test_tool_call_round_trip(client, fake_upstream):
             "messages[0].content[0].image_url.url",
         ),
         ({"n": 2}, "n"),
-        ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
+            "tool_choice.function.name",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
         ({"top_p": 0}, "top_p"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
@@ -270,8 +309,46 @@ def test_completions_with_token_ids(client, fake_upstream):
     assert (reply.choices[0].text, reply.choices[0].finish_reason) == ("abc", "length")
     streamed = list(client.completions.create(model="inkling-test", prompt=[1, 2, 3], stream=True))
     assert "".join(c.choices[0].text for c in streamed) == "abc"
-    with pytest.raises(openai.BadRequestError, match="prompt: text prompts"):
-        client.completions.create(model="inkling-test", prompt="hello")
+    reply = client.completions.create(model="inkling-test", prompt="hello", max_tokens=2)
+    request = fake_upstream.servicer.requests[-1]
+    assert request.WhichOneof("prompt") == "text" and request.text.text == "hello"
+    assert reply.choices[0].text == "Let me think.Hello world"
+    with pytest.raises(openai.BadRequestError, match="prompt: batched"):
+        client.completions.create(model="inkling-test", prompt=["a", "b"])
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_response_format_becomes_the_upstream_constraint(client, fake_upstream):
+    client.chat.completions.create(
+        model="inkling-test",
+        messages=user("hello"),
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}},
+    )
+    constraint = fake_upstream.servicer.requests[-1].constraint
+    assert constraint.WhichOneof("kind") == "json_schema" and json.loads(constraint.json_schema) == SCHEMA
+    client.chat.completions.create(
+        model="inkling-test", messages=user("hello"), response_format={"type": "json_object"}
+    )
+    assert fake_upstream.servicer.requests[-1].constraint.json_object
+    client.chat.completions.create(model="inkling-test", messages=user("hello"), response_format={"type": "text"})
+    assert not fake_upstream.servicer.requests[-1].HasField("constraint")
+    client.completions.create(
+        model="inkling-test", prompt="hello", extra_body={"response_format": {"type": "json_object"}}
+    )
+    assert fake_upstream.servicer.requests[-1].constraint.json_object
+
+
+def test_forced_tool_choice_becomes_the_upstream_tool_choice(client, fake_upstream):
+    client.chat.completions.create(model="inkling-test", messages=user("weather?"), tools=TOOLS, tool_choice="required")
+    assert fake_upstream.servicer.requests[-1].chat.tool_choice.required
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(
+        model="inkling-test", messages=user("weather?"), tools=TOOLS, tool_choice=named, parallel_tool_calls=False
+    )
+    assert fake_upstream.servicer.requests[-1].chat.tool_choice.function == "get_weather"
+    assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["get_weather"]
 
 
 def test_disconnect_mid_stream_cancels_the_upstream_call(api, fake_upstream):

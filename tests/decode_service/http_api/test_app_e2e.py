@@ -6,13 +6,16 @@ that disconnects mid-stream leaves the replica idle."""
 from __future__ import annotations
 
 import base64
+import json
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 
 from decode_service.api import ServiceLimits
+from decode_service.chat import encode_text, token_bytes
 from decode_service.http_api.config import ApiSettings
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc, media_pb2
@@ -71,8 +74,15 @@ MESSAGES = [
 GREEDY = dict(temperature=0, max_tokens=MAX_TOKENS, logprobs=True, extra_body={"ignore_eos": True})
 
 
-def grpc_reference(router_address: str) -> tuple[list[int], dict[str, str], pb.Final]:
-    """The same request sent straight to the router's Generate: token ids, text per channel, the Final."""
+def grpc_generate(router_address: str, request: pb.GenerateRequest) -> tuple[list[pb.Delta], pb.Final]:
+    with grpc.insecure_channel(router_address) as channel:
+        responses = list(generator_pb2_grpc.GeneratorStub(channel).Generate(request, timeout=120))
+    assert responses[-1].HasField("final")
+    return [r.delta for r in responses[:-1]], responses[-1].final
+
+
+def grpc_reference(router_address: str) -> tuple[list[pb.TokenLogprob], dict[str, str], pb.Final]:
+    """The same request sent straight to the router's Generate: logprob entries, text per channel, the Final."""
     parts = [
         pb.ContentPart(media=media_pb2.MediaItem(modality=media_pb2.MODALITY_IMAGE, data=IMAGE)),
         pb.ContentPart(media=media_pb2.MediaItem(modality=media_pb2.MODALITY_AUDIO, data=AUDIO)),
@@ -83,22 +93,18 @@ def grpc_reference(router_address: str) -> tuple[list[int], dict[str, str], pb.F
         chat=pb.ChatPrompt(messages=[pb.Message(role=pb.ROLE_USER, content=parts)]),
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0),
     )
-    tokens: list[int] = []
+    deltas, final = grpc_generate(router_address, request)
+    entries = [e for d in deltas for e in d.logprobs]
+    assert [e.token_id for e in entries] == [t for d in deltas for t in d.token_ids]
     text = {"content": "", "reasoning": ""}
-    final = None
-    with grpc.insecure_channel(router_address) as channel:
-        for response in generator_pb2_grpc.GeneratorStub(channel).Generate(request, timeout=120):
-            if response.HasField("final"):
-                final = response.final
-                continue
-            tokens += response.delta.token_ids
-            text["reasoning" if response.delta.channel == pb.CHANNEL_REASONING else "content"] += response.delta.text
-    assert final is not None
-    return tokens, text, final
+    for delta in deltas:
+        text["reasoning" if delta.channel == pb.CHANNEL_REASONING else "content"] += delta.text
+    return entries, text, final
 
 
-def _ids(entries) -> list[int]:
-    return [int(e.token.removeprefix("token_id:")) for e in entries]
+def _tokens(entries) -> list[tuple[str, bytes]]:
+    """(text, bytes) of OpenAI logprob entries or of the upstream's TokenLogprob messages."""
+    return [(e.token, bytes(e.bytes)) if hasattr(e, "bytes") else (e.token, e.token_bytes) for e in entries]
 
 
 def test_models_list_the_upstream_model(client):
@@ -107,12 +113,14 @@ def test_models_list_the_upstream_model(client):
 
 def test_greedy_chat_equals_generate_streamed_or_not(client, cluster):
     _, router = cluster
-    tokens, text, final = grpc_reference(router.address)
-    assert len(tokens) == MAX_TOKENS
+    entries, text, final = grpc_reference(router.address)
+    assert len(entries) == MAX_TOKENS
+    tokens = _tokens(entries)
+    assert all(raw == token_bytes(e.token_id) for e, (_, raw) in zip(entries, tokens, strict=True))
 
     plain = client.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)
     choice = plain.choices[0]
-    assert _ids(choice.logprobs.content) == tokens
+    assert _tokens(choice.logprobs.content) == tokens
     assert (choice.message.content or "") == text["content"]
     assert (choice.message.model_extra.get("reasoning_content") or "") == text["reasoning"]
     assert choice.finish_reason == "length"
@@ -127,7 +135,7 @@ def test_greedy_chat_equals_generate_streamed_or_not(client, cluster):
     deltas = [c.choices[0] for c in chunks if c.choices]
     assert "".join(d.delta.content or "" for d in deltas) == text["content"]
     assert "".join((d.delta.model_extra or {}).get("reasoning_content") or "" for d in deltas) == text["reasoning"]
-    assert [i for d in deltas if d.logprobs for i in _ids(d.logprobs.content)] == tokens
+    assert [t for d in deltas if d.logprobs for t in _tokens(d.logprobs.content)] == tokens
     assert deltas[-1].finish_reason == "length"
     usage = chunks[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (plain.usage.prompt_tokens, MAX_TOKENS)
@@ -253,3 +261,104 @@ def test_disconnect_mid_stream_frees_the_request(api, cluster, e2e, loop_thread)
                     break
     idle = loop_thread.run(e2e.wait_idle(decode, timeout_s=10.0))
     assert not any(idle.values()), idle
+
+
+def test_text_completion_equals_the_token_prompt(client, cluster):
+    _, router = cluster
+    prompt = "Once upon a time"
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    request = pb.GenerateRequest(request_id="text-ref", tokens=pb.TokenPrompt(token_ids=encode_text(prompt)))
+    request.sampling.CopyFrom(sampling)
+    deltas, final = grpc_generate(router.address, request)
+    reference = [e for d in deltas for e in d.logprobs]
+
+    reply = client.completions.create(
+        model="tiny", prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, logprobs=0, extra_body={"ignore_eos": True}
+    )
+    choice = reply.choices[0]
+    assert choice.logprobs.tokens == [e.token for e in reference]
+    assert choice.logprobs.token_logprobs == pytest.approx([e.logprob for e in reference], abs=1e-5)
+    assert choice.text == "".join(d.text for d in deltas)
+    assert reply.usage.prompt_tokens == final.usage.prompt_tokens == len(encode_text(prompt))
+    assert (reply.usage.completion_tokens, choice.finish_reason) == (MAX_TOKENS, "length")
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+SAMPLED = dict(temperature=0.7, seed=3, max_tokens=64)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_parses(client, stream):
+    response_format = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}}
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Plan a trip."}], response_format=response_format,
+        stream=stream, **SAMPLED,
+    )  # fmt: skip
+    if stream:
+        chunks = [c.choices[0] for c in reply if c.choices]
+        content, finish = "".join(c.delta.content or "" for c in chunks), chunks[-1].finish_reason
+    else:
+        content, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert finish == "stop"
+    jsonschema.validate(json.loads(content), SCHEMA)
+
+
+def test_response_format_on_text_completions(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}}
+    reply = client.completions.create(
+        model="tiny", prompt="A trip as JSON:", extra_body={"response_format": response_format}, **SAMPLED
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].text), SCHEMA)
+    # any JSON object has no bound a random model must meet: an object as far as it goes, or `length`
+    reply = client.completions.create(
+        model="tiny", prompt="JSON:", extra_body={"response_format": {"type": "json_object"}}, **SAMPLED
+    )
+    text, finish = reply.choices[0].text, reply.choices[0].finish_reason
+    assert text.startswith("{")
+    if finish == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert finish == "length"
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}},
+    {"type": "function", "function": {"name": "get_time", "parameters": NO_ARGUMENTS}},
+]
+
+
+@pytest.mark.parametrize(
+    "tool_choice, parallel, names",
+    [
+        ({"type": "function", "function": {"name": "get_weather"}}, False, ["get_weather"]),
+        ("required", None, None),
+    ],
+)
+def test_forced_tool_choice_always_parses(client, tool_choice, parallel, names):
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, tool_choice=tool_choice,
+        **extra, **SAMPLED,
+    )  # fmt: skip
+    choice = reply.choices[0]
+    calls = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and calls
+    if names is not None:
+        assert [c.function.name for c in calls] == names
+    for call in calls:
+        assert call.function.name in ("get_weather", "get_time")
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, WEATHER if call.function.name == "get_weather" else NO_ARGUMENTS)

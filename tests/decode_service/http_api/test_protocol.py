@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 
 import pytest
 
@@ -78,6 +79,42 @@ def test_stream_options_and_max_tokens_pairs():
     refused("max_completion_tokens", max_tokens=5, max_completion_tokens=6)
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+TOOL_G = [{"type": "function", "function": {"name": "g"}}]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_response_format_maps_onto_the_constraint():
+    assert not chat().request.HasField("constraint")
+    assert not chat(response_format={"type": "text"}).request.HasField("constraint")
+    c = chat(response_format={"type": "json_object"}).request.constraint
+    assert c.WhichOneof("kind") == "json_object" and c.json_object and not c.flexible_whitespace
+    for strict in (True, False, None):
+        spec = {"name": "answer", "schema": SCHEMA, "strict": strict}
+        c = chat(response_format={"type": "json_schema", "json_schema": spec}).request.constraint
+        assert c.WhichOneof("kind") == "json_schema" and json.loads(c.json_schema) == SCHEMA
+    spec = {"name": "answer", "schema": SCHEMA}
+    c = completion(prompt="x", response_format={"type": "json_schema", "json_schema": spec}).request.constraint
+    assert json.loads(c.json_schema) == SCHEMA
+    assert completion(prompt=[1], response_format={"type": "json_object"}).request.constraint.json_object
+
+
+def test_tool_choice_required_and_named_map_onto_tool_choice():
+    both = TOOLS + TOOL_G
+    chat_prompt = chat(tools=both, tool_choice="required").request.chat
+    assert chat_prompt.tool_choice.WhichOneof("choice") == "required" and len(chat_prompt.tools) == 2
+    named = {"type": "function", "function": {"name": "g"}}
+    for parallel in (None, True, False):
+        chat_prompt = chat(tools=both, tool_choice=named, parallel_tool_calls=parallel).request.chat
+        assert chat_prompt.tool_choice.function == "g" and len(chat_prompt.tools) == 2
+    # "required" + no parallel calls with one tool is exactly one call to that tool.
+    assert chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).request.chat.tool_choice.function == "f"
+    assert not chat(tools=both).request.chat.HasField("tool_choice")
+    assert not chat(tools=both, tool_choice="auto", parallel_tool_calls=True).request.chat.HasField("tool_choice")
+    strict = [{"type": "function", "function": {"name": "f", "strict": True}}]
+    assert chat(tools=strict, tool_choice="required").request.chat.tool_choice.required
+
+
 @pytest.mark.parametrize(
     "field, body",
     [
@@ -91,8 +128,33 @@ def test_stream_options_and_max_tokens_pairs():
         ("temperature", {"temperature": "hot"}),
         ("max_tokens", {"max_tokens": 1.5}),
         ("ignore_eos", {"ignore_eos": "yes"}),
-        ("response_format", {"response_format": {"type": "json_object"}}),
-        ("parallel_tool_calls", {"parallel_tool_calls": False}),
+        ("response_format.type", {"response_format": {"type": "yaml"}}),
+        ("response_format", {"response_format": "json"}),
+        ("response_format.json_schema", {"response_format": {"type": "json_schema"}}),
+        ("response_format.json_schema.name", {"response_format": {"type": "json_schema", "json_schema": {}}}),
+        (
+            "response_format.json_schema.schema",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
+        ),
+        (
+            "response_format.json_schema.schema",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": [1]}}},
+        ),
+        (
+            "response_format",
+            {"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"},
+        ),
+        ("parallel_tool_calls", {"parallel_tool_calls": False, "tools": TOOLS}),
+        ("parallel_tool_calls", {"parallel_tool_calls": False, "tools": TOOLS + TOOL_G, "tool_choice": "required"}),
+        ("parallel_tool_calls", {"parallel_tool_calls": "no"}),
+        (
+            "response_format.json_schema.strict",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}, "strict": 1}}},
+        ),
+        (
+            "tools[0].function.strict",
+            {"tools": [{"type": "function", "function": {"name": "f", "strict": "y"}}], "tool_choice": "required"},
+        ),
         ("functions", {"functions": [{"name": "f"}]}),
         ("messages", {"messages": []}),
         ("messages[0].name", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}),
@@ -135,6 +197,14 @@ def test_stream_options_and_max_tokens_pairs():
         ("tools[0].type", {"tools": [{"type": "code_interpreter"}]}),
         ("tools[0].function.strict", {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}),
         ("tool_choice", {"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+        ("tool_choice", {"tool_choice": "required"}),
+        ("tool_choice", {"tool_choice": "always", "tools": TOOLS}),
+        ("tool_choice.type", {"tool_choice": {"type": "custom"}, "tools": TOOLS}),
+        ("tool_choice.function.name", {"tool_choice": {"type": "function", "function": {}}, "tools": TOOLS}),
+        (
+            "tool_choice.function.name",
+            {"tool_choice": {"type": "function", "function": {"name": "h"}}, "tools": TOOLS},
+        ),
     ],
 )
 def test_refused_fields_are_named(field, body):
@@ -146,11 +216,16 @@ def completion(**body):
     return parse_completion(body, "rid")
 
 
-def test_completions_take_token_ids_with_openai_defaults():
+def test_completions_take_token_ids_or_text_with_openai_defaults():
     parsed = completion(prompt=[[3, 4]], logprobs=2)
     assert list(parsed.request.tokens.token_ids) == [3, 4]
     assert parsed.request.sampling.max_tokens == 16 and parsed.request.sampling.logprobs == 2 and parsed.logprobs
-    refused("prompt", completion, prompt="text")
+    for prompt in ("Once upon", ["Once upon"]):
+        request = completion(prompt=prompt).request
+        assert request.WhichOneof("prompt") == "text" and request.text.text == "Once upon"
+    refused("prompt", completion, prompt="")
+    refused("prompt", completion, prompt=["a", "b"])
+    refused("response_format.type", completion, prompt="x", response_format={"type": "xml"})
     refused("prompt", completion, prompt=[[1], [2]])
     refused("prompt", completion, prompt=[])
     refused("echo", completion, prompt=[1], echo=True)
