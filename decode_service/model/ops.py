@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from common.nvfp4 import dequant_nvfp4
+from kernels.rms_norm import rms_norm_reference
+from kernels.router import route_reference
 
 # x [T, H], ids [T, k], weights [T, k], then the expert stacks -> [T, H] in x's dtype
 RoutedExperts = Callable[..., torch.Tensor]
@@ -30,9 +32,7 @@ class Ops:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`w * round(x * rsqrt(mean(x^2) + eps))` over the last axis: normalise in fp32, round to x's dtype."""
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * normed.to(x.dtype)
+        return rms_norm_reference(x, weight, eps)
 
     def route(
         self,
@@ -45,15 +45,7 @@ class Ops:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x `[T, H]`, gate weight `[E+S, H]`, bias `[E]` -> (ids `[T, k]`, routed weights `[T, k]`, shared gammas
         `[T, S]`), weights fp32: sigmoid + bias top-k, renormalised with the shared experts as a sink (spec 5.2)."""
-        num_routed = bias.shape[0]
-        logits = x.float() @ weight.float().T  # [T, E+S]
-        routed, shared = logits[:, :num_routed], logits[:, num_routed:]
-        choice = torch.sigmoid(routed) + bias.float()
-        ids = torch.topk(choice, top_k, dim=-1).indices  # [T, k]
-        active = F.logsigmoid(torch.cat([routed.gather(-1, ids), shared], dim=-1))  # [T, k+S]
-        weights = torch.exp(active - torch.logsumexp(active, dim=-1, keepdim=True))
-        weights = weights * route_scale * global_scale.float()
-        return ids, weights[:, :top_k], weights[:, top_k:]
+        return route_reference(x, weight, bias, top_k, route_scale, global_scale)
 
     def moe_kernels(self, hidden: int, width: int) -> bool:
         """Whether routed experts of these widths run on fused kernels."""
