@@ -55,10 +55,14 @@ def channel_options(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 ) -> list[tuple[str, int]]:
     """Client-side counterpart (use for every channel to our servers): receives responses up to
-    `max_message_bytes`, sends requests up to `max_request_bytes`."""
+    `max_message_bytes`, sends requests up to `max_request_bytes`. Reconnects back off from 0.2 s to at most
+    2 s (gRPC's default grows to 120 s: a pool member back from a long outage would stay unseen for minutes)."""
     return [
         ("grpc.max_send_message_length", max(max_request_bytes, max_message_bytes)),
         ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),

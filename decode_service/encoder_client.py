@@ -94,6 +94,7 @@ class ClientSettings:
     breaker_failures: int = 3  # consecutive failed calls that open the breaker
     breaker_open_s: float = 5.0  # then one probe call is let through
     ready_wait_s: float = 5.0  # how long a request waits for a first healthy replica
+    recheck_s: float = 1.0  # with none healthy: one direct health check of each replica, at most this long
     dns_refresh_s: float = 10.0
     watch_backoff_s: tuple[float, float] = (0.1, 2.0)  # reconnect backoff of health watches (min, max)
     security: SecuritySettings = field(default_factory=SecuritySettings)  # TLS / token to dial encoders
@@ -154,6 +155,7 @@ class EncoderClient:
         self.replicas: dict[str, EncoderReplica] = {}
         self._changed = asyncio.Event()
         self._refresher: asyncio.Task | None = None
+        self._rechecking: asyncio.Future | None = None  # the direct health checks in flight (`_recheck`)
         self._background: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -164,10 +166,11 @@ class EncoderClient:
             self._refresher = asyncio.create_task(self._refresh_loop(), name="encoder-dns-refresh")
 
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        for task in (self._refresher, self._rechecking):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for address in list(self.replicas):
             await self._drop(address)
 
@@ -226,10 +229,15 @@ class EncoderClient:
         if not items:
             return []
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else 60.0)
-        if not self.healthy() and self.replicas and self.known_fingerprint is None:
-            # replicas still connecting (none has answered GetInfo yet): give them a moment. Once the pool has
-            # been seen, a pool with no healthy replica fails fast instead.
-            await self.wait_ready(min(self.settings.ready_wait_s, max(0.0, deadline - time.monotonic())))
+        if not self.healthy() and self.replicas:
+            remaining = max(0.0, deadline - time.monotonic())
+            if self.known_fingerprint is None:
+                # replicas still connecting (none has answered GetInfo yet): give them a moment
+                await self.wait_ready(min(self.settings.ready_wait_s, remaining))
+            else:
+                # the pool was seen: ask each replica once (a restarted one may not be back in its watch yet),
+                # then a pool with no healthy replica fails fast
+                await self._recheck(min(self.settings.recheck_s, remaining))
         # The cache is read first, with no healthy encoder too (keyed by the last fingerprint the pool reported).
         fingerprint = self.pool_fingerprint if self.healthy() else (self.known_fingerprint or self.pool_fingerprint)
         if fingerprint is None:
@@ -503,6 +511,30 @@ class EncoderClient:
             self._set_serving(replica, False)
             await asyncio.sleep(backoff)
             backoff = min(high, backoff * 2)
+
+    async def _recheck(self, timeout_s: float) -> None:
+        """One direct `Health/Check` of every replica not serving, shared by the requests that arrive meanwhile
+        (the health watches reconnect with backoff, so a replica back from a restart can be SERVING before its
+        watch says so); a replica that answers SERVING is used at once."""
+        if self._rechecking is None or self._rechecking.done():
+            self._rechecking = asyncio.ensure_future(
+                asyncio.gather(*(self._check(r, timeout_s) for r in list(self.replicas.values()) if not r.serving))
+            )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._rechecking), timeout_s)
+
+    async def _check(self, replica: EncoderReplica, timeout_s: float) -> None:
+        request = health_pb2.HealthCheckRequest(service="")
+        try:
+            stub = health_pb2_grpc.HealthStub(replica.channel)
+            response = await stub.Check(request, timeout=timeout_s, wait_for_ready=True)  # through a reconnect
+        except grpc.aio.AioRpcError:
+            return
+        if response.status == health_pb2.HealthCheckResponse.SERVING:
+            if not replica.fingerprint:
+                await self._load_info(replica)
+            if replica.fingerprint:
+                self._set_serving(replica, True)
 
     async def _load_info(self, replica: EncoderReplica) -> None:
         try:

@@ -253,6 +253,29 @@ async def test_cached_media_is_served_with_every_encoder_down_and_misses_fail_fa
         await client.close()
 
 
+async def test_a_replica_back_before_its_health_watch_reconnects_serves_at_once(pool):
+    """The watches reconnect with backoff: a replica SERVING again is found by one direct check, not failed fast."""
+    addresses, fakes, healths = pool
+    client = await started(addresses, settings=ClientSettings(ready_wait_s=5.0))
+    try:
+        for replica in client.replicas.values():  # what the client believes while its watches are backing off
+            client._set_serving(replica, False)
+        assert not client.healthy()
+        loop = asyncio.get_running_loop()
+        started_at = loop.time()
+        out = await client.encode(images(b"back"), "r9", timeout_s=10)
+        assert len(out) == 1 and sum(f.calls for f in fakes.values()) == 1
+        assert loop.time() - started_at < 1.0 and client.healthy()
+        for address in addresses:  # really down: the check answers NOT_SERVING and the miss still fails fast
+            await healths[address].set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        for replica in client.replicas.values():
+            client._set_serving(replica, False)
+        with pytest.raises(UnavailableError, match="no healthy encoder replica"):
+            await client.encode(images(b"gone"), "r10", timeout_s=10)
+    finally:
+        await client.close()
+
+
 async def test_local_fallback_when_no_encoder_is_reachable():
     class Local:
         def __init__(self) -> None:
