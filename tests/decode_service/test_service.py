@@ -17,6 +17,7 @@ from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingPa
 from decode_service.chat import CONTENT_TEXT, END_MESSAGE, MESSAGE_USER, ChatMessage, MediaPart, TextPart, encode_text
 from decode_service.local_encoder import LocalEncoder
 from decode_service.service import DecodeService, build_engine
+from encoder_service.codebook import AudioCodebook
 from tools.make_sample_media import sample_media
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
@@ -58,8 +59,8 @@ def engine(checkpoint):
 
 
 @pytest.fixture
-async def service(engine, local_encoder):
-    svc = DecodeService(engine, local_encoder)
+async def service(checkpoint, engine, local_encoder):
+    svc = DecodeService(engine, local_encoder, audio_codebook=AudioCodebook.load(checkpoint))
     await svc.start()
     yield svc
     await svc.close()

@@ -13,7 +13,8 @@ from PIL import Image
 from common.errors import InvalidInputError, ResourceExhaustedError
 from common.media import ImageOptions, MediaInput, VideoOptions
 from common.settings import EncoderLimits, EncoderSettings, RedisSettings
-from common.wire import bytes_to_bf16
+from common.wire import KIND_DMEL_CODES, bytes_to_bf16, bytes_to_codes
+from encoder_service.codebook import AudioCodebook
 from encoder_service.preprocess.audio import preprocess_audio
 from encoder_service.preprocess.image import image_token_count, preprocess_image
 from encoder_service.service import EncodedItem, ItemError, bf16_bits
@@ -66,7 +67,11 @@ def test_image_audio_video_match_the_towers(checkpoint):
 
     codes = preprocess_audio(WAV, engine.audio_policy)
     assert audio.rows == len(codes) == 30  # 1.5 s at 20 frames/s
-    assert np.array_equal(bytes_to_bf16(audio.payload, audio.rows, audio.dim), _reference(engine.audio, codes))
+    assert audio.kind == KIND_DMEL_CODES and audio.tower_dtype == "bfloat16" and audio.dim == 64
+    assert np.array_equal(bytes_to_codes(audio.payload, audio.rows, audio.codes_per_row), codes)
+    codebook = AudioCodebook.load(checkpoint)
+    rows = codebook.rows(audio, "audio").view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(rows, _reference(engine.audio, codes))
 
     assert [s.modality for s in video.spans] == ["image"] * 3  # 1 s at 4 fps, capped at 3; no audio track
     assert sum(s.rows for s in video.spans) == video.rows
