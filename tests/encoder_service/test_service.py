@@ -1,6 +1,7 @@
 """EncoderEngine on a tiny random checkpoint: tower outputs, spans, caching, single flight, item errors."""
 
 import asyncio
+import dataclasses
 import io
 import uuid
 
@@ -166,11 +167,14 @@ def test_redis_shared_between_engines_and_redis_down_is_harmless(checkpoint):
         return _load_engine(EncoderSettings(checkpoint=str(checkpoint), l1_cache_bytes=0, redis=redis_settings))
 
     client = redis.Redis.from_url(shared.url)
+    items = [MediaInput("image", PNG), MediaInput("audio", WAV)]
     try:
-        (first,) = _encode(engine(shared), [MediaInput("image", PNG)])
-        (second,) = _encode(engine(shared), [MediaInput("image", PNG)])  # another replica, empty L1
-        (offline,) = _encode(engine(down), [MediaInput("image", PNG)])
+        first, first_audio = _encode(engine(shared), items)
+        second, second_audio = _encode(engine(shared), items)  # another replica, empty L1
+        offline, offline_audio = _encode(engine(down), items)
         assert client.exists(prefix + first.mm_key.hex()) == 1
+        stored = client.get(prefix + first_audio.mm_key.hex())  # audio is cached as its codes: 80 bytes a frame
+        assert stored is not None and len(stored) == 28 + 5 + 30 * 80
     finally:
         keys = list(client.scan_iter(match=prefix + "*"))
         if keys:
@@ -178,3 +182,9 @@ def test_redis_shared_between_engines_and_redis_down_is_harmless(checkpoint):
         client.close()
     assert not first.cache_hit and second.cache_hit and second.payload == first.payload
     assert not offline.cache_hit and offline.payload == first.payload
+    assert (
+        not first_audio.cache_hit
+        and second_audio.cache_hit
+        and second_audio == dataclasses.replace(first_audio, cache_hit=True)
+    )
+    assert second_audio.kind == KIND_DMEL_CODES and offline_audio.payload == first_audio.payload
