@@ -27,7 +27,7 @@ import torch
 from common.cache_store import EmbeddingCache, Entry, LruCache, RedisCache, TieredCache
 from common.checkpoint import AUDIO, VISUAL, CheckpointFiles, load_tower_weights
 from common.config import load_model_config
-from common.dtypes import torch_dtype
+from common.dtypes import TORCH_DTYPES, torch_dtype
 from common.errors import InklingError, InvalidInputError, ResourceExhaustedError
 from common.fingerprint import encoder_fingerprint_of
 from common.hashing import mm_key
@@ -258,16 +258,8 @@ class EncoderEngine:
         entry = await asyncio.to_thread(self.cache.get, key)
         if entry is None:
             return None
-        if (
-            entry.modality != media.modality
-            or entry.dim != self.dim
-            or self._layout(media.modality)
-            != (
-                entry.kind,
-                entry.codes_per_row,
-                entry.tower_dtype,
-            )
-        ):
+        layout = (entry.kind, entry.codes_per_row, entry.tower_dtype)
+        if entry.modality != media.modality or entry.dim != self.dim or layout != self._layout(media.modality):
             log.warning(
                 "%s: cached entry does not fit (modality %s, dim %d, %s); recomputing",
                 item,
@@ -329,7 +321,7 @@ class EncoderEngine:
         if modality != "audio":
             return KIND_EMBEDDINGS, 0, ""
         assert self.audio is not None  # the planner refuses audio without an audio tower
-        tower_dtype = str(self.audio.encoder.weight.dtype).removeprefix("torch.")
+        tower_dtype = next(n for n, t in TORCH_DTYPES.items() if t == self.audio.encoder.weight.dtype)
         return KIND_DMEL_CODES, self.audio.config.n_mel_bins, tower_dtype
 
     def _codes_entry(self, codes: np.ndarray) -> Entry:

@@ -11,6 +11,7 @@ import redis
 import torch
 from PIL import Image
 
+from common.cache_store import Entry
 from common.errors import InvalidInputError, ResourceExhaustedError
 from common.media import ImageOptions, MediaInput, VideoOptions
 from common.settings import EncoderLimits, EncoderSettings, RedisSettings
@@ -156,6 +157,37 @@ def test_call_limits(checkpoint):
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_a_cached_entry_in_another_payload_layout_is_recomputed(checkpoint):
+    """Audio rows cached under an audio item's key (or codes for another tower dtype) are not served."""
+    engine = _engine(checkpoint)
+
+    async def main():
+        try:
+            (first,) = [r async for r in engine.encode([MediaInput("audio", WAV)])]
+            rows = Entry("audio", first.rows, first.dim, bytes(first.rows * first.dim * 2), first.spans)
+            engine.cache.put(first.mm_key, rows)
+            (second,) = [r async for r in engine.encode([MediaInput("audio", WAV)])]
+            engine.cache.put(first.mm_key, dataclasses.replace(rows, **_codes_fields(first, "float32")))
+            (third,) = [r async for r in engine.encode([MediaInput("audio", WAV)])]
+            return first, second, third
+        finally:
+            await engine.close()
+
+    first, second, third = asyncio.run(main())
+    assert not second.cache_hit and second == first
+    assert not third.cache_hit and third == first
+
+
+def _codes_fields(item: EncodedItem, tower_dtype: str) -> dict:
+    return {
+        "payload": item.payload,
+        "dtype": item.dtype,
+        "kind": item.kind,
+        "codes_per_row": item.codes_per_row,
+        "tower_dtype": tower_dtype,
+    }
 
 
 def test_redis_shared_between_engines_and_redis_down_is_harmless(checkpoint):
