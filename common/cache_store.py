@@ -4,12 +4,15 @@ Both tiers store an `Entry` (the encoded item without its request-specific index
 item, `{prefix}{mm_key hex}`, whose value is a versioned binary header followed by the raw payload:
 
     magic b"INKE" | u16 format version | u8 dtype code | u8 modality code | u32 rows | u32 dim
-    | u32 crc32(payload) | u32 span count | span count x (u8 modality code, u32 rows)
-    | payload (rows * dim * 2 bytes, little-endian bf16)
+    | u32 crc32(payload) | u32 span count | u8 payload kind code | u16 codes per row | u8 tower dtype code
+    | span count x (u8 modality code, u32 rows)
+    | payload (rows * dim * 2 bytes, little-endian bf16; or rows * codes per row bytes of uint8 dMel codes)
 
-all integers little-endian. A value that fails any check (magic, version, sizes, spans, checksum) is treated
-as a miss and deleted. Redis being down or slow is a miss too: errors are logged and counted, never raised,
-and after an error the tier is skipped for `retry_after_s` so requests do not each pay the timeout.
+all integers little-endian (format version 2; version 1 held only bf16 rows, without the kind, codes per
+row and tower dtype fields, and now reads as corrupt). A value that fails any check (magic, version, sizes,
+spans, checksum) is treated as a miss and deleted. Redis being down or slow is a miss too: errors are logged
+and counted, never raised, and after an error the tier is skipped for `retry_after_s` so requests do not each
+pay the timeout.
 """
 
 from __future__ import annotations
@@ -25,31 +28,47 @@ from typing import Protocol
 
 import redis
 
-from common.wire import BF16_BYTES, DTYPE_BF16, Span, checksum
+from common.wire import (
+    DTYPE_BF16,
+    DTYPE_UINT8,
+    KIND_DMEL_CODES,
+    KIND_EMBEDDINGS,
+    Span,
+    WireError,
+    checksum,
+    payload_layout,
+)
 from common.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _MAGIC = b"INKE"
-_HEADER = struct.Struct("<4sHBBIIII")
+_HEADER = struct.Struct("<4sHBBIIIIBHB")
 _SPAN = struct.Struct("<BI")
-_DTYPE_CODES = {DTYPE_BF16: 1}
+_DTYPE_CODES = {DTYPE_BF16: 1, DTYPE_UINT8: 2}
 _DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+_KIND_CODES = {KIND_EMBEDDINGS: 1, KIND_DMEL_CODES: 2}
+_KINDS = {v: k for k, v in _KIND_CODES.items()}
+_TOWER_DTYPE_CODES = {"": 0, "bfloat16": 1, "float32": 2}
+_TOWER_DTYPES = {v: k for k, v in _TOWER_DTYPE_CODES.items()}
 _MODALITY_CODES = {"image": 1, "audio": 2, "video": 3}
 _MODALITIES = {v: k for k, v in _MODALITY_CODES.items()}
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One cached tower output."""
+    """One cached tower output (or, for audio, its dMel codes: see `common.wire`)."""
 
     modality: str
     rows: int
-    dim: int
-    payload: bytes  # raw little-endian bf16 [rows, dim]
+    dim: int  # width of the rows the item becomes
+    payload: bytes  # raw little-endian bf16 [rows, dim], or uint8 codes [rows, codes_per_row]
     spans: tuple[Span, ...]
     dtype: str = DTYPE_BF16
+    kind: str = KIND_EMBEDDINGS
+    codes_per_row: int = 0
+    tower_dtype: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -70,6 +89,9 @@ def serialize_entry(entry: Entry) -> bytes:
         entry.dim,
         checksum(entry.payload),
         len(entry.spans),
+        _KIND_CODES[entry.kind],
+        entry.codes_per_row,
+        _TOWER_DTYPE_CODES[entry.tower_dtype],
     )
     spans = b"".join(_SPAN.pack(_MODALITY_CODES[s.modality], s.rows) for s in entry.spans)
     return header + spans + entry.payload
@@ -79,13 +101,23 @@ def deserialize_entry(value: bytes) -> Entry:
     """Parse and verify a stored value; raises `CorruptEntryError` on any inconsistency."""
     if len(value) < _HEADER.size:
         raise CorruptEntryError(f"value of {len(value)} bytes is shorter than the header")
-    magic, version, dtype_code, modality_code, rows, dim, crc, n_spans = _HEADER.unpack_from(value)
+    fields = _HEADER.unpack_from(value)
+    magic, version, dtype_code, modality_code, rows, dim, crc, n_spans, kind_code, per_row, tower_code = fields
     if magic != _MAGIC or version != FORMAT_VERSION:
         raise CorruptEntryError(f"unknown magic/version {magic!r}/{version}")
     if dtype_code not in _DTYPES or modality_code not in _MODALITIES:
         raise CorruptEntryError(f"unknown dtype code {dtype_code} or modality code {modality_code}")
+    if kind_code not in _KINDS or tower_code not in _TOWER_DTYPES:
+        raise CorruptEntryError(f"unknown payload kind code {kind_code} or tower dtype code {tower_code}")
+    kind, tower_dtype = _KINDS[kind_code], _TOWER_DTYPES[tower_code]
+    try:
+        dtype, nbytes = payload_layout(kind, rows, dim, per_row, tower_dtype)
+    except WireError as exc:
+        raise CorruptEntryError(str(exc)) from None
+    if dtype != _DTYPES[dtype_code]:
+        raise CorruptEntryError(f"dtype {_DTYPES[dtype_code]} does not fit a {kind} payload")
     offset = _HEADER.size + n_spans * _SPAN.size
-    expected = offset + rows * dim * BF16_BYTES
+    expected = offset + nbytes
     if len(value) != expected:
         raise CorruptEntryError(f"value has {len(value)} bytes, header implies {expected}")
     spans = []
@@ -99,7 +131,7 @@ def deserialize_entry(value: bytes) -> Entry:
     payload = value[offset:]
     if checksum(payload) != crc:
         raise CorruptEntryError("payload checksum mismatch")
-    return Entry(_MODALITIES[modality_code], rows, dim, payload, tuple(spans), _DTYPES[dtype_code])
+    return Entry(_MODALITIES[modality_code], rows, dim, payload, tuple(spans), dtype, kind, per_row, tower_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------

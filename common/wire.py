@@ -1,9 +1,12 @@
-"""Encoder outputs on the wire: raw little-endian bf16 payloads, <= 1 MiB chunks, CRC-32 verification.
+"""Encoder outputs on the wire: raw little-endian bf16 payloads or dMel codes, <= 1 MiB chunks, CRC-32.
 
-An encoded item is a row-major `[rows, dim]` bf16 tensor carried as raw little-endian bytes (no pickle, no
-base64) plus the placeholder spans it fills. On an `Encode` stream it becomes one `ItemHeader` followed by
-`DataChunk`s; `item_messages` writes that sequence and `StreamAssembler` reads it back, rejecting short,
-long, reordered or garbled streams with `WireError`. The checksum is `zlib.crc32` of the whole payload.
+An encoded item is either a row-major `[rows, dim]` bf16 tensor carried as raw little-endian bytes (no pickle,
+no base64), or, for an audio clip, its dMel codes `[rows, codes_per_row]` uint8 (`KIND_DMEL_CODES`: the audio
+tower is a codebook sum, which the decode replica does itself; 80 bytes a frame instead of `2 * dim`), plus the
+placeholder spans it fills; `dim` is always the width of the rows the item becomes. On an `Encode` stream it
+becomes one `ItemHeader` followed by `DataChunk`s; `item_messages` writes that sequence and `StreamAssembler`
+reads it back, rejecting short, long, reordered or garbled streams with `WireError`. The checksum is
+`zlib.crc32` of the whole payload.
 
 Tensors here are numpy arrays of bf16 bit patterns (`uint16`); converting to a torch tensor is a one-liner
 left to engine code (`torch.frombuffer(bytearray(payload), dtype=torch.bfloat16).view(rows, dim)`).
@@ -18,10 +21,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.errors import InklingError
+from common.settings import DTYPE_NAMES
 from proto.inkling_epd.v1 import encoder_pb2, media_pb2
 
 DTYPE_BF16 = "bfloat16"
+DTYPE_UINT8 = "uint8"
 BF16_BYTES = 2
+KIND_EMBEDDINGS = "embeddings"  # bf16 rows [rows, dim]
+KIND_DMEL_CODES = "dmel_codes"  # uint8 codes [rows, codes_per_row]; `tower_dtype` says how to sum them
+TOWER_DTYPES = DTYPE_NAMES  # the compute dtypes an audio tower may run in
 CHUNK_BYTES = 1 << 20  # upper bound of one DataChunk payload
 
 _MODALITY_TO_PROTO = {
@@ -30,6 +38,11 @@ _MODALITY_TO_PROTO = {
     "video": media_pb2.MODALITY_VIDEO,
 }
 _MODALITY_FROM_PROTO = {v: k for k, v in _MODALITY_TO_PROTO.items()}
+_KIND_TO_PROTO = {
+    KIND_EMBEDDINGS: encoder_pb2.PAYLOAD_KIND_EMBEDDINGS,
+    KIND_DMEL_CODES: encoder_pb2.PAYLOAD_KIND_DMEL_CODES,
+}
+_KIND_FROM_PROTO = {v: k for k, v in _KIND_TO_PROTO.items()}
 
 
 class WireError(InklingError):
@@ -83,6 +96,39 @@ def bytes_to_bf16(payload: bytes | memoryview, rows: int, dim: int) -> np.ndarra
     return np.frombuffer(payload, dtype="<u2").reshape(rows, dim)
 
 
+def payload_layout(kind: str, rows: int, dim: int, codes_per_row: int, tower_dtype: str) -> tuple[str, int]:
+    """(element dtype, payload bytes) of an item; raises `WireError` for an inconsistent description."""
+    if kind == KIND_EMBEDDINGS:
+        if codes_per_row or tower_dtype:
+            raise WireError(f"embeddings carry no codes_per_row/tower_dtype (got {codes_per_row}, {tower_dtype!r})")
+        return DTYPE_BF16, rows * dim * BF16_BYTES
+    if kind == KIND_DMEL_CODES:
+        if codes_per_row < 1:
+            raise WireError(f"dMel codes need codes_per_row >= 1, got {codes_per_row}")
+        if tower_dtype not in TOWER_DTYPES:
+            raise WireError(f"dMel codes: unknown tower_dtype {tower_dtype!r} (expected one of {TOWER_DTYPES})")
+        return DTYPE_UINT8, rows * codes_per_row
+    raise WireError(f"unknown payload kind {kind!r}")
+
+
+def codes_to_bytes(codes: np.ndarray) -> bytes:
+    """`[rows, codes_per_row]` dMel codes (any integer dtype, values 0..255) -> uint8 bytes."""
+    if codes.ndim != 2 or codes.dtype.kind not in "iu":
+        raise ValueError(f"expected a 2-D integer array of dMel codes, got {codes.dtype} {codes.shape}")
+    if codes.size and (codes.min() < 0 or codes.max() > 255):
+        raise ValueError(f"dMel codes must fit uint8, got range [{codes.min()}, {codes.max()}]")
+    return np.ascontiguousarray(codes, dtype=np.uint8).tobytes()
+
+
+def bytes_to_codes(payload: bytes | memoryview, rows: int, codes_per_row: int) -> np.ndarray:
+    """uint8 bytes -> read-only `[rows, codes_per_row]` uint8 view."""
+    if len(payload) != rows * codes_per_row:
+        raise WireError(
+            f"payload has {len(payload)} bytes, expected {rows * codes_per_row} for [{rows}, {codes_per_row}] codes"
+        )
+    return np.frombuffer(payload, dtype=np.uint8).reshape(rows, codes_per_row)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Items and chunking
 
@@ -97,23 +143,32 @@ class Span:
 
 @dataclass(frozen=True)
 class EncodedItem:
-    """The tower output of one media item, ready to be scattered into a prompt."""
+    """The tower output (or, for audio, the tower input) of one media item, ready to be scattered into a prompt."""
 
     item_index: int
     mm_key: bytes
     modality: str  # the item's modality ("image", "audio", "video")
     rows: int
-    dim: int
-    payload: bytes  # raw little-endian bf16, row-major [rows, dim]
+    dim: int  # width of the rows the item becomes
+    payload: bytes  # raw little-endian bf16 [rows, dim], or uint8 codes [rows, codes_per_row]
     spans: tuple[Span, ...]
     cache_hit: bool = False
     dtype: str = DTYPE_BF16
+    kind: str = KIND_EMBEDDINGS
+    codes_per_row: int = 0  # KIND_DMEL_CODES: the audio tower's n_mel_bins
+    tower_dtype: str = ""  # KIND_DMEL_CODES: the dtype the encoder's audio tower computes in
 
     def __post_init__(self) -> None:
-        if len(self.payload) != self.rows * self.dim * BF16_BYTES:
+        try:
+            dtype, nbytes = payload_layout(self.kind, self.rows, self.dim, self.codes_per_row, self.tower_dtype)
+        except WireError as exc:
+            raise WireError(f"item {self.item_index}: {exc}") from None
+        if self.dtype != dtype:
+            raise WireError(f"item {self.item_index}: {self.kind} payload has dtype {dtype}, not {self.dtype!r}")
+        if len(self.payload) != nbytes:
             raise WireError(
-                f"item {self.item_index}: payload has {len(self.payload)} bytes, expected "
-                f"{self.rows * self.dim * BF16_BYTES} for [{self.rows}, {self.dim}] bf16"
+                f"item {self.item_index}: payload has {len(self.payload)} bytes, expected {nbytes} for {self.kind} "
+                f"of {self.rows} rows"
             )
         if sum(s.rows for s in self.spans) != self.rows:
             raise WireError(
@@ -143,6 +198,9 @@ def item_messages(item: EncodedItem, chunk_bytes: int = CHUNK_BYTES) -> Iterator
         num_chunks=len(chunks),
         checksum=checksum(item.payload),
         cache_hit=item.cache_hit,
+        payload_kind=_KIND_TO_PROTO[item.kind],
+        codes_per_row=item.codes_per_row,
+        tower_dtype=item.tower_dtype,
         spans=[encoder_pb2.Span(modality=modality_to_proto(s.modality), rows=s.rows) for s in item.spans],
     )
     yield encoder_pb2.EncodeChunk(header=header)
@@ -205,13 +263,21 @@ class StreamAssembler:
     def _start(self, header: encoder_pb2.ItemHeader) -> EncodedItem | None:
         self._expect_no_open_item(f"header of item {header.item_index}")
         self._check_index(header.item_index)
-        if header.dtype != DTYPE_BF16:
-            raise WireError(f"item {header.item_index}: unsupported dtype {header.dtype!r}")
-        expected = header.rows * header.dim * BF16_BYTES
+        if header.payload_kind not in _KIND_FROM_PROTO:
+            raise WireError(f"item {header.item_index}: unknown payload kind {header.payload_kind}")
+        kind = _KIND_FROM_PROTO[header.payload_kind]
+        try:
+            dtype, expected = payload_layout(kind, header.rows, header.dim, header.codes_per_row, header.tower_dtype)
+        except WireError as exc:
+            raise WireError(f"item {header.item_index}: {exc}") from None
+        if header.dtype != dtype:
+            raise WireError(f"item {header.item_index}: unsupported dtype {header.dtype!r} for {kind}")
+        if kind == KIND_DMEL_CODES and header.modality != media_pb2.MODALITY_AUDIO:
+            raise WireError(f"item {header.item_index}: dMel codes for a non-audio item")
         if header.total_bytes != expected:
             raise WireError(
-                f"item {header.item_index}: total_bytes {header.total_bytes} does not match "
-                f"[{header.rows}, {header.dim}] bf16 ({expected})"
+                f"item {header.item_index}: total_bytes {header.total_bytes} does not match {kind} of "
+                f"{header.rows} rows ({expected})"
             )
         if self.max_item_bytes is not None and header.total_bytes > self.max_item_bytes:
             raise WireError(
@@ -262,6 +328,9 @@ class StreamAssembler:
             spans=spans,
             cache_hit=header.cache_hit,
             dtype=header.dtype,
+            kind=_KIND_FROM_PROTO[header.payload_kind],
+            codes_per_row=header.codes_per_row,
+            tower_dtype=header.tower_dtype,
         )
 
     def finish(self) -> None:

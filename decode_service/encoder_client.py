@@ -7,7 +7,8 @@ For a request's media items, in order:
 2. the shared embedding cache (Redis) is read first; a hit skips the encoders;
 3. misses are assigned by rendezvous hashing of `mm_key` over healthy replicas, skipping a replica whose
    in-flight items exceed a load cap; items of one replica go in one `Encode` call, calls run concurrently;
-4. every stream is verified (order, sizes, CRC-32: `common.wire.StreamAssembler`); a failed call is retried
+4. every stream is verified (order, sizes, CRC-32: `common.wire.StreamAssembler`); audio items arrive (and
+   are cached) as dMel codes, which `DecodeService` turns into rows where it fuses them; a failed call is retried
    once on the next replica in rendezvous order within the remaining deadline; a replica that keeps failing
    opens its circuit breaker for a while;
 5. with no encoder reachable, an optional in-process encoder (`local`) is used, else `UnavailableError`.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import re
@@ -297,6 +299,9 @@ class EncoderClient:
             spans=entry.spans,
             cache_hit=True,
             dtype=entry.dtype,
+            kind=entry.kind,
+            codes_per_row=entry.codes_per_row,
+            tower_dtype=entry.tower_dtype,
         )
 
     def _pool_dim(self) -> int:
@@ -564,14 +569,4 @@ def item_error(index: int, modality: str, message: str) -> str:
 
 
 def _reindex(item: EncodedItem, index: int, key: bytes | None = None) -> EncodedItem:
-    return EncodedItem(
-        item_index=index,
-        mm_key=key or item.mm_key,
-        modality=item.modality,
-        rows=item.rows,
-        dim=item.dim,
-        payload=item.payload,
-        spans=item.spans,
-        cache_hit=item.cache_hit,
-        dtype=item.dtype,
-    )
+    return dataclasses.replace(item, item_index=index, mm_key=key or item.mm_key)

@@ -448,7 +448,10 @@ async def _serve(settings: DecodeSettings) -> None:
         settings=ClientSettings(security=settings.grpc.security),
         observer=metrics,
     )
-    service = DecodeService(engine, encoder, settings.limits, model_id=settings.model_name)
+    from encoder_service.codebook import AudioCodebook  # audio arrives as dMel codes; rows are summed here
+
+    codebook = await asyncio.to_thread(AudioCodebook.load, settings.checkpoint, settings.engine.device)
+    service = DecodeService(engine, encoder, settings.limits, model_id=settings.model_name, audio_codebook=codebook)
     directory = None
     if redis is not None and settings.replica_id:
         import redis.asyncio as aioredis

@@ -39,7 +39,7 @@ from common.fingerprint import model_fingerprint
 from common.media import MediaInput
 from common.request_ids import check_request_id
 from common.settings import DecodeEngineSettings
-from common.wire import EncodedItem
+from common.wire import KIND_EMBEDDINGS, EncodedItem
 from decode_service.api import (
     DeltaEvent,
     EngineFailure,
@@ -76,6 +76,7 @@ from decode_service.model.inkling import InklingDecoder
 from decode_service.output_parser import OutputParser
 from decode_service.structured.compiler import ConstraintCompiler
 from decode_service.structured.matcher import ConstraintMatcher, finish_detail
+from encoder_service.codebook import AudioCodebook
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +132,11 @@ class DecodeService:
         encoder: MediaEncoder | None = None,
         limits: ServiceLimits | None = None,
         model_id: str = "",
+        audio_codebook: AudioCodebook | None = None,
     ) -> None:
         self.engine = engine
         self.encoder = encoder
+        self.audio_codebook = audio_codebook  # turns audio items' dMel codes into rows (`_item_rows`)
         self.limits = limits or ServiceLimits()
         self.model_id = model_id
         self.config = engine.config
@@ -450,7 +453,7 @@ class DecodeService:
         return attach_media(expanded, [item.modality for item in encoded], counts)
 
     def _mm_items(self, prompt: RenderedPrompt, encoded: Sequence[EncodedItem]) -> tuple[MultimodalItem, ...]:
-        rows = {item.item_index: _bf16_rows(item).to(self.dtype) for item in encoded}
+        rows = {item.item_index: self._item_rows(item).to(self.dtype) for item in encoded}
         items = []
         for span in prompt.media_spans:
             item = encoded[span.item_index]
@@ -463,6 +466,15 @@ class DecodeService:
                 MultimodalItem(key, span.start, rows[span.item_index][span.row_offset : span.row_offset + span.length])
             )
         return tuple(items)
+
+    def _item_rows(self, item: EncodedItem) -> torch.Tensor:
+        """bf16 rows as sent, or the audio tower's codebook sum of an audio item's dMel codes."""
+        if item.kind == KIND_EMBEDDINGS:
+            return _bf16_rows(item)
+        name = f"media[{item.item_index}] ({item.modality})"
+        if self.audio_codebook is None:
+            raise UnavailableError(f"{name}: the encoder sent dMel codes and this replica has no audio tower")
+        return self.audio_codebook.rows(item, name)
 
     # -- the engine thread -----------------------------------------------------------------------------------
 

@@ -1,8 +1,11 @@
-"""The encoder engine (no gRPC): media items in, bf16 tower outputs out, with caching and batching.
+"""The encoder engine (no gRPC): media items in, bf16 tower outputs (dMel codes for audio) out, with caching.
 
 Per item: validate the parameters against the limits, compute the `mm_key` (media bytes + preprocessing
 fingerprint + encoder fingerprint), look it up in the embedding cache, otherwise preprocess on a CPU thread
 pool, run the tower through the cross-request `DynamicBatcher`, store the result in the cache and return it.
+An audio clip skips its tower: its dMel codes go out as they are (`common.wire.KIND_DMEL_CODES`, 80 bytes a
+frame instead of `2 * dim`) and the decode replica does the codebook sum; a video's audio track still goes
+out as rows, with the frames.
 Items of one call run concurrently and come back in item order. Concurrent work on the same `mm_key` (in one
 call or across calls) is computed once; once every caller waiting for a computation has gone (cancelled
 call), the computation is cancelled too.
@@ -24,14 +27,14 @@ import torch
 from common.cache_store import EmbeddingCache, Entry, LruCache, RedisCache, TieredCache
 from common.checkpoint import AUDIO, VISUAL, CheckpointFiles, load_tower_weights
 from common.config import load_model_config
-from common.dtypes import torch_dtype
+from common.dtypes import TORCH_DTYPES, torch_dtype
 from common.errors import InklingError, InvalidInputError, ResourceExhaustedError
 from common.fingerprint import encoder_fingerprint_of
 from common.hashing import mm_key
 from common.media import MediaInput
 from common.metrics import EncoderMetrics
 from common.settings import BatcherSettings, EncoderLimits, EncoderSettings
-from common.wire import DTYPE_BF16, EncodedItem, Span
+from common.wire import DTYPE_UINT8, KIND_DMEL_CODES, KIND_EMBEDDINGS, EncodedItem, Span, codes_to_bytes
 from encoder_service.batcher import DynamicBatcher
 from encoder_service.planner import MediaPlanner
 from encoder_service.preprocess.audio import AudioPolicy
@@ -226,6 +229,10 @@ class EncoderEngine:
             payload=entry.payload,
             spans=entry.spans,
             cache_hit=hit,
+            dtype=entry.dtype,
+            kind=entry.kind,
+            codes_per_row=entry.codes_per_row,
+            tower_dtype=entry.tower_dtype,
         )
 
     def _release(self, key: bytes, task: asyncio.Task[Entry]) -> None:
@@ -251,9 +258,14 @@ class EncoderEngine:
         entry = await asyncio.to_thread(self.cache.get, key)
         if entry is None:
             return None
-        if entry.modality != media.modality or entry.dim != self.dim or entry.dtype != DTYPE_BF16:
+        layout = (entry.kind, entry.codes_per_row, entry.tower_dtype)
+        if entry.modality != media.modality or entry.dim != self.dim or layout != self._layout(media.modality):
             log.warning(
-                "%s: cached entry does not fit (modality %s, dim %d); recomputing", item, entry.modality, entry.dim
+                "%s: cached entry does not fit (modality %s, dim %d, %s); recomputing",
+                item,
+                entry.modality,
+                entry.dim,
+                entry.kind,
             )
             return None
         if media.modality == "image":
@@ -286,8 +298,10 @@ class EncoderEngine:
             bits = await self._vision_batcher.submit(prepared)
             spans: tuple[Span, ...] = (Span("image", len(bits)),)
         elif modality == "audio":
-            bits = await self._audio_batcher.submit(prepared)
-            spans = (Span("audio", len(bits)),)
+            entry = self._codes_entry(prepared)
+            if self.cache is not None:
+                await asyncio.to_thread(self.cache.put, key, entry)
+            return entry
         else:
             clip: VideoItems = prepared
             parts = list(await asyncio.gather(*(self._vision_batcher.submit(f.pixels) for f in clip.frames)))
@@ -301,6 +315,30 @@ class EncoderEngine:
         if self.cache is not None:
             await asyncio.to_thread(self.cache.put, key, entry)
         return entry
+
+    def _layout(self, modality: str) -> tuple[str, int, str]:
+        """(payload kind, codes per row, tower dtype) this engine produces for `modality`."""
+        if modality != "audio":
+            return KIND_EMBEDDINGS, 0, ""
+        assert self.audio is not None  # the planner refuses audio without an audio tower
+        tower_dtype = next(n for n, t in TORCH_DTYPES.items() if t == self.audio.encoder.weight.dtype)
+        return KIND_DMEL_CODES, self.audio.config.n_mel_bins, tower_dtype
+
+    def _codes_entry(self, codes: np.ndarray) -> Entry:
+        kind, per_row, tower_dtype = self._layout("audio")
+        assert self.audio is not None and codes.ndim == 2 and codes.shape[1] == per_row, codes.shape
+        assert not codes.size or int(codes.max()) < self.audio.config.mel_vocab_size, "the quantiser's range"
+        return Entry(
+            modality="audio",
+            rows=len(codes),
+            dim=self.dim,
+            payload=codes_to_bytes(codes),
+            spans=(Span("audio", len(codes)),),
+            dtype=DTYPE_UINT8,
+            kind=kind,
+            codes_per_row=per_row,
+            tower_dtype=tower_dtype,
+        )
 
     # -- towers (run on the single tower thread) -----------------------------------------------------------
 

@@ -222,6 +222,16 @@ def _load(module: nn.Module, state: dict[str, torch.Tensor], name: str) -> None:
         )
 
 
+def build_audio_tower(
+    config: AudioConfig, state: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype
+) -> AudioTower:
+    """An `AudioTower` with `state` loaded (cast to `dtype`, as `build_towers` does), on `device`, eval mode."""
+    with torch.device("meta"):
+        module = AudioTower(config)
+    _load(module, {k: v.to(dtype) for k, v in state.items()}, "audio")
+    return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
 def build_towers(
     config: ModelConfig,
     vision_state: dict[str, torch.Tensor] | None,
@@ -254,6 +264,7 @@ __all__ = [
     "RMSNorm",
     "Scale",
     "VisionTower",
+    "build_audio_tower",
     "build_towers",
     "candidate_scales",
     "fold",

@@ -174,6 +174,7 @@ def _responses(args: argparse.Namespace, request):
     from decode_service.local_encoder import LocalEncoder
     from decode_service.server import delta_message, final_message, generate_input
     from decode_service.service import DecodeService, build_engine
+    from encoder_service.codebook import AudioCodebook
 
     async def run() -> list:
         engine = build_engine(
@@ -181,7 +182,8 @@ def _responses(args: argparse.Namespace, request):
             DecodeEngineSettings(device=args.device, dtype=args.dtype, kv_cache_bytes=256 << 20, max_num_seqs=4),
         )
         encoder = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
-        service = DecodeService(engine, encoder, model_id=served_model_name(args.checkpoint))
+        codebook = AudioCodebook.load(args.checkpoint, device=args.device)
+        service = DecodeService(engine, encoder, model_id=served_model_name(args.checkpoint), audio_codebook=codebook)
         await service.start(warm_up=False)
         try:
             return [

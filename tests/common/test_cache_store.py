@@ -15,7 +15,7 @@ from common.cache_store import (
     deserialize_entry,
     serialize_entry,
 )
-from common.wire import Span
+from common.wire import DTYPE_UINT8, KIND_DMEL_CODES, Span
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
 
@@ -42,6 +42,32 @@ def test_serialize_round_trip_and_checks():
         deserialize_entry(b"XXXX" + value[4:])
     with pytest.raises(CorruptEntryError, match="shorter"):
         deserialize_entry(b"INKE")
+
+
+def _codes_entry(frames: int = 5, mels: int = 80) -> Entry:
+    payload = bytes(i % 16 for i in range(frames * mels))
+    return Entry("audio", frames, 64, payload, (Span("audio", frames),), DTYPE_UINT8, KIND_DMEL_CODES, mels, "float32")
+
+
+def test_codes_entry_round_trip_and_checks():
+    """Audio is cached as its dMel codes (format version 2): rows x codes_per_row bytes, the tower dtype kept."""
+    codes = _codes_entry()
+    value = serialize_entry(codes)
+    assert len(value) == 28 + 5 + 5 * 80  # header, one span, one byte per code
+    assert deserialize_entry(value) == codes
+    with pytest.raises(CorruptEntryError, match="bytes"):
+        deserialize_entry(value[:-1])
+    version_1 = value[:4] + (1).to_bytes(2, "little") + value[6:]
+    with pytest.raises(CorruptEntryError, match="version"):
+        deserialize_entry(version_1)
+    no_tower = bytearray(value)
+    no_tower[27] = 0  # tower dtype code: none
+    with pytest.raises(CorruptEntryError, match="tower_dtype"):
+        deserialize_entry(bytes(no_tower))
+    bf16_dtype = bytearray(value)
+    bf16_dtype[6] = 1  # element dtype code: bf16, which a codes payload never has
+    with pytest.raises(CorruptEntryError, match="does not fit"):
+        deserialize_entry(bytes(bf16_dtype))
 
 
 def test_lru_byte_budget_and_refusal():
@@ -81,6 +107,13 @@ def test_redis_round_trip_one_key_per_item(redis_cache):
     assert client.get(cache.redis_key(_key("a"))) == serialize_entry(entry)
     assert cache.get_many([_key("a"), _key("b")]) == [entry, None]
     assert (cache.stats.queries, cache.stats.hits) == (3, 1)
+
+
+def test_redis_round_trip_of_codes(redis_cache):
+    cache, _ = redis_cache
+    cache.put(_key("clip"), _codes_entry(frames=200))
+    assert cache.flush()
+    assert cache.get(_key("clip")) == _codes_entry(frames=200)
 
 
 def test_redis_corrupt_value_is_a_miss_and_deleted(redis_cache):

@@ -1,4 +1,4 @@
-"""bf16 payload round trips, chunking and stream corruption."""
+"""bf16 and dMel-code payload round trips, chunking and stream corruption."""
 
 import hashlib
 
@@ -7,6 +7,8 @@ import pytest
 
 from common.wire import (
     CHUNK_BYTES,
+    DTYPE_UINT8,
+    KIND_DMEL_CODES,
     EncodedItem,
     ItemFailure,
     Span,
@@ -16,6 +18,8 @@ from common.wire import (
     bf16_bits_to_float32,
     bf16_to_bytes,
     bytes_to_bf16,
+    bytes_to_codes,
+    codes_to_bytes,
     float32_to_bf16_bits,
     item_messages,
 )
@@ -123,3 +127,82 @@ def test_header_inconsistent_with_shape_or_limit():
         assemble(messages)
     with pytest.raises(WireError, match="exceeds the limit"):
         StreamAssembler(max_item_bytes=1000).add(_messages()[0])
+
+
+def _audio(index: int, frames: int, dim: int = 64, mels: int = 80, seed: int = 0) -> EncodedItem:
+    codes = np.random.default_rng(seed).integers(0, 16, size=(frames, mels))
+    return EncodedItem(
+        item_index=index,
+        mm_key=hashlib.sha256(bytes([index, 1])).digest(),
+        modality="audio",
+        rows=frames,
+        dim=dim,
+        payload=codes_to_bytes(codes),
+        spans=(Span("audio", frames),),
+        dtype=DTYPE_UINT8,
+        kind=KIND_DMEL_CODES,
+        codes_per_row=mels,
+        tower_dtype="bfloat16",
+    )
+
+
+def test_dmel_codes_round_trip_beside_bf16_rows():
+    """A mixed stream: image rows, audio codes (one byte per mel bin per frame), image rows again."""
+    items = [_item(0, 7, 64), _audio(1, 300), _item(2, 3, 64, seed=1)]
+    messages = [m for item in items for m in item_messages(item, chunk_bytes=5000)]
+    assert messages[2].header.payload_kind == encoder_pb2.PAYLOAD_KIND_DMEL_CODES
+    assert messages[2].header.total_bytes == 300 * 80 and messages[2].header.dtype == "uint8"
+    assert assemble(messages, expected_items=3) == items
+    codes = bytes_to_codes(items[1].payload, 300, 80)
+    assert codes.dtype == np.uint8 and codes.max() < 16
+    with pytest.raises(WireError, match="expected 240"):
+        bytes_to_codes(items[1].payload[:-1], 3, 80)
+
+
+def _audio_messages() -> list[encoder_pb2.EncodeChunk]:
+    return list(item_messages(_audio(0, 100), chunk_bytes=4096))
+
+
+def test_corrupt_codes_payload_names_the_item():
+    messages = _audio_messages()
+    payload = bytearray(messages[1].data.payload)
+    payload[17] = 200  # a code no tower has: the CRC catches it on the wire
+    messages[1].data.payload = bytes(payload)
+    with pytest.raises(WireError, match="item 0: checksum mismatch"):
+        assemble(messages)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("total_bytes", 100 * 80 * 2, "item 0: total_bytes 16000 does not match dmel_codes of 100 rows"),
+        ("codes_per_row", 0, "item 0: dMel codes need codes_per_row >= 1"),
+        ("tower_dtype", "", "item 0: dMel codes: unknown tower_dtype ''"),
+        ("tower_dtype", "int8", "item 0: dMel codes: unknown tower_dtype 'int8'"),
+        ("dtype", "bfloat16", "item 0: unsupported dtype 'bfloat16' for dmel_codes"),
+        ("modality", 1, "item 0: dMel codes for a non-audio item"),
+        ("payload_kind", 7, "item 0: unknown payload kind 7"),
+    ],
+)
+def test_codes_header_inconsistent_is_rejected(field, value, error):
+    messages = _audio_messages()
+    setattr(messages[0].header, field, value)
+    with pytest.raises(WireError, match=error):
+        assemble(messages)
+
+
+def test_embeddings_header_with_codes_fields_is_rejected():
+    messages = _messages()
+    messages[0].header.tower_dtype = "float32"
+    with pytest.raises(WireError, match="item 0: embeddings carry no codes_per_row/tower_dtype"):
+        assemble(messages)
+
+
+def test_encoded_item_checks_its_payload_kind():
+    item = _audio(3, 10)
+    with pytest.raises(WireError, match="item 3: payload has 799 bytes, expected 800 for dmel_codes"):
+        EncodedItem(**{**item.__dict__, "payload": item.payload[:-1]})
+    with pytest.raises(WireError, match="item 3: dmel_codes payload has dtype uint8, not 'bfloat16'"):
+        EncodedItem(**{**item.__dict__, "dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="fit uint8"):
+        codes_to_bytes(np.full((2, 80), 256))

@@ -17,6 +17,7 @@ from decode_service.encoder_client import EncoderClient
 from decode_service.local_encoder import LocalEncoder
 from decode_service.server import build_server
 from decode_service.service import DecodeService, build_engine
+from encoder_service.codebook import AudioCodebook
 from encoder_service.server import build_server as build_encoder_server
 from encoder_service.service import load_engine
 from proto.inkling_epd.v1 import generator_pb2 as pb
@@ -68,7 +69,10 @@ async def stub(checkpoint):
         ),
     )
     service = DecodeService(
-        engine, client, ServiceLimits(max_prompt_tokens=MAX_PROMPT_TOKENS, max_media_items=MAX_MEDIA_ITEMS)
+        engine,
+        client,
+        ServiceLimits(max_prompt_tokens=MAX_PROMPT_TOKENS, max_media_items=MAX_MEDIA_ITEMS),
+        audio_codebook=AudioCodebook.load(checkpoint),
     )
     decode = build_server(service, GrpcSettings(port=0), client)
     await decode.start()

@@ -16,6 +16,7 @@ from decode_service.client import OutputPrinter, load_messages
 from decode_service.local_encoder import LocalEncoder
 from decode_service.server import build_server
 from decode_service.service import DecodeService, build_engine
+from encoder_service.codebook import AudioCodebook
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from tools.cli import _generate_request, build_parser, main
 from tools.make_sample_media import sample_media
@@ -48,7 +49,9 @@ async def server(checkpoint):
             enable_prefix_cache=False,
         ),
     )
-    decode = build_server(DecodeService(engine, encoder), GrpcSettings(port=0))
+    decode = build_server(
+        DecodeService(engine, encoder, audio_codebook=AudioCodebook.load(checkpoint)), GrpcSettings(port=0)
+    )
     await decode.start()
     try:
         yield f"127.0.0.1:{decode.port}"

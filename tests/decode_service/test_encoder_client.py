@@ -15,7 +15,7 @@ from common.errors import InvalidInputError, UnavailableError
 from common.hashing import mm_key
 from common.media import MediaInput
 from common.targets import parse_targets, rendezvous_order
-from common.wire import EncodedItem, Span, item_messages
+from common.wire import KIND_DMEL_CODES, KIND_EMBEDDINGS, EncodedItem, Span, item_messages
 from decode_service.encoder_client import ClientSettings, EncoderClient
 from proto.inkling_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -171,6 +171,25 @@ async def test_cache_hit_skips_the_encoders(pool):
         assert out[0].cache_hit and out[0].payload == payload and not out[1].cache_hit
         assert sum(f.items for f in fakes.values()) == 1
         assert (observer.lookups, observer.hits) == (2, 1)
+    finally:
+        await client.close()
+
+
+async def test_cached_audio_codes_come_back_as_codes_beside_encoded_images(pool):
+    """Audio is cached as dMel codes; a hit keeps the payload kind, codes per row and tower dtype."""
+    addresses, fakes, _ = pool
+    cache = LruCache(1 << 20)
+    codes = bytes(i % 16 for i in range(30 * 80))
+    entry = Entry("audio", 30, DIM, codes, (Span("audio", 30),), "uint8", KIND_DMEL_CODES, 80, "bfloat16")
+    cache.put(mm_key("audio", b"clip", PREPROCESS, FINGERPRINT), entry)
+    client = await started(addresses, cache=cache)
+    try:
+        out = await client.encode([MediaInput("image", b"fresh"), MediaInput("audio", b"clip")], "r2a", timeout_s=10)
+        assert [i.kind for i in out] == [KIND_EMBEDDINGS, KIND_DMEL_CODES]
+        audio = out[1]
+        assert audio.cache_hit and audio.item_index == 1 and audio.payload == codes
+        assert (audio.rows, audio.dim, audio.codes_per_row, audio.tower_dtype) == (30, DIM, 80, "bfloat16")
+        assert sum(f.items for f in fakes.values()) == 1
     finally:
         await client.close()
 

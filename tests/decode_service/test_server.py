@@ -22,6 +22,7 @@ from decode_service.encoder_client import EncoderClient, EncoderPoolUnavailableE
 from decode_service.output_parser import ParsedToolCall
 from decode_service.server import GeneratorServicer, build_server, delta_message
 from decode_service.service import DecodeService, build_engine
+from encoder_service.codebook import AudioCodebook
 from encoder_service.planner import MediaPlanner
 from encoder_service.server import build_server as build_encoder_server
 from encoder_service.service import load_engine
@@ -74,7 +75,7 @@ async def cluster(checkpoint, engine):
         local_fingerprint=encoder_fingerprint_of(checkpoint, "float32"),
         observer=metrics,
     )
-    service = DecodeService(engine, client)
+    service = DecodeService(engine, client, audio_codebook=AudioCodebook.load(checkpoint))
     decode = build_server(service, GrpcSettings(port=0), client, metrics)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}")
     health = health_pb2_grpc.HealthStub(channel)

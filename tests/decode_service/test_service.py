@@ -8,15 +8,18 @@ import dataclasses
 import time
 
 import pytest
+import torch
 
-from common.errors import InvalidInputError
+from common.errors import InvalidInputError, UnavailableError
 from common.fingerprint import model_fingerprint
 from common.media import ImageOptions, MediaInput
 from common.settings import DecodeEngineSettings
+from common.wire import DTYPE_BF16, KIND_DMEL_CODES, KIND_EMBEDDINGS, EncodedItem, bytes_to_codes
 from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingParams, ServiceLimits
 from decode_service.chat import CONTENT_TEXT, END_MESSAGE, MESSAGE_USER, ChatMessage, MediaPart, TextPart, encode_text
 from decode_service.local_encoder import LocalEncoder
 from decode_service.service import DecodeService, build_engine
+from encoder_service.codebook import AudioCodebook
 from tools.make_sample_media import sample_media
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
@@ -58,8 +61,8 @@ def engine(checkpoint):
 
 
 @pytest.fixture
-async def service(engine, local_encoder):
-    svc = DecodeService(engine, local_encoder)
+async def service(checkpoint, engine, local_encoder):
+    svc = DecodeService(engine, local_encoder, audio_codebook=AudioCodebook.load(checkpoint))
     await svc.start()
     yield svc
     await svc.close()
@@ -255,9 +258,89 @@ async def test_chat_and_token_prompt_with_image_and_audio_agree(service):
     assert [t for d in deltas2 for t in d.token_ids] == [t for d in deltas for t in d.token_ids]
 
 
-async def test_not_ready_is_unavailable(engine):
-    from common.errors import UnavailableError
+class _Rewriting:
+    """A MediaEncoder that passes the local encoder's items through `rewrite` (what another wire would carry)."""
 
+    def __init__(self, inner: LocalEncoder, rewrite) -> None:
+        self.inner, self.rewrite = inner, rewrite
+        self.inflight_items, self.pool_fingerprint = 0, inner.pool_fingerprint
+
+    async def encode(self, items, request_id="", timeout_s=None):
+        return [self.rewrite(item) for item in await self.inner.encode(items, request_id, timeout_s)]
+
+
+def _as_tower_rows(tower):
+    """A codes item -> the bf16 rows the encoder used to send for it: its audio tower's output."""
+
+    def rewrite(item: EncodedItem) -> EncodedItem:
+        if item.kind != KIND_DMEL_CODES:
+            return item
+        codes = torch.from_numpy(bytes_to_codes(item.payload, item.rows, item.codes_per_row).copy())
+        with torch.inference_mode():
+            payload = tower(codes).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        return dataclasses.replace(
+            item, payload=payload, dtype=DTYPE_BF16, kind=KIND_EMBEDDINGS, codes_per_row=0, tower_dtype=""
+        )
+
+    return rewrite
+
+
+MIXED = (
+    MediaInput("audio", sample_media()["tones_16k.wav"]),
+    MediaInput("image", sample_media()["shapes.png"], ImageOptions(rescale="none")),
+    MediaInput("audio", sample_media()["tones_44k_stereo.wav"]),
+)
+MIXED_CHAT = (
+    ChatMessage("user", [MediaPart("audio", 0), MediaPart("image", 1), TextPart("Compare."), MediaPart("audio", 2)]),
+)
+
+
+async def test_audio_as_codes_gives_the_rows_the_encoder_used_to_send(service, engine, local_encoder):
+    """Mixed image + audio: the rows the model sees are those of rows on the wire, bit for bit (model in fp32)."""
+    rows_wire = DecodeService(engine, _Rewriting(local_encoder, _as_tower_rows(local_encoder.engine.audio)))  # idle
+    codes = await local_encoder.encode(MIXED)
+    assert [i.kind for i in codes] == [KIND_DMEL_CODES, KIND_EMBEDDINGS, KIND_DMEL_CODES]
+    inp = GenerateInput("mm-codes", messages=MIXED_CHAT, media=MIXED, sampling=GREEDY)
+    _, from_codes = service._prepare(inp, codes)
+    _, from_rows = rows_wire._prepare(inp, [_as_tower_rows(local_encoder.engine.audio)(i) for i in codes])
+    assert [m.length for m in from_codes] == [30, 8 * 13, 30]
+    for a, b in zip(from_codes, from_rows, strict=True):
+        assert a.mm_key == b.mm_key and a.start == b.start and a.rows.dtype == b.rows.dtype == torch.float32
+        assert torch.equal(a.rows.view(torch.int32), b.rows.view(torch.int32))
+    _, final = await collect(service, inp)
+    assert final.usage.audio_tokens == 60 and final.usage.image_tokens == 8 * 13
+
+
+async def test_corrupt_audio_codes_fail_the_request_naming_the_item(engine, local_encoder, checkpoint):
+    def corrupt(item: EncodedItem) -> EncodedItem:
+        if item.kind != KIND_DMEL_CODES:
+            return item
+        return dataclasses.replace(item, payload=bytes([99]) + item.payload[1:])
+
+    svc = DecodeService(engine, _Rewriting(local_encoder, corrupt), audio_codebook=AudioCodebook.load(checkpoint))
+    await svc.start(warm_up=False)
+    try:
+        inp = GenerateInput("mm-bad", messages=MIXED_CHAT, media=MIXED, sampling=GREEDY)
+        with pytest.raises(UnavailableError, match=r"media\[0\] \(audio\): corrupt dMel codes: frame 0, mel bin 0"):
+            await collect(svc, inp)
+        _, final = await collect(svc, GenerateInput("after", prompt_token_ids=PROMPT, sampling=GREEDY))
+        assert final.usage.completion_tokens == GREEDY.max_tokens
+    finally:
+        await svc.close()
+
+
+async def test_audio_codes_without_an_audio_tower_are_unavailable(engine, local_encoder):
+    svc = DecodeService(engine, local_encoder)
+    await svc.start(warm_up=False)
+    try:
+        inp = GenerateInput("mm-none", messages=MIXED_CHAT, media=MIXED, sampling=GREEDY)
+        with pytest.raises(UnavailableError, match=r"media\[0\] \(audio\): the encoder sent dMel codes"):
+            await collect(svc, inp)
+    finally:
+        await svc.close()
+
+
+async def test_not_ready_is_unavailable(engine):
     svc = DecodeService(engine)
     with pytest.raises(UnavailableError):
         async with contextlib.aclosing(svc.generate(GenerateInput("x", prompt_token_ids=PROMPT))) as gen:

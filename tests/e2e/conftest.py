@@ -37,6 +37,7 @@ from decode_service.router import Router, RouterConfig
 from decode_service.server import DecodeServer
 from decode_service.server import build_server as build_decode_server
 from decode_service.service import DecodeService, build_engine
+from encoder_service.codebook import AudioCodebook
 from encoder_service.server import SERVICE_NAME as ENCODER_SERVICE
 from encoder_service.server import EncoderServer, EncoderServicer
 from encoder_service.service import EncoderEngine, load_engine
@@ -185,7 +186,8 @@ async def start_decode(
         cache=cache,
         settings=client or ClientSettings(security=security, ready_wait_s=2.0),
     )
-    service = DecodeService(engine, encoder, limits or ServiceLimits(), model_id="tiny")
+    codebook = AudioCodebook.load(checkpoint)
+    service = DecodeService(engine, encoder, limits or ServiceLimits(), model_id="tiny", audio_codebook=codebook)
     server = build_decode_server(service, GrpcSettings(port=0, grace_s=grace_s, security=security), encoder)
     await server.start()
     return server

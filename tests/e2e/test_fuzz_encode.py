@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.settings import EncoderLimits, EncoderSettings, GrpcSettings
-from common.wire import EncodedItem, ItemFailure, StreamAssembler
+from common.wire import KIND_EMBEDDINGS, EncodedItem, ItemFailure, StreamAssembler
 from encoder_service.server import build_server
 from encoder_service.service import load_engine
 from proto.inkling_epd.v1 import encoder_pb2, media_pb2
@@ -159,7 +159,8 @@ def _check_call(channel: grpc.Channel, payload: bytes, expected_items: int | Non
         assert len(results) == expected_items
     for result in results:
         if isinstance(result, EncodedItem):
-            assert result.rows > 0 and len(result.payload) == result.rows * result.dim * 2
+            width = result.dim * 2 if result.kind == KIND_EMBEDDINGS else result.codes_per_row  # bf16 rows or codes
+            assert result.rows > 0 and len(result.payload) == result.rows * width
         else:
             assert result.code in {c.name for c in ALLOWED} and result.message
     return "OK"

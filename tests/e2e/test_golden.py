@@ -9,7 +9,8 @@ extractor:
 - (a) text only;
 - (b) two images (no rescale, as HF's processor does by default) and an audio clip; sent twice: the second run
   is served from the shared Redis embedding cache (no encoder call) and the decoder's prefix cache;
-- (c) a short video: its sampled frames are image spans; HF gets the same frames, decoded here, as images.
+- (c) a short video: its sampled frames are image spans; HF gets the same frames, decoded here, as images;
+- (b) again on a replica with `--local-encode` (no encoder tier, no Redis).
 """
 
 from __future__ import annotations
@@ -228,7 +229,8 @@ def test_text_only_equals_transformers(golden, hf_model):
     assert final.usage.image_tokens == final.usage.audio_tokens == 0
 
 
-def test_two_images_and_audio_equal_transformers_then_come_from_the_caches(golden, hf_model):
+def _images_and_audio(hf_model) -> tuple[list[int], int, list[int], list[pb.ContentPart]]:
+    """Case (b): transformers' tokens, its prompt length, the per-item row counts, and the request's parts."""
     pixels = [_hf_pixel_values(Image.open(io.BytesIO(data))) for data in (IMAGE_A, IMAGE_B)]
     audio_ids, audio_mask = _hf_audio(AUDIO)
     counts = [pixels[0].shape[0], pixels[1].shape[0], int(audio_mask.sum())]
@@ -242,6 +244,11 @@ def test_two_images_and_audio_equal_transformers_then_come_from_the_caches(golde
         audio_input_ids_mask=audio_mask,
     )
     wire = [_image(IMAGE_A), _image(IMAGE_B), _audio(AUDIO), pb.ContentPart(text=QUESTION)]
+    return expected, prompt_tokens, counts, wire
+
+
+def test_two_images_and_audio_equal_transformers_then_come_from_the_caches(golden, hf_model):
+    expected, prompt_tokens, counts, wire = _images_and_audio(hf_model)
 
     tokens, final = _generate(golden.address, _request("golden-mm-1", wire))
     assert tokens == expected
@@ -280,3 +287,27 @@ def test_video_frames_equal_transformers_images(golden, hf_model):
     assert tokens == expected
     assert final.usage.prompt_tokens == prompt_tokens
     assert final.usage.image_tokens == sum(counts[0]) and final.usage.audio_tokens == 0
+
+
+def test_local_encode_replica_equals_transformers_with_images_and_audio(checkpoint, hf_model, tmp_path):
+    """`decode --local-encode` (no encoder tier, no Redis): the replica encodes in-process, its audio as dMel
+    codes summed at the fuse point, and still returns transformers' tokens."""
+    expected, prompt_tokens, counts, wire = _images_and_audio(hf_model)
+    spec = ClusterSpec(
+        checkpoint=checkpoint,
+        encoders=0,
+        decoders=1,
+        redis="none",
+        dtype="float32",
+        log_dir=str(tmp_path),
+        startup_timeout_s=90.0,
+        stop_timeout_s=15.0,
+        grace_seconds=1.0,
+    )
+    cluster = Cluster(spec).start()
+    try:
+        tokens, final = _generate(cluster.router_address, _request("golden-local", wire))
+    finally:
+        cluster.stop()
+    assert tokens == expected
+    assert final.usage.prompt_tokens == prompt_tokens and final.usage.audio_tokens == counts[2]

@@ -1,6 +1,7 @@
 """EncoderEngine on a tiny random checkpoint: tower outputs, spans, caching, single flight, item errors."""
 
 import asyncio
+import dataclasses
 import io
 import uuid
 
@@ -10,10 +11,12 @@ import redis
 import torch
 from PIL import Image
 
+from common.cache_store import Entry
 from common.errors import InvalidInputError, ResourceExhaustedError
 from common.media import ImageOptions, MediaInput, VideoOptions
 from common.settings import EncoderLimits, EncoderSettings, RedisSettings
-from common.wire import bytes_to_bf16
+from common.wire import KIND_DMEL_CODES, bytes_to_bf16, bytes_to_codes
+from encoder_service.codebook import AudioCodebook
 from encoder_service.preprocess.audio import preprocess_audio
 from encoder_service.preprocess.image import image_token_count, preprocess_image
 from encoder_service.service import EncodedItem, ItemError, bf16_bits
@@ -66,7 +69,11 @@ def test_image_audio_video_match_the_towers(checkpoint):
 
     codes = preprocess_audio(WAV, engine.audio_policy)
     assert audio.rows == len(codes) == 30  # 1.5 s at 20 frames/s
-    assert np.array_equal(bytes_to_bf16(audio.payload, audio.rows, audio.dim), _reference(engine.audio, codes))
+    assert audio.kind == KIND_DMEL_CODES and audio.tower_dtype == "bfloat16" and audio.dim == 64
+    assert np.array_equal(bytes_to_codes(audio.payload, audio.rows, audio.codes_per_row), codes)
+    codebook = AudioCodebook.load(checkpoint)
+    rows = codebook.rows(audio, "audio").view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(rows, _reference(engine.audio, codes))
 
     assert [s.modality for s in video.spans] == ["image"] * 3  # 1 s at 4 fps, capped at 3; no audio track
     assert sum(s.rows for s in video.spans) == video.rows
@@ -152,6 +159,37 @@ def test_call_limits(checkpoint):
     asyncio.run(main())
 
 
+def test_a_cached_entry_in_another_payload_layout_is_recomputed(checkpoint):
+    """Audio rows cached under an audio item's key (or codes for another tower dtype) are not served."""
+    engine = _engine(checkpoint)
+
+    async def main():
+        try:
+            (first,) = [r async for r in engine.encode([MediaInput("audio", WAV)])]
+            rows = Entry("audio", first.rows, first.dim, bytes(first.rows * first.dim * 2), first.spans)
+            engine.cache.put(first.mm_key, rows)
+            (second,) = [r async for r in engine.encode([MediaInput("audio", WAV)])]
+            engine.cache.put(first.mm_key, dataclasses.replace(rows, **_codes_fields(first, "float32")))
+            (third,) = [r async for r in engine.encode([MediaInput("audio", WAV)])]
+            return first, second, third
+        finally:
+            await engine.close()
+
+    first, second, third = asyncio.run(main())
+    assert not second.cache_hit and second == first
+    assert not third.cache_hit and third == first
+
+
+def _codes_fields(item: EncodedItem, tower_dtype: str) -> dict:
+    return {
+        "payload": item.payload,
+        "dtype": item.dtype,
+        "kind": item.kind,
+        "codes_per_row": item.codes_per_row,
+        "tower_dtype": tower_dtype,
+    }
+
+
 def test_redis_shared_between_engines_and_redis_down_is_harmless(checkpoint):
     prefix = f"test:engine:{uuid.uuid4().hex}:"
     shared = RedisSettings(url="redis://127.0.0.1:6379/15", key_prefix=prefix, async_writes=False)
@@ -161,11 +199,14 @@ def test_redis_shared_between_engines_and_redis_down_is_harmless(checkpoint):
         return _load_engine(EncoderSettings(checkpoint=str(checkpoint), l1_cache_bytes=0, redis=redis_settings))
 
     client = redis.Redis.from_url(shared.url)
+    items = [MediaInput("image", PNG), MediaInput("audio", WAV)]
     try:
-        (first,) = _encode(engine(shared), [MediaInput("image", PNG)])
-        (second,) = _encode(engine(shared), [MediaInput("image", PNG)])  # another replica, empty L1
-        (offline,) = _encode(engine(down), [MediaInput("image", PNG)])
+        first, first_audio = _encode(engine(shared), items)
+        second, second_audio = _encode(engine(shared), items)  # another replica, empty L1
+        offline, offline_audio = _encode(engine(down), items)
         assert client.exists(prefix + first.mm_key.hex()) == 1
+        stored = client.get(prefix + first_audio.mm_key.hex())  # audio is cached as its codes: 80 bytes a frame
+        assert stored is not None and len(stored) == 28 + 5 + 30 * 80
     finally:
         keys = list(client.scan_iter(match=prefix + "*"))
         if keys:
@@ -173,3 +214,9 @@ def test_redis_shared_between_engines_and_redis_down_is_harmless(checkpoint):
         client.close()
     assert not first.cache_hit and second.cache_hit and second.payload == first.payload
     assert not offline.cache_hit and offline.payload == first.payload
+    assert (
+        not first_audio.cache_hit
+        and second_audio.cache_hit
+        and second_audio == dataclasses.replace(first_audio, cache_hit=True)
+    )
+    assert second_audio.kind == KIND_DMEL_CODES and offline_audio.payload == first_audio.payload

@@ -25,29 +25,31 @@ _sym_db = _symbol_database.Default()
 from proto.inkling_epd.v1 import media_pb2 as proto_dot_inkling__epd_dot_v1_dot_media__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/inkling_epd/v1/encoder.proto\x12\x0einkling_epd.v1\x1a proto/inkling_epd/v1/media.proto\"\x93\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05items\x18\x02 \x03(\x0b\x32\x19.inkling_epd.v1.MediaItem\x12$\n\x1c\x65xpected_encoder_fingerprint\x18\x03 \x01(\x0c\x12\x1e\n\x16\x63ontinue_on_item_error\x18\x04 \x01(\x08\"@\n\x04Span\x12*\n\x08modality\x18\x01 \x01(\x0e\x32\x18.inkling_epd.v1.Modality\x12\x0c\n\x04rows\x18\x02 \x01(\r\"\xf9\x01\n\nItemHeader\x12\x12\n\nitem_index\x18\x01 \x01(\r\x12\x0e\n\x06mm_key\x18\x02 \x01(\x0c\x12*\n\x08modality\x18\x03 \x01(\x0e\x32\x18.inkling_epd.v1.Modality\x12\x0c\n\x04rows\x18\x04 \x01(\r\x12\x0b\n\x03\x64im\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\x12\x10\n\x08\x63hecksum\x18\t \x01(\x07\x12#\n\x05spans\x18\n \x03(\x0b\x32\x14.inkling_epd.v1.Span\x12\x11\n\tcache_hit\x18\x0b \x01(\x08\"=\n\tDataChunk\x12\x12\n\nitem_index\x18\x01 \x01(\r\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\">\n\tItemError\x12\x12\n\nitem_index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x9a\x01\n\x0b\x45ncodeChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.inkling_epd.v1.ItemHeaderH\x00\x12)\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x19.inkling_epd.v1.DataChunkH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.inkling_epd.v1.ItemErrorH\x00\x42\x06\n\x04part\"\x14\n\x12\x45ncoderInfoRequest\"\xef\x01\n\x0b\x45ncoderInfo\x12\x1b\n\x13\x65ncoder_fingerprint\x18\x01 \x01(\x0c\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12,\n\nmodalities\x18\x05 \x03(\x0e\x32\x18.inkling_epd.v1.Modality\x12\x1d\n\x15max_items_per_request\x18\x06 \x01(\r\x12\x16\n\x0emax_item_bytes\x18\x07 \x01(\x04\x12\x18\n\x10max_batch_tokens\x18\x08 \x01(\r\x12\x16\n\x0einflight_items\x18\t \x01(\r2\x9d\x01\n\x07\x45ncoder\x12\x46\n\x06\x45ncode\x12\x1d.inkling_epd.v1.EncodeRequest\x1a\x1b.inkling_epd.v1.EncodeChunk0\x01\x12J\n\x07GetInfo\x12\".inkling_epd.v1.EncoderInfoRequest\x1a\x1b.inkling_epd.v1.EncoderInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/inkling_epd/v1/encoder.proto\x12\x0einkling_epd.v1\x1a proto/inkling_epd/v1/media.proto\"\x93\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05items\x18\x02 \x03(\x0b\x32\x19.inkling_epd.v1.MediaItem\x12$\n\x1c\x65xpected_encoder_fingerprint\x18\x03 \x01(\x0c\x12\x1e\n\x16\x63ontinue_on_item_error\x18\x04 \x01(\x08\"@\n\x04Span\x12*\n\x08modality\x18\x01 \x01(\x0e\x32\x18.inkling_epd.v1.Modality\x12\x0c\n\x04rows\x18\x02 \x01(\r\"\xd8\x02\n\nItemHeader\x12\x12\n\nitem_index\x18\x01 \x01(\r\x12\x0e\n\x06mm_key\x18\x02 \x01(\x0c\x12*\n\x08modality\x18\x03 \x01(\x0e\x32\x18.inkling_epd.v1.Modality\x12\x0c\n\x04rows\x18\x04 \x01(\r\x12\x0b\n\x03\x64im\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\x12\x10\n\x08\x63hecksum\x18\t \x01(\x07\x12#\n\x05spans\x18\n \x03(\x0b\x32\x14.inkling_epd.v1.Span\x12\x11\n\tcache_hit\x18\x0b \x01(\x08\x12\x31\n\x0cpayload_kind\x18\x0c \x01(\x0e\x32\x1b.inkling_epd.v1.PayloadKind\x12\x15\n\rcodes_per_row\x18\r \x01(\r\x12\x13\n\x0btower_dtype\x18\x0e \x01(\t\"=\n\tDataChunk\x12\x12\n\nitem_index\x18\x01 \x01(\r\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\">\n\tItemError\x12\x12\n\nitem_index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x9a\x01\n\x0b\x45ncodeChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.inkling_epd.v1.ItemHeaderH\x00\x12)\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x19.inkling_epd.v1.DataChunkH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.inkling_epd.v1.ItemErrorH\x00\x42\x06\n\x04part\"\x14\n\x12\x45ncoderInfoRequest\"\xef\x01\n\x0b\x45ncoderInfo\x12\x1b\n\x13\x65ncoder_fingerprint\x18\x01 \x01(\x0c\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12,\n\nmodalities\x18\x05 \x03(\x0e\x32\x18.inkling_epd.v1.Modality\x12\x1d\n\x15max_items_per_request\x18\x06 \x01(\r\x12\x16\n\x0emax_item_bytes\x18\x07 \x01(\x04\x12\x18\n\x10max_batch_tokens\x18\x08 \x01(\r\x12\x16\n\x0einflight_items\x18\t \x01(\r*G\n\x0bPayloadKind\x12\x1b\n\x17PAYLOAD_KIND_EMBEDDINGS\x10\x00\x12\x1b\n\x17PAYLOAD_KIND_DMEL_CODES\x10\x01\x32\x9d\x01\n\x07\x45ncoder\x12\x46\n\x06\x45ncode\x12\x1d.inkling_epd.v1.EncodeRequest\x1a\x1b.inkling_epd.v1.EncodeChunk0\x01\x12J\n\x07GetInfo\x12\".inkling_epd.v1.EncoderInfoRequest\x1a\x1b.inkling_epd.v1.EncoderInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.inkling_epd.v1.encoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PAYLOADKIND']._serialized_start=1199
+  _globals['_PAYLOADKIND']._serialized_end=1270
   _globals['_ENCODEREQUEST']._serialized_start=89
   _globals['_ENCODEREQUEST']._serialized_end=236
   _globals['_SPAN']._serialized_start=238
   _globals['_SPAN']._serialized_end=302
   _globals['_ITEMHEADER']._serialized_start=305
-  _globals['_ITEMHEADER']._serialized_end=554
-  _globals['_DATACHUNK']._serialized_start=556
-  _globals['_DATACHUNK']._serialized_end=617
-  _globals['_ITEMERROR']._serialized_start=619
-  _globals['_ITEMERROR']._serialized_end=681
-  _globals['_ENCODECHUNK']._serialized_start=684
-  _globals['_ENCODECHUNK']._serialized_end=838
-  _globals['_ENCODERINFOREQUEST']._serialized_start=840
-  _globals['_ENCODERINFOREQUEST']._serialized_end=860
-  _globals['_ENCODERINFO']._serialized_start=863
-  _globals['_ENCODERINFO']._serialized_end=1102
-  _globals['_ENCODER']._serialized_start=1105
-  _globals['_ENCODER']._serialized_end=1262
+  _globals['_ITEMHEADER']._serialized_end=649
+  _globals['_DATACHUNK']._serialized_start=651
+  _globals['_DATACHUNK']._serialized_end=712
+  _globals['_ITEMERROR']._serialized_start=714
+  _globals['_ITEMERROR']._serialized_end=776
+  _globals['_ENCODECHUNK']._serialized_start=779
+  _globals['_ENCODECHUNK']._serialized_end=933
+  _globals['_ENCODERINFOREQUEST']._serialized_start=935
+  _globals['_ENCODERINFOREQUEST']._serialized_end=955
+  _globals['_ENCODERINFO']._serialized_start=958
+  _globals['_ENCODERINFO']._serialized_end=1197
+  _globals['_ENCODER']._serialized_start=1273
+  _globals['_ENCODER']._serialized_end=1430
 # @@protoc_insertion_point(module_scope)

@@ -1,11 +1,19 @@
 from proto.inkling_epd.v1 import media_pb2 as _media_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAYLOAD_KIND_EMBEDDINGS: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_DMEL_CODES: _ClassVar[PayloadKind]
+PAYLOAD_KIND_EMBEDDINGS: PayloadKind
+PAYLOAD_KIND_DMEL_CODES: PayloadKind
 
 class EncodeRequest(_message.Message):
     __slots__ = ("request_id", "items", "expected_encoder_fingerprint", "continue_on_item_error")
@@ -28,7 +36,7 @@ class Span(_message.Message):
     def __init__(self, modality: _Optional[_Union[_media_pb2.Modality, str]] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class ItemHeader(_message.Message):
-    __slots__ = ("item_index", "mm_key", "modality", "rows", "dim", "dtype", "total_bytes", "num_chunks", "checksum", "spans", "cache_hit")
+    __slots__ = ("item_index", "mm_key", "modality", "rows", "dim", "dtype", "total_bytes", "num_chunks", "checksum", "spans", "cache_hit", "payload_kind", "codes_per_row", "tower_dtype")
     ITEM_INDEX_FIELD_NUMBER: _ClassVar[int]
     MM_KEY_FIELD_NUMBER: _ClassVar[int]
     MODALITY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +48,9 @@ class ItemHeader(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SPANS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_KIND_FIELD_NUMBER: _ClassVar[int]
+    CODES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    TOWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     item_index: int
     mm_key: bytes
     modality: _media_pb2.Modality
@@ -51,7 +62,10 @@ class ItemHeader(_message.Message):
     checksum: int
     spans: _containers.RepeatedCompositeFieldContainer[Span]
     cache_hit: bool
-    def __init__(self, item_index: _Optional[int] = ..., mm_key: _Optional[bytes] = ..., modality: _Optional[_Union[_media_pb2.Modality, str]] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., checksum: _Optional[int] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
+    payload_kind: PayloadKind
+    codes_per_row: int
+    tower_dtype: str
+    def __init__(self, item_index: _Optional[int] = ..., mm_key: _Optional[bytes] = ..., modality: _Optional[_Union[_media_pb2.Modality, str]] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., checksum: _Optional[int] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., cache_hit: _Optional[bool] = ..., payload_kind: _Optional[_Union[PayloadKind, str]] = ..., codes_per_row: _Optional[int] = ..., tower_dtype: _Optional[str] = ...) -> None: ...
 
 class DataChunk(_message.Message):
     __slots__ = ("item_index", "seq", "payload")
