@@ -29,8 +29,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, step: PreparedBatch | None = None) -> torch.Tensor:
+        """`step`: the batch whose residual conv produced x, which may have normed it in the same launch."""
+        fused = step.fused_norm(self, x) if step is not None else None
+        return fused if fused is not None else self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class ShortConv(nn.Module):
@@ -105,7 +107,7 @@ class Attention(nn.Module):
 
     def forward(self, u: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
         q, r, k0, v0 = self.project(u)
-        out = step.attention(self, self.q_norm(q), r, k0, v0)  # [T, nH, hd]: k/v convs, KV write, attention
+        out = step.attention(self, q, r, k0, v0)  # [T, nH, hd]: q/k norms, k/v convs, KV write, attention
         return self.wo_ud(out.reshape(u.shape[0], self.geo.q_width))  # [T, H]
 
     def store_kv(
@@ -261,6 +263,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
         """h `[T, H]` -> `[T, H]`."""
-        h = self.attn_sconv(self.attn(self.attn_norm(h), step), step, residual=h)  # h + attn_sconv(attn(...))
-        h = self.mlp_sconv(self.mlp(self.mlp_norm(h)), step, residual=h)  # h + mlp_sconv(mlp(mlp_norm(h)))
+        h = self.attn_sconv(self.attn(self.attn_norm(h, step), step), step, residual=h)  # h + attn_sconv(attn(...))
+        h = self.mlp_sconv(self.mlp(self.mlp_norm(h, step)), step, residual=h)  # h + mlp_sconv(mlp(mlp_norm(h)))
         return h

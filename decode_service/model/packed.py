@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from decode_service.model.batch import ForwardBatch, SequenceSlice
@@ -86,6 +87,7 @@ class PackedBatch:
         self, attn: Attention, q: torch.Tensor, r: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor
     ) -> torch.Tensor:
         seqs = self.sequences
+        q = attn.q_norm(q)
         visible = [
             attn.store_kv(k0[rows], v0[rows], seq.start_position, seq.layers[attn.layer])
             for rows, seq in zip(self.rows, seqs, strict=True)
@@ -111,6 +113,9 @@ class PackedBatch:
             outputs.append(y)
         y = torch.cat(outputs)  # [T, C]
         return y if residual is None else residual + y
+
+    def fused_norm(self, norm: nn.Module, x: torch.Tensor) -> None:
+        return None  # nothing is fused here: every RMSNorm is its own op
 
 
 def decode_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, visible: Sequence[VisibleKV]) -> torch.Tensor:
