@@ -348,3 +348,61 @@ def moe_sum_kernel(Part, Out, N, TOPK: tl.constexpr, BLOCK: tl.constexpr):
     for i in range(TOPK):
         acc += tl.load(Part + (t * TOPK + i).to(tl.int64) * N + offs, mask=mask, other=0.0)
     tl.store(Out + t.to(tl.int64) * N + offs, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_pairs", "n_slots", "n_blocks"])
+def moe_align_kernel(
+    Ids,
+    SortedPairs,
+    BlockExpert,
+    Cursor,
+    n_pairs,
+    n_slots,
+    n_blocks,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERT_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """One program: count the pairs per expert, lay the experts' padded row spans out in expert order, fill
+    every row with the pad id, then place each pair at its expert's cursor (pairs of one expert in pair order:
+    the stable sort), and name each block's expert. ``Cursor`` is an int32 scratch of EXPERT_ROWS entries."""
+    experts = tl.arange(0, EXPERT_ROWS)
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros([EXPERT_ROWS], dtype=tl.int32)
+    for start in range(0, n_pairs, CHUNK):
+        ids = tl.load(Ids + start + offs, mask=start + offs < n_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    used = tl.sum(padded, axis=0)
+
+    fill = tl.arange(0, FILL)
+    for start in range(0, n_slots, FILL):
+        tl.store(SortedPairs + start + fill, tl.full([FILL], 0, tl.int32) + n_pairs, mask=start + fill < n_slots)
+    tl.store(Cursor + experts, padded_start)
+    tl.debug_barrier()  # the pad fill and the cursors are in memory before any thread places a pair
+
+    cursor = padded_start
+    earlier = offs[None, :] < offs[:, None]  # [i, j]: pair j comes before pair i in the chunk
+    for start in range(0, n_pairs, CHUNK):
+        pairs = start + offs
+        valid = pairs < n_pairs
+        ids = tl.load(Ids + pairs, mask=valid, other=-1).to(tl.int32)
+        rank = tl.sum(((ids[None, :] == ids[:, None]) & earlier).to(tl.int32), axis=1)
+        base = tl.load(Cursor + ids, mask=valid, other=0)
+        tl.store(SortedPairs + base + rank, pairs.to(tl.int32), mask=valid)
+        cursor += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        tl.debug_barrier()  # every thread has read this chunk's cursors
+        tl.store(Cursor + experts, cursor)
+        tl.debug_barrier()
+
+    real = experts < NUM_EXPERTS
+    for start in range(0, n_blocks, CHUNK):
+        blocks = start + offs
+        block_start = blocks * BLOCK_M
+        expert = tl.sum(((padded_end[None, :] <= block_start[:, None]) & real[None, :]).to(tl.int32), axis=1)
+        expert = tl.where(block_start < used, expert, -1)
+        tl.store(BlockExpert + blocks, expert, mask=blocks < n_blocks)
