@@ -27,6 +27,7 @@ import torch
 
 _BLOCK_N = 64
 _TARGET_PROGRAMS = 264  # ~2 waves of the H200's 132 SMs
+_NUM_WARPS, _NUM_STAGES = 4, 2  # of the split kernel
 
 
 def _check_common(q, r, rel_proj, k, v, n_kv):
@@ -152,8 +153,8 @@ def _launch(q, r, rel_proj, k, v, seq_lens, block_table, page_size, kv_strides, 
         USE_TAU=log_scaling is not None,
         PAGED=paged,
         PAGE_SIZE=page_size if paged else 1,
-        num_warps=4,
-        num_stages=2,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
     )
     tk.attn_combine_kernel[(b, n_heads)](
         acc,

@@ -78,7 +78,7 @@ def default_config(n_pairs: int) -> MoeConfig:
 
 
 ALIGN_KERNEL_MAX_PAIRS = 4096  # one program walks the pairs in chunks: decode sizes; prefill sorts in torch
-_ALIGN_CHUNK = 64  # pairs per step of the align program (a [CHUNK, E] comparison per step)
+_ALIGN_CHUNK = 128  # pairs per step of the align program (a [CHUNK, CHUNK] comparison ranks them)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,11 +106,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     sorted_pairs = torch.empty((n_blocks * block_m,), dtype=torch.int32, device=dev)
     block_expert = torch.empty((n_blocks,), dtype=torch.int32, device=dev)
     expert_rows = triton.next_power_of_2(num_experts)
-    cursor = torch.empty((expert_rows,), dtype=torch.int32, device=dev)
+    scratch = torch.empty((2 * expert_rows,), dtype=torch.int32, device=dev)  # counts, cursors
     tk.moe_align_kernel[(1,)](
-        flat.contiguous(), sorted_pairs, block_expert, cursor, n_pairs, n_blocks * block_m, n_blocks,
-        NUM_EXPERTS=num_experts, EXPERT_ROWS=expert_rows, BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, FILL=1024,
-        num_warps=8,
+        flat.contiguous(), sorted_pairs, block_expert, scratch, n_pairs, n_blocks * block_m, n_blocks,
+        EXPERT_ROWS=expert_rows, BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, FILL=1024, num_warps=4,
     )  # fmt: skip
     return sorted_pairs, block_expert
 
