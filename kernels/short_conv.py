@@ -27,7 +27,7 @@ import torch
 from kernels.rms_norm import rms_norm_reference
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_BLOCK_C = 1024  # channels per program without the norm
+_BLOCK_C = 512  # channels per program without the norm (H200, C=4096: 3.7 us at B=1 against 4.2 with 1024)
 _NORM_BLOCK_C = 4096  # channels per loop step of a normalising program (one program per row)
 
 

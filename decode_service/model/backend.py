@@ -3,9 +3,7 @@
 Everything that mixes tokens over time (attention with its KV write, and the short convs with their states) reads
 and writes a sequence's caches; everything else in a layer runs on all T rows at once. The model calls
 `prepare(batch)` once per forward and hands the result to every layer, which calls `attention` (q/k norms, k/v
-convs, KV write, then attention) and `conv` (the residual-stream short convs) on it, and asks `fused_norm` before
-each RMSNorm of the residual stream (a backend may have computed it in the launch of the conv that produced it).
-Two backends:
+convs, KV write, then attention) and `conv` (the residual-stream short convs) on it. Two backends:
 `packed.PackedBackend` (per-sequence `LayerCache`s, any mix of prefill chunks and decode tokens) and
 `paged.PagedBackend` (one token per sequence over the engine's paged pools, CUDA-graph safe).
 """
@@ -34,10 +32,6 @@ class PreparedBatch(Protocol):
     def conv(self, conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`layers.ShortConv` `conv` over x `[T, C]`, each sequence continuing from (and updating) its state;
         `residual + conv(x)` when a residual `[T, C]` is given (one launch on the paged path)."""
-        ...
-
-    def fused_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """`layers.RMSNorm` `norm` of x when this step already computed it with x (else None: the caller norms)."""
         ...
 
 

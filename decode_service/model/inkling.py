@@ -46,9 +46,7 @@ class InklingDecoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.unembed = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed: AttentionBackend = PackedBackend(kernels=ops.attention_kernels)
-        self.paged: AttentionBackend | None = (
-            PagedBackend.for_layers(self.layers, self.norm) if _paged_kernels(config, ops) else None
-        )
+        self.paged: AttentionBackend | None = PagedBackend() if _paged_kernels(config, ops) else None
 
     @classmethod
     def from_weights(
@@ -113,7 +111,7 @@ class InklingDecoder(nn.Module):
         step = self.prepare(batch)
         for layer in self.layers:
             h = layer(h, step)
-        return self.norm(h, step)
+        return self.norm(h)
 
     def prepare(self, batch: ForwardBatch) -> PreparedBatch:
         """The batch's per-step attention metadata from the backend for its kind (packed or paged)."""

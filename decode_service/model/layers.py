@@ -29,10 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, step: PreparedBatch | None = None) -> torch.Tensor:
-        """`step`: the batch whose residual conv produced x, which may have normed it in the same launch."""
-        fused = step.fused_norm(self, x) if step is not None else None
-        return fused if fused is not None else self.ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class ShortConv(nn.Module):
@@ -263,6 +261,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
         """h `[T, H]` -> `[T, H]`."""
-        h = self.attn_sconv(self.attn(self.attn_norm(h, step), step), step, residual=h)  # h + attn_sconv(attn(...))
-        h = self.mlp_sconv(self.mlp(self.mlp_norm(h, step)), step, residual=h)  # h + mlp_sconv(mlp(mlp_norm(h)))
+        h = self.attn_sconv(self.attn(self.attn_norm(h), step), step, residual=h)  # h + attn_sconv(attn(...))
+        h = self.mlp_sconv(self.mlp(self.mlp_norm(h)), step, residual=h)  # h + mlp_sconv(mlp(mlp_norm(h)))
         return h

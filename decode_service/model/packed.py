@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from decode_service.model.batch import ForwardBatch, SequenceSlice
@@ -113,9 +112,6 @@ class PackedBatch:
             outputs.append(y)
         y = torch.cat(outputs)  # [T, C]
         return y if residual is None else residual + y
-
-    def fused_norm(self, norm: nn.Module, x: torch.Tensor) -> None:
-        return None  # nothing is fused here: every RMSNorm is its own op
 
 
 def decode_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, visible: Sequence[VisibleKV]) -> torch.Tensor:

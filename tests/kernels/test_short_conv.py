@@ -325,9 +325,24 @@ def test_kv_prologue_with_queries_gpu_bf16(cuda_device, b):
         k0, v0, ref_k_states, ref_v_states, slots, k_weight, v_weight, k_norm_weight, EPS,
         ref_pool[:, 0], ref_pool[:, 1], kv_rows, q, q_norm_weight, EPS,
     )  # fmt: skip
-    assert_within_rounding(normed, ref)
+    assert_norm_within_rounding(normed, ref, q_norm_weight)
     assert torch.equal(k_states, ref_k_states) and torch.equal(v_states, ref_v_states)
     assert_within_rounding(pool, ref_pool)
+
+
+def assert_norm_within_rounding(out: torch.Tensor, ref: torch.Tensor, weight: torch.Tensor) -> None:
+    """bf16 RMSNorm over many rows: one unit in the last place, except where a last-bit difference of the fp32
+    statistics (another summation order) flips the rounding of ``x * rstd``: there at most one bf16 unit of that
+    normalised value, times the weight, plus the product's own rounding; such flips stay rare (< 1e-5 of the
+    elements; a 1M-element GPU run saw 2)."""
+    assert out.dtype == ref.dtype == torch.bfloat16 and out.shape == ref.shape
+    diff = (out.float() - ref.float()).abs()
+    one_ulp = ref.float().abs() * torch.finfo(torch.bfloat16).eps + 1e-6
+    flipped = diff > one_ulp
+    normed = ref.float() / weight.float()  # ~ round(x * rstd)
+    bound = torch.finfo(torch.bfloat16).eps * (normed.abs() * weight.float().abs() + ref.float().abs()) + 1e-6
+    assert flipped.float().mean().item() < 1e-5, f"{int(flipped.sum())} elements off by more than one ulp"
+    assert bool((diff[flipped] <= bound[flipped]).all()), f"largest difference {diff.max().item()}"
 
 
 @pytest.mark.gpu
