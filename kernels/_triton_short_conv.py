@@ -8,7 +8,7 @@ the read and the writes keeps a thread from overwriting a row that another threa
 
 ``conv_decode_kernel``: program (b, channel block), or program b looping over the channel blocks twice when the
 row is normalised too. ``kv_prologue_kernel``: program (b, kv head) convolves the head's k and v channels,
-k-norms the head and writes both into the KV pool.
+k-norms the head and writes both into the KV pool; with HAS_Q it also q-norms the head's group of query heads.
 """
 
 import torch
@@ -159,7 +159,11 @@ def kv_prologue_kernel(
     KPool,
     VPool,
     KvRows,
+    Q,
+    QNormW,
+    QOut,
     eps,
+    q_eps,
     stride_km,
     stride_vm,
     stride_kss,
@@ -174,10 +178,17 @@ def kv_prologue_kernel(
     stride_kph,
     stride_vpr,
     stride_vph,
+    stride_qm,
+    stride_qh,
+    stride_qom,
+    stride_qoh,
     KERNEL_SIZE: tl.constexpr,
     STATE_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NORM_DTYPE: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -200,3 +211,14 @@ def kv_prologue_kernel(
         KERNEL_SIZE, STATE_ROWS,
     )  # fmt: skip
     tl.store(VPool + row * stride_vpr + head * stride_vph + offs, v.to(VPool.dtype.element_ty))
+
+    if HAS_Q:  # query heads head * GROUP .. (head + 1) * GROUP, one row each
+        g = tl.arange(0, GROUP_ROWS)
+        q_heads = head * GROUP + g
+        q_mask = (g < GROUP)[:, None] & mask[None, :]
+        qx = tl.load(Q + b * stride_qm + q_heads[:, None] * stride_qh + offs[None, :], mask=q_mask, other=0.0)
+        qf = qx.to(tl.float32)
+        q_rstd = tl.rsqrt(tl.sum(qf * qf, axis=1) / HEAD_DIM + q_eps)
+        qn = rms_apply(qf, q_rstd[:, None], tl.load(QNormW + offs)[None, :], Q.dtype.element_ty)
+        q_ptrs = QOut + b * stride_qom + q_heads[:, None] * stride_qoh + offs[None, :]
+        tl.store(q_ptrs, qn.to(QOut.dtype.element_ty), mask=q_mask)

@@ -12,7 +12,8 @@ accumulation; dequantised weights are never materialised) or plain bf16 stacks (
 Routing: with few (token, slot) pairs each pair is its own row block (no metadata, duplicates of an expert
 re-read its weights); with many, ``moe_align`` groups the pairs by expert into blocks of ``block_m`` rows,
 on the device and without a host sync (CUDA-graph safe). Three launches (w13 + SwiGLU, w2 x routing weight
-into fp32 ``[pairs, H]``, slot sum) plus ``moe_align``'s torch ops for the sorted routing.
+into fp32 ``[pairs, H]``, slot sum) plus, for the sorted routing, ``moe_align``'s one launch (prefill-sized
+batches: a torch sort).
 
 Decode-size blocks hold 1-8 valid rows, so the kernels are grouped GEMVs whose cost is the in-register
 dequantisation (~2 instructions per weight) overlapping the weight stream. What the H200 measurements
@@ -76,13 +77,45 @@ def default_config(n_pairs: int) -> MoeConfig:
     return base
 
 
+ALIGN_KERNEL_MAX_PAIRS = 4096  # one program walks the pairs in chunks: decode sizes; prefill sorts in torch
+_ALIGN_CHUNK = 128  # pairs per step of the align program (a [CHUNK, CHUNK] comparison ranks them)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Group (token, slot) pairs by expert into row blocks, without reading anything back to the host.
 
     Returns ``sorted_pairs`` int32 ``[n_blocks * block_m]`` (pair ids ``t * k + i``, pad = n_pairs) and
     ``block_expert`` int32 ``[n_blocks]`` (-1 for blocks past the used ones). ``n_blocks`` is the static upper
-    bound ``ceil(n_pairs / block_m) + min(n_pairs, E)``.
+    bound ``ceil(n_pairs / block_m) + min(n_pairs, E)``. Up to ``ALIGN_KERNEL_MAX_PAIRS`` pairs in one launch
+    (``moe_align_kernel``), beyond that ``moe_align_reference``'s torch sort; the results are identical.
     """
+    import triton
+
+    from kernels import _triton_moe as tk
+
+    flat = topk_ids.reshape(-1)
+    n_pairs = flat.numel()
+    if flat.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32/int64, got {flat.dtype}")
+    if not 0 < num_experts or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"num_experts >= 1 and a power-of-two block_m expected, got {num_experts}, {block_m}")
+    if n_pairs == 0 or n_pairs > ALIGN_KERNEL_MAX_PAIRS:
+        return moe_align_reference(flat, num_experts, block_m)
+    n_blocks = -(-n_pairs // block_m) + min(n_pairs, num_experts)
+    dev = flat.device
+    sorted_pairs = torch.empty((n_blocks * block_m,), dtype=torch.int32, device=dev)
+    block_expert = torch.empty((n_blocks,), dtype=torch.int32, device=dev)
+    expert_rows = triton.next_power_of_2(num_experts)
+    scratch = torch.empty((2 * expert_rows,), dtype=torch.int32, device=dev)  # counts, cursors
+    tk.moe_align_kernel[(1,)](
+        flat.contiguous(), sorted_pairs, block_expert, scratch, n_pairs, n_blocks * block_m, n_blocks,
+        EXPERT_ROWS=expert_rows, BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, FILL=1024, num_warps=4,
+    )  # fmt: skip
+    return sorted_pairs, block_expert
+
+
+def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of ``moe_align`` (same arguments and results): a stable sort of the pairs by expert."""
     flat = topk_ids.reshape(-1)
     n_pairs = flat.numel()
     dev = flat.device

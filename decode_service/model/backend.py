@@ -2,8 +2,8 @@
 
 Everything that mixes tokens over time (attention with its KV write, and the short convs with their states) reads
 and writes a sequence's caches; everything else in a layer runs on all T rows at once. The model calls
-`prepare(batch)` once per forward and hands the result to every layer, which calls `attention` (k/v convs,
-k-norm, KV write, then attention) and `conv` (the residual-stream short convs) on it. Two backends:
+`prepare(batch)` once per forward and hands the result to every layer, which calls `attention` (q/k norms, k/v
+convs, KV write, then attention) and `conv` (the residual-stream short convs) on it. Two backends:
 `packed.PackedBackend` (per-sequence `LayerCache`s, any mix of prefill chunks and decode tokens) and
 `paged.PagedBackend` (one token per sequence over the engine's paged pools, CUDA-graph safe).
 """
@@ -24,8 +24,9 @@ class PreparedBatch(Protocol):
     def attention(
         self, attn: nn.Module, q: torch.Tensor, r: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor
     ) -> torch.Tensor:
-        """`layers.Attention` `attn`'s q `[T, nH, hd]` (q-normed), r `[T, nH, d_rel]`, k0, v0 `[T, nKV*hd]` ->
-        `[T, nH, hd]`: convolve and k-norm the new keys/values, store them in the layer's cache, attend."""
+        """`layers.Attention` `attn`'s q `[T, nH, hd]` (before `attn.q_norm`), r `[T, nH, d_rel]`, k0, v0
+        `[T, nKV*hd]` -> `[T, nH, hd]`: q-norm the queries, convolve and k-norm the new keys/values, store them in
+        the layer's cache, attend."""
         ...
 
     def conv(self, conv: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -105,7 +105,7 @@ class Attention(nn.Module):
 
     def forward(self, u: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
         q, r, k0, v0 = self.project(u)
-        out = step.attention(self, self.q_norm(q), r, k0, v0)  # [T, nH, hd]: k/v convs, KV write, attention
+        out = step.attention(self, q, r, k0, v0)  # [T, nH, hd]: q/k norms, k/v convs, KV write, attention
         return self.wo_ud(out.reshape(u.shape[0], self.geo.q_width))  # [T, H]
 
     def store_kv(

@@ -86,6 +86,7 @@ class PackedBatch:
         self, attn: Attention, q: torch.Tensor, r: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor
     ) -> torch.Tensor:
         seqs = self.sequences
+        q = attn.q_norm(q)
         visible = [
             attn.store_kv(k0[rows], v0[rows], seq.start_position, seq.layers[attn.layer])
             for rows, seq in zip(self.rows, seqs, strict=True)

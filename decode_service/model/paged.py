@@ -2,7 +2,7 @@
 
 Every field of a `PagedDecode` is a device tensor of static shape and every op here is a kernel free of host
 syncs, so the engine captures the step in CUDA graphs (`engine/decode_graphs.py`). Per layer: `kv_prologue` (the
-k/v short convs with their states updated in place, k-norm, the KV write into the layer's pool) and
+k/v short convs with their states updated in place, q- and k-norms, the KV write into the layer's pool) and
 `paged_decode_attention` (split-KV attention through the block tables); the residual-stream convs run
 `conv_decode`. A model is built with this backend only when its ops have the attention kernels and every layer's
 shapes fit them (`InklingDecoder.paged`).
@@ -40,17 +40,17 @@ class PagedBatch:
     def attention(
         self, attn: Attention, q: torch.Tensor, r: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor
     ) -> torch.Tensor:
-        """q `[B, nH, hd]` (q-normed), r `[B, nH, d_rel]`, k0/v0 `[B, nKV*hd]` -> `[B, nH, hd]`."""
+        """q `[B, nH, hd]` (q-normed in the prologue), r `[B, nH, d_rel]`, k0/v0 `[B, nKV*hd]` -> `[B, nH, hd]`."""
         from kernels.attention import paged_decode_attention
         from kernels.short_conv import kv_prologue
 
         decode = self.decode
         pools, layer = decode.pools, attn.layer
         k_pool, v_pool, sliding = pools.kv_pool(layer)
-        kv_prologue(
+        q = kv_prologue(
             k0, v0, pools.conv_pool(layer, K_CONV), pools.conv_pool(layer, V_CONV), decode.conv_slots,
             attn.k_sconv.weight[:, 0, :], attn.v_sconv.weight[:, 0, :], attn.k_norm.weight, attn.k_norm.eps,
-            k_pool, v_pool, decode.kv_rows[sliding],
+            k_pool, v_pool, decode.kv_rows[sliding], q, attn.q_norm.weight, attn.q_norm.eps,
         )  # fmt: skip
         rel_proj, r = rel_bank(attn, r)
         return paged_decode_attention(

@@ -1,7 +1,16 @@
 import pytest
 import torch
 
-from kernels.moe import MoeConfig, bf16_moe, default_config, moe_align, moe_reference, nvfp4_moe
+import kernels.moe as moe_module
+from kernels.moe import (
+    MoeConfig,
+    bf16_moe,
+    default_config,
+    moe_align,
+    moe_align_reference,
+    moe_reference,
+    nvfp4_moe,
+)
 
 SMALL = MoeConfig(block_m=16, block_n13=16, block_k13=32, block_n2=16, block_k2=32)
 
@@ -23,9 +32,10 @@ def routing(t, e, k, gen, device="cpu"):
     return ids.to(device), wts.to(device)
 
 
-def test_moe_align_groups_pairs_by_expert():
+@pytest.mark.parametrize("align", [moe_align, moe_align_reference])
+def test_moe_align_groups_pairs_by_expert(cpu_interpreter, align):
     ids = torch.tensor([[3, 1], [1, 0], [3, 2]])
-    sorted_pairs, block_expert = moe_align(ids, num_experts=5, block_m=2)
+    sorted_pairs, block_expert = align(ids, num_experts=5, block_m=2)
     n_pairs = ids.numel()
     seen = []
     for b, e in enumerate(block_expert.tolist()):
@@ -36,6 +46,46 @@ def test_moe_align_groups_pairs_by_expert():
         assert rows and all(ids.view(-1)[p].item() == e for p in rows)
         seen += rows
     assert sorted(seen) == list(range(n_pairs))
+
+
+def skewed_ids(t, e, k, gen, device="cpu"):
+    """Routing with a few hot experts and many unused ones (several align chunks share an expert)."""
+    hot = torch.rand(e, generator=gen) ** 4
+    return torch.multinomial(hot.expand(t, e), k, generator=gen).to(torch.int32).to(device)
+
+
+@pytest.mark.parametrize("t,e,k,block_m", [(1, 8, 2, 8), (37, 16, 3, 4), (70, 256, 6, 8), (9, 12, 4, 16)])
+def test_moe_align_kernel_equals_the_torch_sort(cpu_interpreter, t, e, k, block_m):
+    """One launch, every output element equal to the stable torch sort's (pads and unused blocks included)."""
+    gen = torch.Generator().manual_seed(t * e + k)
+    for ids in (routing(t, e, k, gen)[0], skewed_ids(t, e, k, gen)):
+        got = moe_align(ids, e, block_m)
+        ref = moe_align_reference(ids, e, block_m)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def test_moe_align_sorts_in_torch_beyond_the_kernel_size(monkeypatch):
+    monkeypatch.setattr(moe_module, "ALIGN_KERNEL_MAX_PAIRS", 4)
+    ids = torch.tensor([[3, 1], [1, 0], [3, 2]])
+    got = moe_align(ids, 5, 2)  # 6 pairs > 4: the torch path, no interpreter needed
+    assert all(torch.equal(a, b) for a, b in zip(got, moe_align_reference(ids, 5, 2), strict=True))
+
+
+def test_moe_align_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe_align(torch.zeros(2, 2), 4, 8)
+    with pytest.raises(ValueError, match="block_m"):
+        moe_align(torch.zeros(2, 2, dtype=torch.int32), 4, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [64, 256, 600])
+def test_moe_align_kernel_gpu(cuda_device, t):
+    gen = torch.Generator().manual_seed(t)
+    for ids in (routing(t, 256, 6, gen, cuda_device)[0], skewed_ids(t, 256, 6, gen, cuda_device)):
+        got = moe_align(ids, 256, 8)
+        ref = moe_align_reference(ids, 256, 8)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 
 @pytest.mark.parametrize(

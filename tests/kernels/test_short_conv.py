@@ -153,6 +153,73 @@ def test_kv_prologue_matches_reference(cpu_interpreter, b, n_kv, hd, k, dtype, s
     assert untouched(pool, before, kv_rows)
 
 
+def query_inputs(b, n_heads, hd, dtype, gen, device="cpu", exact=True):
+    """Queries as a strided [B, nH, hd] view of a wider projection row (as `Attention.project` splits them)."""
+    projection = values((b, n_heads * hd + 48), dtype, gen, device, exact)
+    q = projection[:, : n_heads * hd].view(b, n_heads, hd)
+    q_norm_weight = (torch.rand(hd, generator=gen) + 0.5).to(dtype).to(device)
+    return q, q_norm_weight
+
+
+@pytest.mark.parametrize(
+    "b,n_kv,group,hd,dtype",
+    [(1, 2, 1, 16, torch.float32), (3, 2, 4, 32, torch.float16), (2, 1, 3, 16, torch.float32)],  # 3: padded rows
+)
+def test_kv_prologue_norms_the_queries(cpu_interpreter, b, n_kv, group, hd, dtype):
+    """With q: the same launch returns `q_norm(q)` `[B, nH, hd]`, and the pools and states are as without q."""
+    gen = torch.Generator().manual_seed(b * group + hd)
+    k0, v0, k_states, v_states, slots, k_weight, v_weight, k_norm_weight, pool, kv_rows = prologue_inputs(
+        b, n_kv, hd, 4, dtype, dtype, dtype, gen
+    )
+    q, q_norm_weight = query_inputs(b, n_kv * group, hd, dtype, gen)
+    q_before, ref_pool = q.clone(), pool.clone()
+    ref_k_states, ref_v_states = k_states.clone(), v_states.clone()
+    q_eps = 1e-5
+    normed = kv_prologue(
+        k0, v0, k_states, v_states, slots, k_weight, v_weight, k_norm_weight, EPS, pool[:, 0], pool[:, 1], kv_rows,
+        q, q_norm_weight, q_eps,
+    )  # fmt: skip
+    ref = kv_prologue_reference(
+        k0, v0, ref_k_states, ref_v_states, slots, k_weight, v_weight, k_norm_weight, EPS,
+        ref_pool[:, 0], ref_pool[:, 1], kv_rows, q, q_norm_weight, q_eps,
+    )  # fmt: skip
+    assert normed.is_contiguous() and torch.equal(q, q_before)
+    assert_within_rounding(normed, ref)
+    assert torch.equal(k_states, ref_k_states) and torch.equal(v_states, ref_v_states)
+    assert torch.equal(pool[:, 1], ref_pool[:, 1])
+    assert_within_rounding(pool[:, 0], ref_pool[:, 0])
+
+
+def test_kv_prologue_rejects_bad_queries():
+    gen = torch.Generator().manual_seed(11)
+    b, n_kv, hd = 2, 2, 16
+    args = prologue_inputs(b, n_kv, hd, 4, torch.float32, torch.float32, torch.float32, gen)
+    operands = (*args[:8], EPS, args[8][:, 0], args[8][:, 1], args[9])
+    q, q_norm_weight = query_inputs(b, 4, hd, torch.float32, gen)
+    with pytest.raises(ValueError, match="q_norm_weight: give both"):
+        kv_prologue(*operands, q)
+    with pytest.raises(ValueError, match="multiple of nKV"):
+        kv_prologue(*operands, q[:, :3], q_norm_weight)
+    with pytest.raises(ValueError, match="q must be"):
+        kv_prologue(*operands, q[:1], q_norm_weight)
+    with pytest.raises(ValueError, match="q_norm_weight must be"):
+        kv_prologue(*operands, q, torch.ones(8))
+
+
+def test_reference_is_the_model_q_norm():
+    """`kv_prologue_reference`'s queries = `Attention.q_norm` (a per-head `RMSNorm`), bit for bit."""
+    gen = torch.Generator().manual_seed(12)
+    b, n_kv, hd = 3, 2, 16
+    args = prologue_inputs(b, n_kv, hd, 4, torch.bfloat16, torch.bfloat16, torch.bfloat16, gen, exact=False)
+    q, _ = query_inputs(b, 4, hd, torch.bfloat16, gen, exact=False)
+    q_norm = RMSNorm(hd, EPS)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.rand(hd, generator=gen) + 0.5)
+        q_norm.to(torch.bfloat16)
+        ref = kv_prologue_reference(*args[:8], EPS, args[8][:, 0], args[8][:, 1], args[9], q, q_norm.weight, q_norm.eps)
+        assert torch.equal(ref, q_norm(q))
+
+
 def test_reference_is_the_model_short_conv():
     """`conv_decode_reference` = `ShortConv.step` per sequence (+ residual, then `RMSNorm`), bit for bit."""
     gen = torch.Generator().manual_seed(8)
@@ -238,6 +305,44 @@ def test_kv_prologue_gpu_bf16(cuda_device, b):
     )  # fmt: skip
     assert torch.equal(k_states, ref_k_states) and torch.equal(v_states, ref_v_states)
     assert_within_rounding(pool, ref_pool)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 64, 256])
+def test_kv_prologue_with_queries_gpu_bf16(cuda_device, b):
+    gen = torch.Generator().manual_seed(b + 1)
+    n_kv, hd, k = 8, 128, 4
+    k0, v0, k_states, v_states, slots, k_weight, v_weight, k_norm_weight, pool, kv_rows = prologue_inputs(
+        b, n_kv, hd, k, torch.bfloat16, torch.bfloat16, torch.bfloat16, gen, cuda_device, exact=False
+    )
+    q, q_norm_weight = query_inputs(b, 32, hd, torch.bfloat16, gen, cuda_device, exact=False)
+    ref_pool, ref_k_states, ref_v_states = pool.clone(), k_states.clone(), v_states.clone()
+    normed = kv_prologue(
+        k0, v0, k_states, v_states, slots, k_weight, v_weight, k_norm_weight, EPS, pool[:, 0], pool[:, 1], kv_rows,
+        q, q_norm_weight, EPS,
+    )  # fmt: skip
+    ref = kv_prologue_reference(
+        k0, v0, ref_k_states, ref_v_states, slots, k_weight, v_weight, k_norm_weight, EPS,
+        ref_pool[:, 0], ref_pool[:, 1], kv_rows, q, q_norm_weight, EPS,
+    )  # fmt: skip
+    assert_norm_within_rounding(normed, ref, q_norm_weight)
+    assert torch.equal(k_states, ref_k_states) and torch.equal(v_states, ref_v_states)
+    assert_within_rounding(pool, ref_pool)
+
+
+def assert_norm_within_rounding(out: torch.Tensor, ref: torch.Tensor, weight: torch.Tensor) -> None:
+    """bf16 RMSNorm over many rows: one unit in the last place, except where a last-bit difference of the fp32
+    statistics (another summation order) flips the rounding of ``x * rstd``: there at most one bf16 unit of that
+    normalised value, times the weight, plus the product's own rounding; such flips stay rare (< 1e-5 of the
+    elements; a 1M-element GPU run saw 2)."""
+    assert out.dtype == ref.dtype == torch.bfloat16 and out.shape == ref.shape
+    diff = (out.float() - ref.float()).abs()
+    one_ulp = ref.float().abs() * torch.finfo(torch.bfloat16).eps + 1e-6
+    flipped = diff > one_ulp
+    normed = ref.float() / weight.float()  # ~ round(x * rstd)
+    bound = torch.finfo(torch.bfloat16).eps * (normed.abs() * weight.float().abs() + ref.float().abs()) + 1e-6
+    assert flipped.float().mean().item() < 1e-5, f"{int(flipped.sum())} elements off by more than one ulp"
+    assert bool((diff[flipped] <= bound[flipped]).all()), f"largest difference {diff.max().item()}"
 
 
 @pytest.mark.gpu
