@@ -45,3 +45,16 @@ def test_token_mask_rejects_bad_shapes():
         token_mask_reference(logits, torch.zeros(2, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"\[N, W\]"):
         token_mask_reference(logits, torch.zeros(3, 2, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,v", [(1, 201024), (64, 201024), (3, 5000)])
+def test_token_mask_matches_reference_gpu(cuda_device, n, v):
+    """The compiled kernel on fp32 logits of the real vocabulary width (what the sampler masks)."""
+    gen = torch.Generator().manual_seed(n)
+    logits = torch.randn(n, v, generator=gen).to(cuda_device)
+    bitmask = random_bitmask(n, v, gen).to(cuda_device)
+    out, ref = logits.clone(), logits.clone()
+    apply_token_mask(out, bitmask)
+    token_mask_reference(ref, bitmask)
+    assert torch.equal(out, ref)
