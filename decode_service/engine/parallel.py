@@ -20,6 +20,7 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -63,6 +64,9 @@ def _groups(rank: int, size: int, init: str, device: str) -> tuple[dist.ProcessG
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=START_TIMEOUT)
     model_group = dist.new_group(list(range(size)), timeout=STEP_TIMEOUT, backend=backend)
     control = dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT, backend="gloo")
+    if backend == "nccl":  # NCCL communicators start lazily: make it before any decode graph captures a collective
+        dist.all_reduce(torch.zeros(1, device=device), group=model_group)
+        torch.cuda.synchronize(device)
     return model_group, control
 
 
@@ -146,7 +150,14 @@ def launch_engine(
         for process in processes:
             process.terminate()
         raise
-    log.info("tensor-parallel replica of %d ranks ready (followers: pids %s)", size, [p.pid for p in processes])
+    pages = {("sliding" if kind else "global"): pool.num_pages for kind, pool in engine.cache.pools.items()}
+    log.info(
+        "tensor-parallel replica of %d ranks ready (followers: pids %s); KV pages per rank %s in %.1f MiB",
+        size,
+        [p.pid for p in processes],
+        pages,
+        settings.kv_cache_bytes / (1 << 20),
+    )
     return engine
 
 
@@ -160,6 +171,8 @@ def _follower_main(
     init: str,
 ) -> None:
     _exit_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 drains, then ends the followers (or they end with it)
+        signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     local = _with_device(settings, rank)
     model_group, control = _groups(rank, size, init, local.device)

@@ -72,6 +72,43 @@ def test_generate_local_tensor_parallel_equals_one_process(request, capsys, kind
     assert ranks["token_ids"] == single["token_ids"]
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tensor-parallel-size", "3"], "tensor_parallel_size=3 does not divide the sliding layers' query heads (4)"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+        (["--enable-expert-parallel"], "--enable-expert-parallel needs --tensor-parallel-size > 1"),
+    ],
+)
+def test_generate_local_bad_tensor_parallel_flags_name_the_problem(tiny_bf16, capsys, flags, message):
+    argv = ["generate", "--local", "--checkpoint", str(tiny_bf16), "--prompt-ids", "1,2", *flags]
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_decode_tensor_parallel_flags_reach_the_settings():
+    args = build_parser().parse_args(
+        ["decode", "--checkpoint", "x", "--tensor-parallel-size", "2", "--enable-expert-parallel"]
+    )
+    engine = decode_settings(args).engine
+    assert (engine.tensor_parallel_size, engine.expert_parallel) == (2, True)
+    with pytest.raises(ConfigError, match="--redis-prefix: the Redis prefix tier does not run"):
+        decode_settings(
+            build_parser().parse_args(
+                [
+                    "decode",
+                    "--checkpoint",
+                    "x",
+                    "--tensor-parallel-size",
+                    "2",
+                    "--redis-url",
+                    "redis://h:1/0",
+                    "--redis-prefix",
+                ]
+            )
+        )
+
+
 def test_generate_local_json_and_out_of_vocab_prompts(tiny_bf16, capsys):
     result = generate_json(capsys, tiny_bf16, "--prompt-ids", "1,2,3", "--max-tokens", "4", "--ignore-eos")
     assert result["prompt_token_ids"] == [1, 2, 3]
