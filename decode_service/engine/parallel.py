@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ from decode_service.model.parallel import build_rank_decoder
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT = datetime.timedelta(minutes=30)  # rendezvous and loading: the slowest rank's weights
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)  # every rank joins before loading (a spawn and torch's import)
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # followers wait for the next step as long as the replica lives
 STEP_TIMEOUT = datetime.timedelta(seconds=120)  # one step's collectives
 
@@ -61,7 +62,7 @@ def _groups(rank: int, size: int, init: str, device: str) -> tuple[dist.ProcessG
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=START_TIMEOUT)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=RENDEZVOUS_TIMEOUT)
     model_group = dist.new_group(list(range(size)), timeout=STEP_TIMEOUT, backend=backend)
     control = dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT, backend="gloo")
     if backend == "nccl":  # NCCL communicators start lazily: make it before any decode graph captures a collective
@@ -79,13 +80,19 @@ def _rank_engine(
     size: int,
     expert_parallel: bool,
     model_group: dist.ProcessGroup,
+    sync: Callable[[], None],
     leader: RankLeader | None,
 ) -> Engine:
+    """Load the rank's shard, wait for every rank (`sync`: loading times differ, and building the engine
+    captures decode graphs whose warm-up runs the model's collectives), build the engine, `sync` again."""
     weights, _, plan = load_decoder_shard(
         CheckpointFiles(checkpoint), config, size, rank, expert_parallel, dtype, settings.device
     )
     model = build_rank_decoder(config.text, weights, plan, model_group, dtype, settings.device)
-    return Engine(model, config, settings, ranks=leader)
+    sync()
+    engine = Engine(model, config, settings, ranks=leader)
+    sync()
+    return engine
 
 
 def memory_plan_summary(
@@ -143,9 +150,9 @@ def launch_engine(
         local = _with_device(settings, 0)
         model_group, control = _groups(0, size, init, local.device)
         leader = RankLeader(size, control, processes)
-        engine = _rank_engine(checkpoint, config, local, dtype, 0, size, expert_parallel, model_group, leader)
-        dist.barrier(group=control)  # every rank loaded and built its engine
-        leader.check()
+        engine = _rank_engine(
+            checkpoint, config, local, dtype, 0, size, expert_parallel, model_group, leader.wait_for_followers, leader
+        )
     except BaseException:
         for process in processes:
             process.terminate()
@@ -177,10 +184,11 @@ def _follower_main(
     local = _with_device(settings, rank)
     model_group, control = _groups(rank, size, init, local.device)
     config = load_model_config(checkpoint)
-    engine = _rank_engine(checkpoint, config, local, dtype, rank, size, expert_parallel, model_group, None)
+    engine = _rank_engine(
+        checkpoint, config, local, dtype, rank, size, expert_parallel, model_group, lambda: dist.barrier(control), None
+    )
     runner = engine.runner
     follower = ModelRunner(runner.model, runner.cache, None, runner.device, runner.decode_graphs)
-    dist.barrier(group=control)
     follow(follower, control)
     dist.destroy_process_group()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,16 @@ class RankLeader:
         process.join(1.0)
         self.failure = f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
         log.error("%s: the replica cannot serve", self.failure)
+
+    def wait_for_followers(self) -> None:
+        """The start-up barrier (each follower enters it once its engine is built), raising `RankFailure` as soon
+        as a follower dies instead of waiting out the start-up timeout."""
+        work = dist.barrier(group=self.control, async_op=True)
+        while not work.is_completed():
+            self.check()
+            time.sleep(0.05)
+        work.wait()
+        self.check()
 
     def check(self) -> None:
         if self.failure is not None:
