@@ -9,10 +9,11 @@ import signal
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.settings import DecodeEngineSettings, GrpcSettings
-from decode_service.engine.request import SamplingParams
+from decode_service.engine.request import Request, SamplingParams
 from decode_service.engine.worker.ranks import LeaderRunner, StepMessage, follower_copy
 from decode_service.engine.worker.runner import WorkerRequest
 from decode_service.server import build_server
@@ -82,3 +83,29 @@ async def test_killing_a_follower_rank_fails_the_stream_unavailable_and_health_n
         await channel.close()
         await decode.stop(0.5)
     assert not follower.is_alive()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL all-reduce captured in decode graphs)")
+def test_decode_graphs_with_captured_all_reduce_equal_eager_steps(tmp_path):
+    """Unverified on this project's CI (no GPUs): TP=2 on GPUs 0 and 1, decode steps replayed from graphs that
+    captured the NCCL all-reduces give the eager steps' tokens."""
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", nvfp4=True, seed=5)
+    requests = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    tokens = {}
+    for graphs in (True, False):
+        settings = DecodeEngineSettings(
+            device="cuda", dtype="bfloat16", kv_cache_bytes=64 << 20, max_num_seqs=4, tensor_parallel_size=2,
+            cuda_graphs=graphs,
+        )  # fmt: skip
+        engine = build_engine(checkpoint, settings)
+        try:
+            decode_graphs = engine.runner.runner.decode_graphs
+            assert decode_graphs is not None and decode_graphs.capture == graphs
+            outs = engine.generate(
+                Request(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+                for i, p in enumerate(requests)
+            )
+            tokens[graphs] = [o.token_ids for o in outs]
+        finally:
+            engine.ranks.close()
+    assert tokens[True] == tokens[False]
