@@ -415,8 +415,6 @@ class DecodeSettings:
             raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.redis_prefix is not None and self.redis is None:
             raise ConfigError("--redis-prefix needs a Redis: give --redis-url or set INKLING_REDIS_URL")
-        if self.redis_prefix is not None and self.engine.tensor_parallel_size > 1:
-            raise ConfigError("--redis-prefix: the Redis prefix tier does not run with --tensor-parallel-size > 1 yet")
         if self.log_level.upper() not in _LOG_LEVELS:
             raise ConfigError(f"--log-level={self.log_level!r} is not one of {_LOG_LEVELS}")
 

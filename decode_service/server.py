@@ -430,7 +430,8 @@ async def _serve(settings: DecodeSettings) -> None:
 
         assert redis is not None  # DecodeSettings checks it
         prefix_store = PrefixStore.connect(redis, settings.redis_prefix)
-    engine = await asyncio.to_thread(build_engine, settings.checkpoint, settings.engine, prefix_store)
+    connection = (redis, settings.redis_prefix) if prefix_store is not None else None  # tensor-parallel followers
+    engine = await asyncio.to_thread(build_engine, settings.checkpoint, settings.engine, prefix_store, connection)
     # mm_keys need the preprocessing policies and the towers' fingerprint, not the towers: those are loaded
     # only to encode in-process (--local-encode).
     planner = MediaPlanner.for_checkpoint(settings.checkpoint)

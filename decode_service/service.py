@@ -34,7 +34,7 @@ import torch
 from common.checkpoint import CheckpointFiles, load_decoder_weights
 from common.config import load_model_config
 from common.dtypes import torch_dtype
-from common.errors import ConfigError, InvalidInputError, ResourceExhaustedError, UnavailableError
+from common.errors import InvalidInputError, ResourceExhaustedError, UnavailableError
 from common.fingerprint import model_fingerprint
 from common.media import MediaInput
 from common.request_ids import check_request_id
@@ -70,7 +70,7 @@ from decode_service.chat import (
     render_chat,
 )
 from decode_service.engine.engine import Engine, EngineSettings, RequestOutput
-from decode_service.engine.parallel import launch_engine
+from decode_service.engine.parallel import PrefixConnection, launch_engine
 from decode_service.engine.redis_prefix import PrefixStore
 from decode_service.engine.request import MultimodalItem, Request, RequestStatus, SamplingParams
 from decode_service.engine.worker.ranks import RankFailure
@@ -631,11 +631,12 @@ def build_engine(
     checkpoint: str | Path,
     settings: DecodeEngineSettings | None = None,
     prefix_store: PrefixStore | None = None,
+    prefix_connection: PrefixConnection | None = None,
 ) -> Engine:
     """Load the decoder weights of a checkpoint and wrap them in an `Engine` (`prefix_store`: the shared Redis
     prefix tier). The prefix and Redis keys carry `common.fingerprint.model_fingerprint` (config, dtype, weights).
     With `tensor_parallel_size` > 1 the other ranks start as child processes (`engine/parallel.py`) and this
-    process holds rank 0."""
+    process holds rank 0; with a `prefix_store` they connect their own from `prefix_connection`."""
     settings = settings or DecodeEngineSettings()
     dtype = torch_dtype(settings.dtype)
     engine_settings = EngineSettings(
@@ -652,10 +653,14 @@ def build_engine(
         cuda_graphs=settings.cuda_graphs,
     )
     if settings.tensor_parallel_size > 1:
-        if prefix_store is not None:
-            raise ConfigError("--redis-prefix: the Redis prefix tier does not run with --tensor-parallel-size > 1 yet")
         return launch_engine(
-            checkpoint, engine_settings, dtype, settings.tensor_parallel_size, settings.expert_parallel
+            checkpoint,
+            engine_settings,
+            dtype,
+            settings.tensor_parallel_size,
+            settings.expert_parallel,
+            prefix_store,
+            prefix_connection,
         )
     config = load_model_config(checkpoint)
     weights, _ = load_decoder_weights(CheckpointFiles(checkpoint), config, dtype=dtype, device=settings.device)

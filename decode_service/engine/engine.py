@@ -107,7 +107,11 @@ class Engine:
             self.prefix_cache = PrefixCache(self.cache, fingerprint, settings.snapshot_interval_blocks)
         self.redis_prefix: RedisPrefixTier | None = None
         if prefix_store is not None and self.prefix_cache is not None:
-            self.redis_prefix = RedisPrefixTier(self.kv, fingerprint, prefix_store)
+            self.redis_prefix = (
+                RedisPrefixTier(self.kv, fingerprint, prefix_store)
+                if ranks is None
+                else ranks.prefix_tier(self.kv, fingerprint, prefix_store)  # covers every rank's KV shard
+            )
         self.scheduler = Scheduler(
             self.cache,
             SchedulerConfig(settings.max_num_batched_tokens, settings.max_num_seqs),
@@ -123,10 +127,14 @@ class Engine:
         )
         if ranks is not None:
             self.runner = ranks.lead(self.runner)
-        if self.redis_prefix is not None:
-            chunk = min(settings.max_num_batched_tokens, 256)
-            self.redis_prefix.calibrate(measure_prefill_rate(self.runner, self.cache, chunk))
+        if self.redis_prefix is not None and ranks is None:  # tensor parallel: once the followers run (parallel.py)
+            self.calibrate_prefix_tier()
         self.requests: dict[str, Request] = {}
+
+    def calibrate_prefix_tier(self) -> None:
+        """Measure the prefill rate the Redis prefix tier weighs fetches against (one scratch prefill chunk)."""
+        chunk = min(self.settings.max_num_batched_tokens, 256)
+        self.redis_prefix.calibrate(measure_prefill_rate(self.runner, self.cache, chunk))
 
     @property
     def has_unfinished(self) -> bool:

@@ -9,8 +9,9 @@ number of KV pages (of its local heads) and captures the same decode graphs. Ran
 
 Groups: the model's collectives run on a group with the step timeout (a peer that stops answering fails the step
 instead of hanging it); the step messages go over a gloo control group without one (followers wait there while
-the replica is idle). Rank 0 logs the per-rank memory plan before loading (`common.memory_plan`); on CUDA a model
-that does not fit raises a `ConfigError` naming the bytes and the size that would fit.
+the replica is idle). With the shared Redis prefix tier every rank writes its own KV shards and rank 0 reads
+them all (`worker/sharded_tier.py`). Rank 0 logs the per-rank memory plan before loading (`common.memory_plan`);
+on CUDA a model that does not fit raises a `ConfigError` naming the bytes and the size that would fit.
 """
 
 from __future__ import annotations
@@ -34,12 +35,17 @@ from common.checkpoint_shard import load_decoder_shard
 from common.config import ModelConfig, load_model_config
 from common.errors import ConfigError
 from common.memory_plan import MemoryRequest, plan_fitting, plan_memory
+from common.settings import RedisPrefixSettings, RedisSettings
 from decode_service.engine.engine import Engine, EngineSettings
+from decode_service.engine.worker.prefix_store import PrefixStore
 from decode_service.engine.worker.ranks import RankLeader, follow
 from decode_service.engine.worker.runner import ModelRunner
+from decode_service.engine.worker.sharded_tier import FollowerPrefixTier
 from decode_service.model.parallel import build_rank_decoder
 
 log = logging.getLogger(__name__)
+
+PrefixConnection = tuple[RedisSettings, RedisPrefixSettings]  # how a follower connects its own prefix store
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)  # every rank joins before loading (a spawn and torch's import)
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # followers wait for the next step as long as the replica lives
@@ -82,6 +88,7 @@ def _rank_engine(
     model_group: dist.ProcessGroup,
     sync: Callable[[], None],
     leader: RankLeader | None,
+    prefix_store: PrefixStore | None = None,
 ) -> Engine:
     """Load the rank's shard, wait for every rank (`sync`: loading times differ, and building the engine
     captures decode graphs whose warm-up runs the model's collectives), build the engine, `sync` again."""
@@ -90,7 +97,7 @@ def _rank_engine(
     )
     model = build_rank_decoder(config.text, weights, plan, model_group, dtype, settings.device)
     sync()
-    engine = Engine(model, config, settings, ranks=leader)
+    engine = Engine(model, config, settings, prefix_store, ranks=leader)
     sync()
     return engine
 
@@ -127,8 +134,13 @@ def launch_engine(
     dtype: torch.dtype,
     size: int,
     expert_parallel: bool = False,
+    prefix_store: PrefixStore | None = None,
+    prefix_connection: PrefixConnection | None = None,
 ) -> Engine:
-    """Start ranks 1..size-1 as child processes and return rank 0's (leading) engine."""
+    """Start ranks 1..size-1 as child processes and return rank 0's (leading) engine. With the shared Redis
+    prefix tier, `prefix_store` is rank 0's and every follower connects its own from `prefix_connection`."""
+    if (prefix_store is None) != (prefix_connection is None):
+        raise ConfigError("the Redis prefix tier of a tensor-parallel replica needs its store and its connection")
     checkpoint = str(checkpoint)
     config = load_model_config(checkpoint)
     rank_device(settings.device, size - 1)  # every GPU is there before anything starts
@@ -138,7 +150,7 @@ def launch_engine(
     processes = [
         context.Process(
             target=_follower_main,
-            args=(checkpoint, settings, dtype, rank, size, expert_parallel, init),
+            args=(checkpoint, settings, dtype, rank, size, expert_parallel, init, prefix_connection),
             name=f"inkling-tp-rank{rank}",
             daemon=True,
         )
@@ -151,11 +163,23 @@ def launch_engine(
         model_group, control = _groups(0, size, init, local.device)
         leader = RankLeader(size, control, processes)
         engine = _rank_engine(
-            checkpoint, config, local, dtype, 0, size, expert_parallel, model_group, leader.wait_for_followers, leader
+            checkpoint,
+            config,
+            local,
+            dtype,
+            0,
+            size,
+            expert_parallel,
+            model_group,
+            leader.wait_for_followers,
+            leader,
+            prefix_store,
         )
+        if engine.redis_prefix is not None:  # runs scratch prefills on every rank: the followers follow now
+            engine.calibrate_prefix_tier()
     except BaseException:
         for process in processes:
-            process.terminate()
+            process.kill()
         raise
     pages = {("sliding" if kind else "global"): pool.num_pages for kind, pool in engine.cache.pools.items()}
     log.info(
@@ -176,10 +200,10 @@ def _follower_main(
     size: int,
     expert_parallel: bool,
     init: str,
+    prefix_connection: PrefixConnection | None,
 ) -> None:
     _exit_with_parent()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 drains, then ends the followers (or they end with it)
-        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 drains, then ends us
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     local = _with_device(settings, rank)
     model_group, control = _groups(rank, size, init, local.device)
@@ -188,8 +212,14 @@ def _follower_main(
         checkpoint, config, local, dtype, rank, size, expert_parallel, model_group, lambda: dist.barrier(control), None
     )
     runner = engine.runner
-    follower = ModelRunner(runner.model, runner.cache, None, runner.device, runner.decode_graphs)
+    tier = None
+    if prefix_connection is not None and engine.prefix_cache is not None:  # as rank 0's engine decides
+        store = PrefixStore.connect(*prefix_connection)
+        tier = FollowerPrefixTier(engine.kv, engine.prefix_cache.fingerprint, store, rank, size)
+    follower = ModelRunner(runner.model, runner.cache, None, runner.device, runner.decode_graphs, tier)
     follow(follower, control)
+    if tier is not None:
+        tier.store.close()  # finish this rank's queued prefix writes
     dist.destroy_process_group()
 
 

@@ -92,21 +92,6 @@ def test_decode_tensor_parallel_flags_reach_the_settings():
     )
     engine = decode_settings(args).engine
     assert (engine.tensor_parallel_size, engine.expert_parallel) == (2, True)
-    with pytest.raises(ConfigError, match="--redis-prefix: the Redis prefix tier does not run"):
-        decode_settings(
-            build_parser().parse_args(
-                [
-                    "decode",
-                    "--checkpoint",
-                    "x",
-                    "--tensor-parallel-size",
-                    "2",
-                    "--redis-url",
-                    "redis://h:1/0",
-                    "--redis-prefix",
-                ]
-            )
-        )
 
 
 def test_generate_local_json_and_out_of_vocab_prompts(tiny_bf16, capsys):

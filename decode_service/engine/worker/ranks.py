@@ -1,10 +1,11 @@
 """The ranks of a tensor-parallel decode replica at run time (issue 14): rank 0 leads, the others follow.
 
 Rank 0 (the server process) runs the scheduler and sampling. Before it executes a step, its `LeaderRunner`
-broadcasts a `StepMessage` over the control group (gloo, `broadcast_object_list`): the requests added and removed
-since the last step (`WorkerRequest`s without their sampling state: followers never sample) and the step's
-`SchedulerOutput`. Every follower applies the same adds / removes to its own `ModelRunner` (its KV pools hold its
-local heads) and executes the same output, so the model's collectives pair up rank by rank; only rank 0 samples.
+sends each follower a `StepMessage` over the control group (gloo, `scatter_object_list`): the requests added and
+removed since the last step (`WorkerRequest`s without their sampling state: followers never sample), the step's
+`SchedulerOutput` and, for the step's Redis prefix loads, that follower's payloads (`sharded_tier.py`). Every
+follower applies the same adds / removes to its own `ModelRunner` (its KV pools hold its local heads) and
+executes the same output, so the model's collectives pair up rank by rank; only rank 0 samples.
 
 Failure: the leader's watchdog waits on the follower processes; one that exits marks the replica failed, and the
 next (or the running) step raises `RankFailure`, an `UnavailableError`: the service fails every stream with
@@ -18,15 +19,18 @@ import logging
 import multiprocessing.connection
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from common.errors import UnavailableError
 from decode_service.engine.core.outputs import SchedulerOutput
+from decode_service.engine.worker.kv_cache import KVCache
+from decode_service.engine.worker.prefix_store import PrefixStore
 from decode_service.engine.worker.runner import ModelRunner, WorkerRequest
 from decode_service.engine.worker.sampler import SampleResult
+from decode_service.engine.worker.sharded_tier import Handover, LeaderPrefixTier
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ class StepMessage:
 
     ops: tuple[tuple[str, Any], ...]  # (ADD, WorkerRequest) / (REMOVE, request id), in the leader's order
     output: SchedulerOutput | None
+    loads: dict[int, Handover] = field(default_factory=dict)  # load id -> this follower's Redis prefix payloads
 
 
 def follower_copy(request: WorkerRequest) -> WorkerRequest:
@@ -94,12 +99,17 @@ class RankLeader:
         if self.failure is not None:
             raise RankFailure(self.failure)
 
-    def broadcast(self, message: StepMessage) -> None:
+    def send(self, messages: list[StepMessage]) -> None:
+        """messages[r] to rank r (messages[0] is rank 0's own, unused)."""
         self.check()
         try:
-            dist.broadcast_object_list([message], src=0, group=self.control)
+            dist.scatter_object_list([None], messages, src=0, group=self.control)
         except Exception as exc:  # a peer is gone (gloo: connection closed) or the collective timed out
             raise self.failed(f"tensor-parallel step broadcast failed: {type(exc).__name__}: {exc}") from exc
+
+    def prefix_tier(self, cache: KVCache, fingerprint: bytes, store: PrefixStore) -> LeaderPrefixTier:
+        """Rank 0's shared Redis prefix tier, whose lookups cover every rank's shard."""
+        return LeaderPrefixTier(cache, fingerprint, store, self.size)
 
     def failed(self, what: str) -> RankFailure:
         """The failure to report after a collective raised `what`: the dead rank when the watchdog finds one
@@ -118,13 +128,13 @@ class RankLeader:
         self._closed.set()
         if self.failure is None:
             try:
-                dist.broadcast_object_list([StepMessage((), None)], src=0, group=self.control)
+                dist.scatter_object_list([None], [StepMessage((), None)] * self.size, src=0, group=self.control)
             except Exception:  # a follower died meanwhile: it is terminated below
                 log.warning("tensor-parallel followers did not take the shutdown message")
         for process in self.processes:
             process.join(timeout_s)
             if process.is_alive():
-                process.terminate()
+                process.kill()
                 process.join(timeout_s)
         dist.destroy_process_group()  # this process may start another replica later (tests, `generate --local`)
 
@@ -141,6 +151,10 @@ class LeaderRunner:
     def model(self):
         return self.runner.model
 
+    @property
+    def cache(self):
+        return self.runner.cache
+
     def add_request(self, request: WorkerRequest) -> None:
         self.runner.add_request(request)
         self._ops.append((ADD, follower_copy(request)))
@@ -151,7 +165,14 @@ class LeaderRunner:
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
         ops, self._ops = tuple(self._ops), []
-        self.leader.broadcast(StepMessage(ops, output))
+        tier = self.runner.prefix_tier
+        handovers = {load.load_id: tier.take_handover(load.load_id) for load in output.prefix_tier.loads}
+        self.leader.send(
+            [
+                StepMessage(ops, output, {load_id: parts[r - 1] for load_id, parts in handovers.items()} if r else {})
+                for r in range(self.leader.size)
+            ]
+        )
         try:
             return self.runner.execute(output)
         except Exception as exc:  # the ranks' collectives may now be out of step: the replica cannot go on
@@ -162,7 +183,7 @@ def follow(runner: ModelRunner, control: dist.ProcessGroup) -> None:
     """A follower's loop: apply each step the leader broadcasts until it sends the end."""
     while True:
         box: list[StepMessage | None] = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
+        dist.scatter_object_list(box, None, src=0, group=control)
         message = box[0]
         assert message is not None
         for op, arg in message.ops:
@@ -172,4 +193,6 @@ def follow(runner: ModelRunner, control: dist.ProcessGroup) -> None:
                 runner.remove_request(arg)
         if message.output is None:
             return
+        for load_id, handover in message.loads.items():
+            runner.prefix_tier.receive(load_id, handover)
         runner.execute(message.output)
