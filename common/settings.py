@@ -325,8 +325,13 @@ class DecodeEngineSettings:
     snapshot_interval_blocks: int = 16
     cuda_graphs: bool = True
     seed: int = 0  # seeds the generators of requests without their own seed
+    tensor_parallel_size: int = 1  # ranks of the replica (decode_service/engine/parallel.py), one per GPU
+    expert_parallel: bool = False  # routed experts partitioned over the ranks instead of split by width
 
     def __post_init__(self) -> None:
+        _positive("--tensor-parallel-size", self.tensor_parallel_size)
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            raise ConfigError("--enable-expert-parallel needs --tensor-parallel-size > 1")
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"--dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         _positive("--kv-budget-mb", self.kv_cache_bytes)
@@ -428,6 +433,8 @@ def decode_settings(args: argparse.Namespace) -> DecodeSettings:
         snapshot_interval_blocks=args.snapshot_interval_blocks,
         cuda_graphs=args.cuda_graphs,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.enable_expert_parallel,
     )
     limits = ServiceLimits(
         max_prompt_tokens=args.max_prompt_tokens,

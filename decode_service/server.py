@@ -19,7 +19,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from redis.exceptions import RedisError
@@ -355,6 +355,7 @@ class DecodeServer:
     metrics_server: MetricsServer | None = None
     redis_client: object | None = None  # redis.asyncio client of the prefix directory, closed on stop
     metrics: DecodeMetrics | None = None
+    _health_task: asyncio.Future | None = field(default=None, repr=False)  # NOT_SERVING after a lost rank
 
     async def start(self) -> None:
         """Accept calls at once (health NOT_SERVING), warm the engine up, then report SERVING."""
@@ -363,8 +364,15 @@ class DecodeServer:
         if self.encoder is not None:
             await self.encoder.start()
         await self.service.start()
+        loop = asyncio.get_running_loop()
+        self.service.on_failure = lambda: loop.call_soon_threadsafe(self._lost)
         await self.health.serving()
         log.info("decode replica serving on port %d", self.port)
+
+    def _lost(self) -> None:
+        """The service can no longer serve (a tensor-parallel rank died): NOT_SERVING, so the router routes
+        around this replica."""
+        self._health_task = asyncio.ensure_future(self.health.not_serving())
 
     async def stop(self, grace_s: float) -> None:
         """NOT_SERVING, drain running calls for up to `grace_s`, then release the engine and clients."""
@@ -422,7 +430,8 @@ async def _serve(settings: DecodeSettings) -> None:
 
         assert redis is not None  # DecodeSettings checks it
         prefix_store = PrefixStore.connect(redis, settings.redis_prefix)
-    engine = await asyncio.to_thread(build_engine, settings.checkpoint, settings.engine, prefix_store)
+    connection = (redis, settings.redis_prefix) if prefix_store is not None else None  # tensor-parallel followers
+    engine = await asyncio.to_thread(build_engine, settings.checkpoint, settings.engine, prefix_store, connection)
     # mm_keys need the preprocessing policies and the towers' fingerprint, not the towers: those are loaded
     # only to encode in-process (--local-encode).
     planner = MediaPlanner.for_checkpoint(settings.checkpoint)

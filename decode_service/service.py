@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,8 +70,10 @@ from decode_service.chat import (
     render_chat,
 )
 from decode_service.engine.engine import Engine, EngineSettings, RequestOutput
+from decode_service.engine.parallel import PrefixConnection, launch_engine
 from decode_service.engine.redis_prefix import PrefixStore
 from decode_service.engine.request import MultimodalItem, Request, RequestStatus, SamplingParams
+from decode_service.engine.worker.ranks import RankFailure
 from decode_service.model.inkling import InklingDecoder
 from decode_service.output_parser import OutputParser
 from decode_service.structured.compiler import ConstraintCompiler
@@ -151,6 +153,8 @@ class DecodeService:
         self._prompt_tokens_seen = 0
         self._cached_tokens_seen = 0
         self._wake = threading.Event()
+        self.failure: RankFailure | None = None  # a tensor-parallel rank died: every stream fails UNAVAILABLE
+        self.on_failure: Callable[[], None] | None = None  # called once, from the engine thread (server: health)
         self.structured = ConstraintCompiler(self.config.text.unpadded_vocab_size, self.config.eos_token_ids)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -178,6 +182,8 @@ class DecodeService:
         self._commands.put(_Wake())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
+        if self.engine.ranks is not None:
+            await asyncio.to_thread(self.engine.ranks.close)
         self.structured.close()
 
     # -- public API ------------------------------------------------------------------------------------------
@@ -480,11 +486,17 @@ class DecodeService:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self._drain(block=not self.engine.has_unfinished)
-            if self.engine.has_unfinished:
+            self._drain(block=self.failure is not None or not self.engine.has_unfinished)
+            ranks = self.engine.ranks
+            if self.failure is None and ranks is not None and ranks.failure is not None:
+                self._lost(RankFailure(ranks.failure))
+            if self.failure is None and self.engine.has_unfinished:
                 step_started = time.monotonic()
                 try:
                     outputs = self.engine.step()
+                except RankFailure as exc:
+                    self._lost(exc)
+                    continue
                 except Exception as exc:  # a bug below the engine's own error handling: fail, never hang
                     log.exception("engine step raised; failing the %d live requests", len(self._sinks))
                     self._fail_all(EngineFailure(f"engine step failed: {type(exc).__name__}: {exc}"))
@@ -499,6 +511,17 @@ class DecodeService:
                     sink.put(out)
             self._update_load()
         self._fail_all(UnavailableError("decode service is shutting down"))
+
+    def _lost(self, failure: RankFailure) -> None:
+        """The replica cannot serve any more: not ready, every stream (and every later one) fails UNAVAILABLE."""
+        log.error(
+            "decode replica lost a tensor-parallel rank (%s); failing %d live requests", failure, len(self._sinks)
+        )
+        self.failure = failure
+        self.ready = False
+        self._fail_all(failure)
+        if self.on_failure is not None:
+            self.on_failure()
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, sink in list(self._sinks.items()):
@@ -520,6 +543,9 @@ class DecodeService:
 
     def _apply(self, command: _Command) -> None:
         if isinstance(command, _Add):
+            if self.failure is not None:
+                command.sink.put(self.failure)
+                return
             try:
                 self.engine.add_request(command.request)
             except Exception as exc:  # validation errors go back to the caller, the engine carries on
@@ -617,14 +643,14 @@ def build_engine(
     checkpoint: str | Path,
     settings: DecodeEngineSettings | None = None,
     prefix_store: PrefixStore | None = None,
+    prefix_connection: PrefixConnection | None = None,
 ) -> Engine:
     """Load the decoder weights of a checkpoint and wrap them in an `Engine` (`prefix_store`: the shared Redis
-    prefix tier). The prefix and Redis keys carry `common.fingerprint.model_fingerprint` (config, dtype, weights)."""
+    prefix tier). The prefix and Redis keys carry `common.fingerprint.model_fingerprint` (config, dtype, weights).
+    With `tensor_parallel_size` > 1 the other ranks start as child processes (`engine/parallel.py`) and this
+    process holds rank 0; with a `prefix_store` they connect their own from `prefix_connection`."""
     settings = settings or DecodeEngineSettings()
     dtype = torch_dtype(settings.dtype)
-    config = load_model_config(checkpoint)
-    weights, _ = load_decoder_weights(CheckpointFiles(checkpoint), config, dtype=dtype, device=settings.device)
-    model = InklingDecoder.from_weights(config.text, weights, dtype, settings.device)
     engine_settings = EngineSettings(
         kv_cache_bytes=settings.kv_cache_bytes,
         page_size=settings.page_size,
@@ -638,6 +664,19 @@ def build_engine(
         model_fingerprint=model_fingerprint(checkpoint, settings.dtype),
         cuda_graphs=settings.cuda_graphs,
     )
+    if settings.tensor_parallel_size > 1:
+        return launch_engine(
+            checkpoint,
+            engine_settings,
+            dtype,
+            settings.tensor_parallel_size,
+            settings.expert_parallel,
+            prefix_store,
+            prefix_connection,
+        )
+    config = load_model_config(checkpoint)
+    weights, _ = load_decoder_weights(CheckpointFiles(checkpoint), config, dtype=dtype, device=settings.device)
+    model = InklingDecoder.from_weights(config.text, weights, dtype, settings.device)
     return Engine(model, config, engine_settings, prefix_store)
 
 

@@ -66,6 +66,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_parallel_args(p.add_argument_group("tensor parallelism (--local)"))
     from common.settings import add_security_args
 
     add_security_args(p, max_streams_per_client=None)  # token / TLS to dial --server
@@ -179,7 +180,14 @@ def _responses(args: argparse.Namespace, request):
     async def run() -> list:
         engine = build_engine(
             args.checkpoint,
-            DecodeEngineSettings(device=args.device, dtype=args.dtype, kv_cache_bytes=256 << 20, max_num_seqs=4),
+            DecodeEngineSettings(
+                device=args.device,
+                dtype=args.dtype,
+                kv_cache_bytes=256 << 20,
+                max_num_seqs=4,
+                tensor_parallel_size=args.tensor_parallel_size,
+                expert_parallel=args.enable_expert_parallel,
+            ),
         )
         encoder = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
         codebook = AudioCodebook.load(args.checkpoint, device=args.device)
@@ -269,6 +277,20 @@ def _serve_common(p: argparse.ArgumentParser, port: int, max_streams_per_client:
     add_security_args(p, max_streams_per_client)
 
 
+def _add_parallel_args(group, default_size: int = 1) -> None:
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=default_size,
+        help="ranks of the decode replica, one per GPU (cuda: GPUs 0..N-1; cpu: gloo processes)",
+    )
+    group.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="partition the routed experts over the ranks instead of splitting each expert's width",
+    )
+
+
 def _add_decode_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `DecodeSettings` beyond the common serve flags; defaults come from the dataclasses."""
     from common.settings import (
@@ -318,6 +340,7 @@ def _add_decode_args(parser: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly on CUDA (same kernels; for debugging)",
     )
     engine.add_argument("--seed", type=int, default=e.seed, help="seeds requests that bring no seed")
+    _add_parallel_args(engine, e.tensor_parallel_size)
     limits = parser.add_argument_group("request limits")
     limits.add_argument(
         "--max-prompt-tokens", type=int, default=lim.max_prompt_tokens, help="longer prompts: INVALID_ARGUMENT"

@@ -32,6 +32,7 @@ from decode_service.engine.worker.calibrate import measure_prefill_rate
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.engine.worker.kv_cache import CacheSpec, KVCache
 from decode_service.engine.worker.prefix_store import PrefixStore
+from decode_service.engine.worker.ranks import RankFailure, RankLeader
 from decode_service.engine.worker.redis_tier import RedisPrefixTier
 from decode_service.engine.worker.runner import DecoderModel, ModelRunner, WorkerRequest
 from decode_service.engine.worker.sampler import Sampler
@@ -79,11 +80,15 @@ class Engine:
         config: ModelConfig,
         settings: EngineSettings,
         prefix_store: PrefixStore | None = None,
+        ranks: RankLeader | None = None,
     ):
-        """`prefix_store`: the shared Redis prefix tier (needs the prefix cache); its cost model is measured here."""
+        """`prefix_store`: the shared Redis prefix tier (needs the prefix cache); its cost model is measured here.
+        `ranks`: the followers of a tensor-parallel replica (`engine/parallel.py`); every step goes to them first,
+        and the KV pools hold the model's local heads (`model.config`)."""
         self.config = config
         self.settings = settings
-        text = config.text
+        self.ranks = ranks
+        text = model.config if isinstance(model, InklingDecoder) else config.text
         dtype = settings.cache_dtype or getattr(model, "dtype", torch.float32)
         spec = CacheSpec.from_budget(
             text,
@@ -102,7 +107,11 @@ class Engine:
             self.prefix_cache = PrefixCache(self.cache, fingerprint, settings.snapshot_interval_blocks)
         self.redis_prefix: RedisPrefixTier | None = None
         if prefix_store is not None and self.prefix_cache is not None:
-            self.redis_prefix = RedisPrefixTier(self.kv, fingerprint, prefix_store)
+            self.redis_prefix = (
+                RedisPrefixTier(self.kv, fingerprint, prefix_store)
+                if ranks is None
+                else ranks.prefix_tier(self.kv, fingerprint, prefix_store)  # covers every rank's KV shard
+            )
         self.scheduler = Scheduler(
             self.cache,
             SchedulerConfig(settings.max_num_batched_tokens, settings.max_num_seqs),
@@ -116,10 +125,16 @@ class Engine:
         self.runner = ModelRunner(
             model, self.kv, Sampler(settings.seed), settings.device, decode_graphs, self.redis_prefix
         )
-        if self.redis_prefix is not None:
-            chunk = min(settings.max_num_batched_tokens, 256)
-            self.redis_prefix.calibrate(measure_prefill_rate(self.runner, self.cache, chunk))
+        if ranks is not None:
+            self.runner = ranks.lead(self.runner)
+        if self.redis_prefix is not None and ranks is None:  # tensor parallel: once the followers run (parallel.py)
+            self.calibrate_prefix_tier()
         self.requests: dict[str, Request] = {}
+
+    def calibrate_prefix_tier(self) -> None:
+        """Measure the prefill rate the Redis prefix tier weighs fetches against (one scratch prefill chunk)."""
+        chunk = min(self.settings.max_num_batched_tokens, 256)
+        self.redis_prefix.calibrate(measure_prefill_rate(self.runner, self.cache, chunk))
 
     @property
     def has_unfinished(self) -> bool:
@@ -165,6 +180,8 @@ class Engine:
         }
         try:
             results = self.runner.execute(output)
+        except RankFailure:
+            raise  # a tensor-parallel rank is gone: the replica cannot serve (the service fails every stream)
         except Exception as exc:  # the step's requests fail; the engine and the other requests carry on
             logger.exception("forward step failed; finishing its %d requests", len(output.chunks))
             self.scheduler.abandon(output)

@@ -8,6 +8,7 @@ from torch import nn
 from common.config import TextConfig
 from decode_service.model.backend import AttentionBackend, PreparedBatch
 from decode_service.model.batch import ForwardBatch
+from decode_service.model.collectives import SINGLE, TPGroup
 from decode_service.model.fast_path import resolve_ops
 from decode_service.model.layers import DecoderLayer, RMSNorm
 from decode_service.model.ops import Ops
@@ -26,6 +27,9 @@ class InklingDecoder(nn.Module):
     `fast_path.OPS` ("auto" resolves against `device`, where the weights will live; a model moved to another
     device keeps its ops, `with_ops` rebuilds it). `packed` runs `ForwardBatch`es of `SequenceSlice`s; `paged`
     runs `PagedDecode` batches and exists only when the ops have kernels for every op of such a step.
+
+    One rank of a tensor-parallel replica is this model built with the rank's local sizes as `config` and its
+    `tp` group (`parallel.build_rank_decoder`): the embedding and the lm_head are vocab-parallel through it.
     """
 
     def __init__(
@@ -34,14 +38,15 @@ class InklingDecoder(nn.Module):
         nvfp4_layers: frozenset[int] = frozenset(),
         ops: Ops | str = "auto",
         device: torch.device | str = "cpu",
+        tp: TPGroup = SINGLE,
     ):
         super().__init__()
         ops = resolve_ops(ops, device)
-        self.config, self.ops, self.nvfp4_layers = config, ops, frozenset(nvfp4_layers)
+        self.config, self.ops, self.nvfp4_layers, self.tp = config, ops, frozenset(nvfp4_layers), tp
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, ops, nvfp4=i in nvfp4_layers) for i in range(config.num_layers)
+            DecoderLayer(config, i, ops, nvfp4=i in nvfp4_layers, tp=tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.unembed = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -56,6 +61,7 @@ class InklingDecoder(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         ops: Ops | str = "auto",
+        tp: TPGroup = SINGLE,
     ) -> InklingDecoder:
         """Build on the meta device and adopt the loader's tensors: NVFP4 experts (`NVFP4Experts`) in the layers
         whose routed stacks are packed, `Bf16Experts` elsewhere; `ops` as for the constructor."""
@@ -66,7 +72,7 @@ class InklingDecoder(nn.Module):
         )
         ops = resolve_ops(ops, device)
         with torch.device("meta"):
-            model = cls(config, nvfp4, ops)
+            model = cls(config, nvfp4, ops, tp=tp)
         weights = stack_attention_projections(weights, config.num_layers)
         keep = ("sconv.weight", "mlp.gate.bias", "mlp.gate.global_scale")  # fp32 by contract (spec 4.2, 5.2)
         weights = {
@@ -92,7 +98,7 @@ class InklingDecoder(nn.Module):
         """The same weight tensors (shared, not copied) in a decoder built with `ops`, resolved against the device
         the weights are on now."""
         with torch.device("meta"):
-            model = type(self)(self.config, self.nvfp4_layers, resolve_ops(ops, self.embed.weight.device))
+            model = type(self)(self.config, self.nvfp4_layers, resolve_ops(ops, self.embed.weight.device), tp=self.tp)
         model.adopt({name: t.detach() for name, t in self.state_dict(keep_vars=True).items()})
         return model.train(self.training)
 
@@ -105,7 +111,7 @@ class InklingDecoder(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> final-normed hidden `[T, H]`; every sequence's caches advance by its new tokens."""
-        h = self.embed_norm(self.embed(batch.token_ids))  # [T, H]
+        h = self.embed_norm(self.tp.embed(self.embed, batch.token_ids))  # [T, H]
         if batch.mm_rows is not None:
             h = h.index_copy(0, batch.mm_index, batch.mm_rows.to(h.dtype))  # encoder rows are not re-normed
         step = self.prepare(batch)
@@ -128,7 +134,7 @@ class InklingDecoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, H]` final-normed rows -> fp32 logits `[N, unpadded_vocab]`."""
         z = hidden / self.config.mup_multiplier  # a true division (spec 9.8)
-        return self.unembed(z)[:, : self.config.unpadded_vocab_size].float()
+        return self.tp.gather_vocab(self.unembed(z))[:, : self.config.unpadded_vocab_size].float()
 
 
 def stack_attention_projections(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from torch import nn
 
 from common.config import TextConfig
 from decode_service.model.backend import PreparedBatch
+from decode_service.model.collectives import SINGLE, TPGroup
 from decode_service.model.ops import REFERENCE, Ops
 from decode_service.model.state import ATTN_CONV, K_CONV, MLP_CONV, V_CONV, LayerCache
 
@@ -183,9 +184,9 @@ class Router(nn.Module):
 class Bf16Experts(nn.Module):
     """Routed SwiGLU experts, stacks `w13_weight [E, 2I, H]` ([gate; up] rows) and `w2_weight [E, H, I]`."""
 
-    def __init__(self, config: TextConfig, ops: Ops = REFERENCE):
+    def __init__(self, config: TextConfig, ops: Ops = REFERENCE, tp: TPGroup = SINGLE):
         super().__init__()
-        e, i, h = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        (e, i), h = tp.expert_shape(config.n_routed_experts, config.moe_intermediate_size), config.hidden_size
         self.w13_weight = nn.Parameter(torch.zeros(e, 2 * i, h))
         self.w2_weight = nn.Parameter(torch.zeros(e, h, i))
         self.moe = ops.bf16_experts(h, i)
@@ -199,9 +200,9 @@ class NVFP4Experts(nn.Module):
     """Routed SwiGLU experts as the checkpoint stores them in NVFP4 (`common/nvfp4.py`): per stack the packed codes
     (uint8 `[E, R, C/2]`), e4m3 block scales `[E, R, C/16]` and an fp32 scale per expert `[E]`."""
 
-    def __init__(self, config: TextConfig, ops: Ops = REFERENCE):
+    def __init__(self, config: TextConfig, ops: Ops = REFERENCE, tp: TPGroup = SINGLE):
         super().__init__()
-        e, i, h = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        (e, i), h = tp.expert_shape(config.n_routed_experts, config.moe_intermediate_size), config.hidden_size
         for name, rows, cols in (("w13_weight", 2 * i, h), ("w2_weight", h, i)):
             self.register_buffer(name, torch.zeros(e, rows, cols // 2, dtype=torch.uint8))
             self.register_buffer(f"{name}_scale", torch.zeros(e, rows, cols // 16, dtype=torch.float8_e4m3fn))
@@ -234,20 +235,26 @@ class SharedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: TextConfig, ops: Ops = REFERENCE, nvfp4: bool = False):
+    def __init__(self, config: TextConfig, ops: Ops = REFERENCE, nvfp4: bool = False, tp: TPGroup = SINGLE):
         super().__init__()
         self.gate = Router(config, ops)
-        self.experts = NVFP4Experts(config, ops) if nvfp4 else Bf16Experts(config, ops)
+        self.experts = NVFP4Experts(config, ops, tp) if nvfp4 else Bf16Experts(config, ops, tp)
         self.shared_experts = SharedExperts(config, ops)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights, gammas = self.gate(x)  # [T, k], [T, k], [T, S]
+        ids, weights = self.tp.local_routes(ids, weights)  # expert parallel: other ranks' experts weigh 0 here
         return self.experts(x, ids, weights) + self.shared_experts(x, gammas)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TextConfig, layer: int, ops: Ops = REFERENCE, nvfp4: bool = False):
+    """With tensor parallelism (`tp`, `config` holding the rank's local sizes) attention and the MLP return partial
+    sums, completed by one all-reduce each; the residual convs and norms run on the full hidden."""
+
+    def __init__(self, config: TextConfig, layer: int, ops: Ops = REFERENCE, nvfp4: bool = False, tp: TPGroup = SINGLE):
         super().__init__()
+        self.tp = tp
         h, k = config.hidden_size, config.conv_kernel_size
         self.attn_norm = RMSNorm(h, config.rms_norm_eps, ops)
         self.attn = Attention(config, layer, ops)
@@ -256,11 +263,12 @@ class DecoderLayer(nn.Module):
         if config.dense_layers[layer]:
             self.mlp = DenseMLP(h, config.dense_intermediate_size)
         else:
-            self.mlp = MoE(config, ops, nvfp4)
+            self.mlp = MoE(config, ops, nvfp4, tp)
         self.mlp_sconv = ShortConv(h, k, layer, MLP_CONV)
 
     def forward(self, h: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
         """h `[T, H]` -> `[T, H]`."""
-        h = self.attn_sconv(self.attn(self.attn_norm(h), step), step, residual=h)  # h + attn_sconv(attn(...))
-        h = self.mlp_sconv(self.mlp(self.mlp_norm(h)), step, residual=h)  # h + mlp_sconv(mlp(mlp_norm(h)))
+        reduce = self.tp.all_reduce  # sums the ranks' partial outputs (identity at size 1)
+        h = self.attn_sconv(reduce(self.attn(self.attn_norm(h), step)), step, residual=h)  # h + attn_sconv(attn(.))
+        h = self.mlp_sconv(reduce(self.mlp(self.mlp_norm(h))), step, residual=h)  # h + mlp_sconv(mlp(mlp_norm(h)))
         return h

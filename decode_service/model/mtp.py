@@ -29,6 +29,7 @@ from common.config import MtpConfig, TextConfig
 from common.errors import CheckpointError
 from decode_service.model.backend import PreparedBatch
 from decode_service.model.batch import ForwardBatch
+from decode_service.model.collectives import SINGLE, TPGroup
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.layers import DecoderLayer, RMSNorm
 from decode_service.model.ops import Ops
@@ -62,13 +63,13 @@ def depth_config(text: TextConfig, mtp: MtpConfig) -> TextConfig:
 class MTPDepth(nn.Module):
     """Norms and input projection of one depth, then its decoder layer (layer index = depth)."""
 
-    def __init__(self, config: TextConfig, depth: int, ops: Ops):
+    def __init__(self, config: TextConfig, depth: int, ops: Ops, tp: TPGroup = SINGLE):
         super().__init__()
         h = config.hidden_size
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps, ops)
         self.embed_norm = RMSNorm(h, config.rms_norm_eps, ops)
         self.input_proj = nn.Linear(2 * h, h, bias=False)
-        self.transformer_block = DecoderLayer(config, depth, ops, nvfp4=False)
+        self.transformer_block = DecoderLayer(config, depth, ops, nvfp4=False, tp=tp)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, step: PreparedBatch) -> torch.Tensor:
         """hidden `[T, H]` previous hidden, embedded `[T, H]` backbone-normed token embeddings -> `[T, H]`."""
@@ -86,7 +87,8 @@ class MTPDrafter(nn.Module):
         self.config = depth_config(trunk.config, mtp)
         self.embed, self.embed_norm, self.unembed = trunk.embed, trunk.embed_norm, trunk.unembed
         self._prepare = trunk.prepare  # the trunk's attention backends, chosen at its build
-        self.layers = nn.ModuleList(MTPDepth(self.config, d, trunk.ops) for d in range(mtp.num_layers))
+        self.tp = trunk.tp  # a tensor-parallel trunk's rank: the depths shard like its layers
+        self.layers = nn.ModuleList(MTPDepth(self.config, d, trunk.ops, self.tp) for d in range(mtp.num_layers))
         h, eps = self.config.hidden_size, self.config.rms_norm_eps
         self.chain_norm = RMSNorm(h, eps, trunk.ops) if mtp.chain_hidden_post_norm else None
 
@@ -138,11 +140,13 @@ class MTPDrafter(nn.Module):
             raise ValueError(
                 f"hidden: expected shape {(batch.num_tokens, self.config.hidden_size)}, got {tuple(hidden.shape)}"
             )
-        embedded = self.embed_norm(self.embed(batch.token_ids))  # [T, H], the backbone norm first (spec 7.1)
+        embedded = self.embed_norm(
+            self.tp.embed(self.embed, batch.token_ids)
+        )  # [T, H], the backbone norm first (spec 7.1)
         g = self.layers[depth](hidden, embedded, self._prepare(batch))
         return self.chain_norm(g) if self.chain_norm is not None else g
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, H]` depth outputs -> fp32 draft logits `[N, unpadded_vocab]` (no final norm, spec 7.1 step 6)."""
         z = hidden / self.config.mup_multiplier  # a true division, as the trunk's (spec 9.8)
-        return self.unembed(z)[:, : self.config.unpadded_vocab_size].float()
+        return self.tp.gather_vocab(self.unembed(z))[:, : self.config.unpadded_vocab_size].float()

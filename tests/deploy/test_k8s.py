@@ -173,12 +173,6 @@ def pool_case(overlay: str, name: str):
     marks = []
     if name == "api":
         marks.append(pytest.mark.xfail(not has_api_command(), reason="api front lands with issue 18", strict=True))
-    if name == "decode" and overlay in GPU_OVERLAYS:
-        marks.append(
-            pytest.mark.xfail(
-                not has_tensor_parallel(), reason="decode --tensor-parallel-size lands with issue 14", strict=True
-            )
-        )
     return pytest.param(overlay, name, marks=marks, id=f"{overlay}-{name}")
 
 

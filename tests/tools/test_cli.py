@@ -49,6 +49,51 @@ def test_generate_local_greedy_equals_transformers_generate(tiny_bf16, capsys):
     assert ours["prompt_token_ids"] == PROMPT
 
 
+@pytest.fixture(scope="module")
+def tiny_nvfp4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-nvfp4")
+    make_tiny_checkpoint(out, nvfp4=True, seed=4)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "parallel"),
+    [("bf16", ["--tensor-parallel-size", "2"]), ("nvfp4", ["--tensor-parallel-size", "2", "--enable-expert-parallel"])],
+)
+def test_generate_local_tensor_parallel_equals_one_process(request, capsys, kind, parallel):
+    """Two gloo ranks (rank 0 here, rank 1 a child process) give the single-process greedy tokens; the prompt
+    runs past the sliding window, so sliding pages are recycled on both ranks."""
+    checkpoint = request.getfixturevalue(f"tiny_{kind}")
+    ids = ",".join(map(str, PROMPT * 4))
+    flags = ["--prompt-ids", ids, "--max-tokens", "10", "--ignore-eos"]
+    single = generate_json(capsys, checkpoint, *flags)
+    ranks = generate_json(capsys, checkpoint, *flags, *parallel)
+    assert len(single["token_ids"]) == 10
+    assert ranks["token_ids"] == single["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tensor-parallel-size", "3"], "tensor_parallel_size=3 does not divide the sliding layers' query heads (4)"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+        (["--enable-expert-parallel"], "--enable-expert-parallel needs --tensor-parallel-size > 1"),
+    ],
+)
+def test_generate_local_bad_tensor_parallel_flags_name_the_problem(tiny_bf16, capsys, flags, message):
+    argv = ["generate", "--local", "--checkpoint", str(tiny_bf16), "--prompt-ids", "1,2", *flags]
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_decode_tensor_parallel_flags_reach_the_settings():
+    args = build_parser().parse_args(
+        ["decode", "--checkpoint", "x", "--tensor-parallel-size", "2", "--enable-expert-parallel"]
+    )
+    engine = decode_settings(args).engine
+    assert (engine.tensor_parallel_size, engine.expert_parallel) == (2, True)
+
+
 def test_generate_local_json_and_out_of_vocab_prompts(tiny_bf16, capsys):
     result = generate_json(capsys, tiny_bf16, "--prompt-ids", "1,2,3", "--max-tokens", "4", "--ignore-eos")
     assert result["prompt_token_ids"] == [1, 2, 3]

@@ -104,13 +104,15 @@ def is_uniform_decode(output: SchedulerOutput, requests: dict[str, WorkerRequest
 
 class ModelRunner:
     """`decode_graphs`: uniform decode steps go there (batched paged path, CUDA graphs); the rest is packed.
-    `prefix_tier`: executes the plan's loads and saves (None without the shared tier)."""
+    `prefix_tier`: executes the plan's loads and saves (None without the shared tier). `sampler` None: a
+    follower rank of a tensor-parallel replica (`ranks.py`), which computes the logits (their all-gather is a
+    collective) and samples nothing."""
 
     def __init__(
         self,
         model: DecoderModel,
         cache: KVCache,
-        sampler: Sampler,
+        sampler: Sampler | None,
         device: torch.device | str = "cpu",
         decode_graphs: DecodeGraphs | None = None,
         prefix_tier: RedisPrefixTier | None = None,
@@ -188,6 +190,8 @@ class ModelRunner:
         sampled = [r for r, _ in sampling]
         rows = torch.tensor([row for _, row in sampling], device=hidden.device)
         logits = self.model.logits(hidden.index_select(0, rows))  # [N, V] fp32
+        if self.sampler is None:
+            return {}
         results = self.sampler.sample(logits, sampled)
         for request, result in zip(sampled, results, strict=True):
             request.output_token_ids.append(result.token_id)
