@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from decode_service.engine.core.outputs import BEFORE_FORWARD, SchedulerOutput
+from decode_service.engine.core.outputs import BEFORE_FORWARD, ScheduledChunk, SchedulerOutput
 from decode_service.engine.request import MultimodalItem, Request, SamplingParams
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.engine.worker.kv_cache import KVCache, SequenceView
+from decode_service.engine.worker.mtp import DraftInput, DraftModel
 from decode_service.engine.worker.sampler import Sampler, SampleResult
 from decode_service.engine.worker.snapshots import SnapshotStore
 from decode_service.model.batch import ForwardBatch, SequenceSlice
@@ -44,6 +45,7 @@ class WorkerRequest:
     output_token_ids: list[int] = field(default_factory=list)  # every token sampled for it (kept on preemption)
     generator: torch.Generator | None = None
     constraint: ConstraintMatcher | None = None  # structured output: masks its logits, advanced per token
+    speculative: bool = False  # the drafter keeps state for it and proposes its drafts
 
     @classmethod
     def of(cls, request: Request) -> WorkerRequest:
@@ -102,9 +104,19 @@ def is_uniform_decode(output: SchedulerOutput, requests: dict[str, WorkerRequest
     )
 
 
+@dataclass
+class RunnerOutput:
+    """One step's result: the tokens each sampled request emits (several after a verify: the accepted drafts and
+    the bonus token, in order) and the drafter's proposals for the next step."""
+
+    samples: dict[str, list[SampleResult]] = field(default_factory=dict)
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
 class ModelRunner:
     """`decode_graphs`: uniform decode steps go there (batched paged path, CUDA graphs); the rest is packed.
-    `prefix_tier`: executes the plan's loads and saves (None without the shared tier)."""
+    `prefix_tier`: executes the plan's loads and saves (None without the shared tier). `drafter`: MTP speculation
+    (chunks with `num_drafts` are verified, the committed rows extend the drafter's state)."""
 
     def __init__(
         self,
@@ -114,6 +126,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         decode_graphs: DecodeGraphs | None = None,
         prefix_tier: RedisPrefixTier | None = None,
+        drafter: DraftModel | None = None,
     ):
         self.model = model
         self.cache = cache
@@ -121,6 +134,7 @@ class ModelRunner:
         self.device = device
         self.decode_graphs = decode_graphs
         self.prefix_tier = prefix_tier
+        self.drafter = drafter
         self.snapshots = SnapshotStore(cache)
         self.requests: dict[str, WorkerRequest] = {}
         self.views: dict[str, SequenceView] = {}
@@ -131,9 +145,11 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.views.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.remove(request_id)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """Run one step; every scheduled sequence's cache advances; sampled tokens keyed by request id."""
         if self.prefix_tier is None:
             return self._execute(output)
@@ -142,9 +158,9 @@ class ModelRunner:
         finally:
             self.prefix_tier.discard_staged()  # lookups the scheduler could not make room for
 
-    def _execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+    def _execute(self, output: SchedulerOutput) -> RunnerOutput:
         self._prepare(output)
-        results = self._forward(output) if output.chunks else {}
+        results = self._forward(output) if output.chunks else RunnerOutput()
         if output.conv_ops:
             self.snapshots.after_forward(output.conv_ops)
         if self.prefix_tier is not None:
@@ -166,14 +182,18 @@ class ModelRunner:
             if chunk.global_pages.pages:
                 view.update(False, chunk.global_pages)
             view.num_tokens = chunk.start
+            if chunk.new_sequence and self.drafter is not None and self.requests[chunk.request_id].speculative:
+                self.drafter.reset(chunk.request_id, chunk.start)
         if self.prefix_tier is not None:
             for load in output.prefix_tier.loads:
                 self.snapshots.put(load.snapshot_id, self.prefix_tier.load(load))
         if output.conv_ops:
             self.snapshots.before_forward(op for op in output.conv_ops if op.kind in BEFORE_FORWARD)
 
-    def _forward(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+    def _forward(self, output: SchedulerOutput) -> RunnerOutput:
         chunks, requests = output.chunks, self.requests
+        # Verify chunks: conv states before the forward, restored if a draft is rejected (decisions.md).
+        before = {c.request_id: self.cache.snapshot_conv(c.slot) for c in chunks if c.num_drafts}
         if self.decode_graphs is not None and is_uniform_decode(output, requests):
             hidden = self.decode_graphs.run(
                 [c.token_ids[0] for c in chunks], [self.views[c.request_id] for c in chunks]
@@ -182,13 +202,76 @@ class ModelRunner:
         else:
             batch, last_rows = build_batch(output, requests, self.views, self.device)
             hidden = self.model.forward(batch)  # [T, H]
-        sampling = [(requests[c.request_id], row) for c, row in zip(chunks, last_rows, strict=True) if c.needs_logits]
-        if not sampling:
+        first_rows = [row - c.num_tokens + 1 for c, row in zip(chunks, last_rows, strict=True)]
+        samples = self._sample(chunks, hidden, first_rows)
+        rejected = [c for c in chunks if c.num_drafts and len(samples[c.request_id]) < c.num_tokens]
+        if rejected:
+            self._replay(output, rejected, samples, before)
+        drafts = self._draft(chunks, hidden, first_rows, samples) if self.drafter is not None else {}
+        return RunnerOutput(samples, drafts)
+
+    def _sample(
+        self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor, first_rows: list[int]
+    ) -> dict[str, list[SampleResult]]:
+        """Sample each chunk's next token; a verify chunk's rows one after another while the sampled token equals
+        the draft that follows it (every emitted token is drawn from the target given the tokens before it, so
+        penalties, constraints, logprobs and seeded generators see exactly what a non-speculative run does)."""
+        rows, index = [], {}  # logits row of (request id, verify offset)
+        for c, first in zip(chunks, first_rows, strict=True):
+            if c.needs_logits:
+                for j in range(c.num_drafts + 1):
+                    index[c.request_id, j] = len(rows)
+                    rows.append(first + c.num_tokens - 1 - c.num_drafts + j)
+        if not rows:
             return {}
-        sampled = [r for r, _ in sampling]
-        rows = torch.tensor([row for _, row in sampling], device=hidden.device)
-        logits = self.model.logits(hidden.index_select(0, rows))  # [N, V] fp32
-        results = self.sampler.sample(logits, sampled)
-        for request, result in zip(sampled, results, strict=True):
-            request.output_token_ids.append(result.token_id)
-        return {r.request_id: res for r, res in zip(sampled, results, strict=True)}
+        logits = self.model.logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device)))  # [N, V] fp32
+        samples: dict[str, list[SampleResult]] = {}
+        active = [(c, 0) for c in chunks if c.needs_logits]
+        while active:
+            reqs = [self.requests[c.request_id] for c, _ in active]
+            picks = torch.tensor([index[c.request_id, j] for c, j in active], device=logits.device)
+            results = self.sampler.sample(logits.index_select(0, picks), reqs)
+            nxt = []
+            for (c, j), request, result in zip(active, reqs, results, strict=True):
+                request.output_token_ids.append(result.token_id)
+                samples.setdefault(c.request_id, []).append(result)
+                if j < c.num_drafts and result.token_id == c.token_ids[j + 1] and not result.constraint_finished:
+                    nxt.append((c, j + 1))
+            active = nxt
+        return samples
+
+    def _replay(
+        self,
+        output: SchedulerOutput,
+        rejected: list[ScheduledChunk],
+        samples: dict[str, list[SampleResult]],
+        before: dict,
+    ) -> None:
+        """Rejected drafts: the conv states go back to before the verify and the accepted rows run again (their
+        KV is rewritten in place; the rejected positions are overwritten by later steps)."""
+        accepted = []
+        for c in rejected:
+            self.cache.restore_conv(c.slot, before[c.request_id])
+            self.views[c.request_id].num_tokens = c.start
+            accepted.append(c._replace(token_ids=c.token_ids[: len(samples[c.request_id])]))
+        replay = SchedulerOutput(tuple(accepted))
+        batch, _ = build_batch(replay, self.requests, self.views, self.device)
+        self.model.forward(batch)
+
+    def _draft(
+        self,
+        chunks: tuple[ScheduledChunk, ...],
+        hidden: torch.Tensor,
+        first_rows: list[int],
+        samples: dict[str, list[SampleResult]],
+    ) -> dict[str, tuple[int, ...]]:
+        inputs = []
+        for c, first in zip(chunks, first_rows, strict=True):
+            request = self.requests[c.request_id]
+            if not request.speculative:
+                continue
+            emitted = samples.get(c.request_id)
+            n = len(emitted) if c.num_drafts else c.num_tokens  # the rows this step commits
+            rows = hidden[first : first + n]
+            inputs.append(DraftInput(c.request_id, c.start, rows, request.all_token_ids, bool(emitted)))
+        return self.drafter.extend(inputs) if inputs else {}

@@ -1,0 +1,237 @@
+"""MTP speculation in the engine (spec inkling-text 7): greedy outputs with D drafts per step equal D = 0, and the
+trunk's KV and conv state after a speculative step equal the non-speculative run's at the same position.
+
+Checkpoint: make-tiny with 4 MTP depths (depth 0 sliding, the rest global), fp32. Its random drafter is almost
+always wrong, so two test doubles force the acceptance: an oracle that knows the target's answer (full and partial
+acceptance, every accepted length 0..D) and one that is always wrong. Page size 4 and window 16: the verify runs
+cross page and window boundaries.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from common.checkpoint import CheckpointFiles, load_decoder_weights, load_mtp_weights
+from common.config import load_model_config
+from common.errors import ConfigError
+from decode_service.engine.engine import Engine, EngineSettings
+from decode_service.engine.request import MultimodalItem, Request, SamplingParams
+from decode_service.engine.worker.mtp import DraftInput
+from decode_service.model.inkling import InklingDecoder
+from decode_service.model.mtp import MTPDrafter
+from tools.make_tiny_checkpoint import make_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mtp4")
+    make_tiny_checkpoint(directory, seed=3, mtp_config={"num_nextn_predict_layers": 4})
+    files, config = CheckpointFiles(directory), load_model_config(directory)
+    weights, _ = load_decoder_weights(files, config, dtype=torch.float32)
+    trunk = InklingDecoder.from_weights(config.text, weights, torch.float32)
+    mtp, _ = load_mtp_weights(files, config, dtype=torch.float32)
+    return trunk, MTPDrafter.from_weights(mtp, config.mtp, trunk), config
+
+
+def settings(**kw) -> EngineSettings:
+    base = dict(
+        kv_cache_bytes=1 << 23, page_size=4, max_num_seqs=4, max_num_batched_tokens=24, snapshot_interval_blocks=2
+    )
+    return EngineSettings(**(base | kw))
+
+
+def prompt(n: int, seed: int, vocab: int = 200000) -> list[int]:
+    return torch.randint(4, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(tiny, requests: list[Request], drafter=None, first: int = 0, **kw) -> list[list[int]]:
+    """Outputs of `requests` on one engine: the first `first` run to completion, then the rest together."""
+    trunk, mtp, config = tiny
+    engine = Engine(trunk, config, settings(**kw), drafter=drafter if drafter is not None else mtp)
+    outs = engine.generate(requests[:first]) + engine.generate(requests[first:])
+    return [out.token_ids for out in outs]
+
+
+def fresh(specs) -> list[Request]:
+    return [Request(rid, list(p), s, mm_items=mm) for rid, p, s, mm in specs]
+
+
+class Oracle:
+    """Drafts the target's own greedy continuation, corrupted at a cycling index: accepted lengths 0..D all occur
+    (index D: nothing corrupted, full acceptance). `wrong`: every draft wrong."""
+
+    def __init__(self, answers: dict[str, list[int]], depth: int, wrong: bool = False, vocab: int = 200000):
+        self.answers, self.num_depths, self.wrong, self.vocab = answers, depth, wrong, vocab
+        self.rounds = Counter()
+        self.rows: dict[str, int] = {}
+
+    def reset(self, request_id: str, start: int) -> None:
+        self.rows[request_id] = start
+
+    def remove(self, request_id: str) -> None:
+        self.rows.pop(request_id, None)
+
+    def extend(self, inputs: list[DraftInput]) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for item in inputs:
+            assert item.first_row == self.rows[item.request_id], "the runner skipped or repeated trunk rows"
+            self.rows[item.request_id] += item.hidden.shape[0]
+            if not item.draft:
+                continue
+            answer, k = self.answers[item.request_id], len(item.token_ids)
+            drafts = answer[k : k + self.num_depths]
+            drafts += [5] * (self.num_depths - len(drafts))
+            cut = 0 if self.wrong else self.rounds[item.request_id] % (self.num_depths + 1)
+            self.rounds[item.request_id] += 1
+            out[item.request_id] = tuple(
+                (t + 1) % self.vocab if self.wrong or i == cut else t for i, t in enumerate(drafts)
+            )
+        return out
+
+
+SPECS = [
+    ("a", prompt(5, 1), GREEDY, ()),
+    ("b", prompt(23, 2), SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True), ()),
+    ("c", prompt(14, 3), GREEDY, ()),
+    ("d", prompt(31, 4), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True), ()),
+    ("e", prompt(9, 5), GREEDY, ()),
+]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny):
+    return run(tiny, fresh(SPECS), mtp_depth=0)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_checkpoint_drafter_greedy_equals_no_speculation(tiny, baseline, depth):
+    assert run(tiny, fresh(SPECS), mtp_depth=depth) == baseline
+
+
+@pytest.mark.parametrize("depth", [1, 3, 4])
+def test_oracle_drafter_every_acceptance_length(tiny, baseline, depth):
+    answers = {rid: p + out for (rid, p, _, _), out in zip(SPECS, baseline, strict=True)}
+    oracle = Oracle(answers, depth)
+    trunk, _, config = tiny
+    engine = Engine(trunk, config, settings(mtp_depth=depth), drafter=oracle)
+    requests = fresh(SPECS)
+    for r in requests:
+        engine.add_request(r)
+    lengths = Counter()
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.new_token_ids and len(out.token_ids) > 1:
+                lengths[len(out.new_token_ids)] += 1
+    assert [r.output_token_ids for r in requests] == baseline
+    assert set(range(1, depth + 2)) <= set(lengths), lengths  # accepted 0..D drafts (+ the bonus token)
+
+
+def test_always_wrong_drafter_emits_one_token_per_step(tiny, baseline):
+    answers = {rid: p + out for (rid, p, _, _), out in zip(SPECS, baseline, strict=True)}
+    trunk, _, config = tiny
+    engine = Engine(trunk, config, settings(mtp_depth=2), drafter=Oracle(answers, 2, wrong=True))
+    requests = fresh(SPECS)
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished:
+        assert all(len(out.new_token_ids) <= 1 for out in engine.step())
+    assert [r.output_token_ids for r in requests] == baseline
+
+
+def trunk_state(engine: Engine, request: Request) -> list[torch.Tensor]:
+    """Conv states of the request's slot and the KV of every position its layers can still read."""
+    kv, seq, n = engine.kv, request.handle, request.num_computed_tokens
+    out = [s[seq.slot].clone() for states in kv.conv for s in states]
+    for sliding in (True, False):
+        first = max(0, n - (kv.window - 1)) if sliding else 0
+        pos = torch.arange(first, n)
+        pages = torch.tensor([seq.tables[sliding][p // kv.page_size] for p in pos.tolist()], dtype=torch.int64)
+        rows = pages * kv.page_size + pos % kv.page_size
+        out += [kv.k[sliding].index_select(1, rows), kv.v[sliding].index_select(1, rows)]
+    return out
+
+
+def states_by_position(model, config, depth: int, drafter=None) -> tuple[dict[int, list[torch.Tensor]], list[int]]:
+    engine = Engine(model, config, settings(mtp_depth=depth, kv_cache_bytes=1 << 20), drafter=drafter)
+    request = Request("s", prompt(19, 8, 90), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    engine.add_request(request)
+    seen = {}
+    while engine.has_unfinished:
+        engine.step()
+        if not request.is_finished and request.output_token_ids:
+            seen[request.num_computed_tokens] = trunk_state(engine, request)
+    return seen, request.output_token_ids
+
+
+def test_trunk_state_after_speculative_steps_equals_no_speculation(fake_model, model_config):
+    """On the float64 fake decoder of the engine tests (its KV and four conv states per layer carry all history;
+    the real trunk computes convs and norms in fp32, so a verify's rows differ from one-row steps by rounding)."""
+    plain, answer = states_by_position(fake_model, model_config, 0)
+    oracle = Oracle({"s": prompt(19, 8, 90) + answer}, 3, vocab=90)
+    spec, tokens = states_by_position(fake_model, model_config, 3, oracle)
+    assert tokens == answer
+    assert len(spec) < len(plain) - 5  # the oracle made steps advance several positions
+    for position, state in spec.items():
+        for got, want in zip(state, plain[position], strict=True):
+            torch.testing.assert_close(got, want)
+
+
+def test_stop_token_inside_an_accepted_run_cuts_exactly_there(tiny, baseline):
+    rid, p, _, _ = SPECS[1]
+    stop = baseline[1][6]
+    cut = baseline[1][: baseline[1].index(stop) + 1]
+    sampling = SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True, stop_token_ids=(stop,))
+    trunk, _, config = tiny
+    oracle = Oracle({rid: p + baseline[1]}, 4)
+    oracle.rounds[rid] = 4  # full acceptance from the first round
+    engine = Engine(trunk, config, settings(mtp_depth=4), drafter=oracle)
+    out = engine.generate([Request(rid, p, sampling)])[0]
+    assert out.token_ids == cut and out.finish_reason == "stop"
+
+
+def test_prefix_hits_preemption_and_media_equal_no_speculation(tiny):
+    trunk, _, config = tiny
+    hidden = config.text.hidden_size
+    g = torch.Generator().manual_seed(5)
+    shared = prompt(26, 11)
+    image = [config.image_token_id] * 7
+    audio = [config.audio_token_id] * 5
+    mm_prompt = prompt(3, 12) + image + prompt(4, 13) + audio + prompt(6, 14)
+    items = (
+        MultimodalItem(b"\x07" * 32, 3, torch.randn(7, hidden, generator=g)),
+        MultimodalItem(b"\x08" * 32, 14, torch.randn(5, hidden, generator=g)),
+    )
+    specs = [
+        ("p0", shared + [7, 8], GREEDY, ()),
+        ("p1", shared + [9, 10, 11], GREEDY, ()),
+        ("mm", mm_prompt, GREEDY, items),
+        ("q", prompt(33, 15), GREEDY, ()),
+        ("r", prompt(21, 16), GREEDY, ()),
+    ]
+    # 17 global pages of 4 tokens: the running sequences cannot all grow, so some are preempted.
+    tight = dict(kv_cache_bytes=150_000, max_num_batched_tokens=12)
+    want = run(tiny, fresh(specs), first=1, mtp_depth=0, **tight)
+    for depth in (2, 4):
+        requests = fresh(specs)
+        assert run(tiny, requests, first=1, mtp_depth=depth, **tight) == want
+        assert requests[1].num_cached_tokens > 0
+        assert sum(r.num_preemptions for r in requests) > 0
+
+
+def test_per_request_opt_out_and_bad_depth(tiny, baseline):
+    trunk, mtp, config = tiny
+    rid, p, s, _ = SPECS[0]
+    off = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, speculative=False)
+    oracle = Oracle({rid: p + baseline[0]}, 2)
+    engine = Engine(trunk, config, settings(mtp_depth=2), drafter=oracle)
+    out = engine.generate([Request(rid, p, off)])[0]
+    assert out.token_ids == baseline[0] and not oracle.rounds
+    with pytest.raises(ConfigError, match="mtp_depth=2"):
+        Engine(trunk, config, settings(mtp_depth=2))
+    with pytest.raises(ValueError, match="mtp_depth"):
+        Engine(trunk, config, settings(mtp_depth=5), drafter=mtp)
