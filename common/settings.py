@@ -325,8 +325,10 @@ class DecodeEngineSettings:
     snapshot_interval_blocks: int = 16
     cuda_graphs: bool = True
     seed: int = 0  # seeds the generators of requests without their own seed
+    mtp_depth: int = 0  # MTP speculation: drafts per step from the checkpoint's first D depths (0 = off)
 
     def __post_init__(self) -> None:
+        _positive("--mtp-depth", self.mtp_depth, allow_zero=True)
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"--dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         _positive("--kv-budget-mb", self.kv_cache_bytes)
@@ -428,6 +430,7 @@ def decode_settings(args: argparse.Namespace) -> DecodeSettings:
         snapshot_interval_blocks=args.snapshot_interval_blocks,
         cuda_graphs=args.cuda_graphs,
         seed=args.seed,
+        mtp_depth=args.mtp_depth,
     )
     limits = ServiceLimits(
         max_prompt_tokens=args.max_prompt_tokens,

@@ -66,6 +66,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--mtp-depth", type=int, default=0, help="--local: MTP drafts per step (0 = off)")
     from common.settings import add_security_args
 
     add_security_args(p, max_streams_per_client=None)  # token / TLS to dial --server
@@ -178,7 +179,9 @@ def _responses(args: argparse.Namespace, request):
     async def run() -> list:
         engine = build_engine(
             args.checkpoint,
-            DecodeEngineSettings(device=args.device, dtype=args.dtype, kv_cache_bytes=256 << 20, max_num_seqs=4),
+            DecodeEngineSettings(
+                device=args.device, dtype=args.dtype, kv_cache_bytes=256 << 20, max_num_seqs=4, mtp_depth=args.mtp_depth
+            ),
         )
         encoder = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
         service = DecodeService(engine, encoder, model_id=served_model_name(args.checkpoint))
@@ -316,6 +319,12 @@ def _add_decode_args(parser: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly on CUDA (same kernels; for debugging)",
     )
     engine.add_argument("--seed", type=int, default=e.seed, help="seeds requests that bring no seed")
+    engine.add_argument(
+        "--mtp-depth",
+        type=int,
+        default=e.mtp_depth,
+        help="MTP speculation: drafts per step from the checkpoint (0 = off)",
+    )
     limits = parser.add_argument_group("request limits")
     limits.add_argument(
         "--max-prompt-tokens", type=int, default=lim.max_prompt_tokens, help="longer prompts: INVALID_ARGUMENT"

@@ -9,6 +9,7 @@ cross page and window boundaries.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -235,3 +236,20 @@ def test_per_request_opt_out_and_bad_depth(tiny, baseline):
         Engine(trunk, config, settings(mtp_depth=2))
     with pytest.raises(ValueError, match="mtp_depth"):
         Engine(trunk, config, settings(mtp_depth=5), drafter=mtp)
+
+
+def test_mtp_depth_flag_builds_the_checkpoint_drafter(tmp_path):
+    from common.settings import DecodeEngineSettings, decode_settings
+    from decode_service.service import build_engine
+    from tools.cli import build_parser
+
+    make_tiny_checkpoint(tmp_path, seed=4)
+    args = build_parser().parse_args(
+        ["decode", "--checkpoint", str(tmp_path), "--mtp-depth", "2", "--dtype", "float32"]
+    )
+    engine_settings = decode_settings(args).engine
+    assert engine_settings.mtp_depth == 2
+    engine = build_engine(tmp_path, dataclasses.replace(engine_settings, kv_cache_bytes=1 << 23))
+    assert engine.speculator.num_depths == 2 and engine.speculator.drafter.num_depths == 2
+    with pytest.raises(ConfigError, match="--mtp-depth"):
+        DecodeEngineSettings(mtp_depth=-1)
