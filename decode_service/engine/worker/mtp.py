@@ -39,6 +39,8 @@ class DraftInput:
     hidden: torch.Tensor  # [m, H] the trunk's final-normed rows first_row .. first_row + m - 1 (committed rows only)
     token_ids: list[int]  # every known token (prompt + output, including the one sampled this step)
     draft: bool  # the trunk sampled a token this step: propose the next drafts
+    temperature: float = 0.0  # > 0: drafts are sampled from the depth's softmax(logits / temperature), kept as `q`
+    generator: torch.Generator | None = None  # draws those drafts (the request's own)
 
 
 class DraftModel(Protocol):
@@ -55,6 +57,11 @@ class DraftModel(Protocol):
         ...
 
     def remove(self, request_id: str) -> None: ...
+
+    def draft_probs(self, request_id: str) -> torch.Tensor | None:
+        """`[D, V]` the distributions the last drafts of `request_id` were sampled from (rejection sampling);
+        None: they were chosen deterministically (the verifier then samples the target row by row)."""
+        ...
 
 
 def _save(layer: ContiguousLayerCache) -> tuple:
@@ -86,6 +93,11 @@ class MTPSpeculator:
         self.drafter = drafter
         self.num_depths = num_depths
         self.states: dict[str, _DrafterState] = {}
+        self.probs: dict[str, list[torch.Tensor]] = {}  # the sampled drafts' distributions, per request
+
+    def draft_probs(self, request_id: str) -> torch.Tensor | None:
+        probs = self.probs.get(request_id)
+        return torch.stack(probs) if probs else None
 
     def reset(self, request_id: str, start: int) -> None:
         n = self.num_depths
@@ -93,6 +105,7 @@ class MTPSpeculator:
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+        self.probs.pop(request_id, None)
 
     def extend(self, inputs: list[DraftInput]) -> dict[str, tuple[int, ...]]:
         work = []
@@ -105,6 +118,8 @@ class MTPSpeculator:
             assert item.draft <= (last == len(item.token_ids) - 1), "drafting needs the token after the last row"
             work.append((item, st))
         drafts: dict[str, list[int]] = {item.request_id: [] for item, _ in work if item.draft}
+        for item, _ in work:
+            self.probs.pop(item.request_id, None)
         incoming = {item.request_id: item.hidden for item, _ in work}  # g_{d-1} of this round's new rows
         for d in range(self.num_depths):
             committed_part, provisional_part = [], []
@@ -134,10 +149,14 @@ class MTPSpeculator:
                 rid = item.request_id
                 incoming[rid] = torch.cat([g, out_p[rid]]) if rid in out_p else g
                 if item.draft:
-                    heads.append((rid, incoming[rid][-1]))
+                    heads.append((rid, incoming[rid][-1], item))
             if heads:
-                logits = self.drafter.logits(torch.stack([h for _, h in heads]))  # [N, Vu]
-                for (rid, _), token in zip(heads, logits.argmax(-1).tolist(), strict=True):
+                logits = self.drafter.logits(torch.stack([h for _, h, _ in heads]))  # [N, Vu]
+                for (rid, _, item), row, token in zip(heads, logits, logits.argmax(-1).tolist(), strict=True):
+                    if item.temperature > 0:  # spec 7.4: the same scaled logits give the draft distribution
+                        q = torch.softmax(row / item.temperature, -1)
+                        token = int(torch.multinomial(q, 1, generator=item.generator))
+                        self.probs.setdefault(rid, []).append(q)
                     drafts[rid].append(token)
         return {rid: tuple(tokens) for rid, tokens in drafts.items()}
 

@@ -17,6 +17,7 @@ from decode_service.engine.request import MultimodalItem, Request, SamplingParam
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.engine.worker.kv_cache import KVCache, SequenceView
 from decode_service.engine.worker.mtp import DraftInput, DraftModel
+from decode_service.engine.worker.rejection import verify_draft
 from decode_service.engine.worker.sampler import Sampler, SampleResult
 from decode_service.engine.worker.snapshots import SnapshotStore
 from decode_service.model.batch import ForwardBatch, SequenceSlice
@@ -226,19 +227,37 @@ class ModelRunner:
             return {}
         logits = self.model.logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device)))  # [N, V] fp32
         samples: dict[str, list[SampleResult]] = {}
+        q = {c.request_id: self._draft_probs(c) for c in chunks if c.num_drafts}
         active = [(c, 0) for c in chunks if c.needs_logits]
         while active:
-            reqs = [self.requests[c.request_id] for c, _ in active]
-            picks = torch.tensor([index[c.request_id, j] for c, j in active], device=logits.device)
-            results = self.sampler.sample(logits.index_select(0, picks), reqs)
-            nxt = []
-            for (c, j), request, result in zip(active, reqs, results, strict=True):
-                request.output_token_ids.append(result.token_id)
+            plain = [(c, j) for c, j in active if j == c.num_drafts or q.get(c.request_id) is None]
+            emitted: list[tuple[ScheduledChunk, int, SampleResult, bool]] = []  # (chunk, offset, result, go on)
+            if plain:
+                reqs = [self.requests[c.request_id] for c, _ in plain]
+                picks = torch.tensor([index[c.request_id, j] for c, j in plain], device=logits.device)
+                for (c, j), result in zip(plain, self.sampler.sample(logits.index_select(0, picks), reqs), strict=True):
+                    emitted.append((c, j, result, j < c.num_drafts and result.token_id == c.token_ids[j + 1]))
+            for c, j in active:
+                if j < c.num_drafts and q.get(c.request_id) is not None:  # rejection sampling (worker/rejection.py)
+                    request, row = self.requests[c.request_id], logits[index[c.request_id, j]][None]
+                    p = self.sampler.target_probs(row, [request])[0]
+                    generator = self.sampler.generator(request, logits.device)
+                    ok, token = verify_draft(p, q[c.request_id][j], c.token_ids[j + 1], generator)
+                    emitted.append((c, j, self.sampler.emit(row, [request], [token])[0], ok))
+            active = []
+            for c, j, result, go_on in emitted:
+                self.requests[c.request_id].output_token_ids.append(result.token_id)
                 samples.setdefault(c.request_id, []).append(result)
-                if j < c.num_drafts and result.token_id == c.token_ids[j + 1] and not result.constraint_finished:
-                    nxt.append((c, j + 1))
-            active = nxt
+                if go_on and not result.constraint_finished:
+                    active.append((c, j + 1))
         return samples
+
+    def _draft_probs(self, chunk: ScheduledChunk) -> torch.Tensor | None:
+        """The verify chunk's draft distributions `[num_drafts, V]` when its drafts were sampled (temperature > 0)."""
+        if self.drafter is None or self.requests[chunk.request_id].sampling.greedy:
+            return None
+        probs = self.drafter.draft_probs(chunk.request_id)
+        return None if probs is None else probs[: chunk.num_drafts]
 
     def _replay(
         self,
@@ -272,6 +291,7 @@ class ModelRunner:
                 continue
             emitted = samples.get(c.request_id)
             n = len(emitted) if c.num_drafts else c.num_tokens  # the rows this step commits
-            rows = hidden[first : first + n]
-            inputs.append(DraftInput(c.request_id, c.start, rows, request.all_token_ids, bool(emitted)))
+            rows, t = hidden[first : first + n], request.sampling.temperature
+            generator = self.sampler.generator(request, hidden.device) if emitted and t > 0 else None
+            inputs.append(DraftInput(c.request_id, c.start, rows, request.all_token_ids, bool(emitted), t, generator))
         return self.drafter.extend(inputs) if inputs else {}

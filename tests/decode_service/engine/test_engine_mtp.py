@@ -77,6 +77,9 @@ class Oracle:
     def remove(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
 
+    def draft_probs(self, request_id: str) -> None:
+        return None  # deterministic drafts: verified by sampling the target row by row
+
     def extend(self, inputs: list[DraftInput]) -> dict[str, tuple[int, ...]]:
         out = {}
         for item in inputs:
@@ -253,3 +256,104 @@ def test_mtp_depth_flag_builds_the_checkpoint_drafter(tmp_path):
     assert engine.speculator.num_depths == 2 and engine.speculator.drafter.num_depths == 2
     with pytest.raises(ConfigError, match="--mtp-depth"):
         DecodeEngineSettings(mtp_depth=-1)
+
+
+class SampledDrafter:
+    """Drafts sampled from one fixed distribution `q` (whatever the rows), reported for rejection sampling."""
+
+    def __init__(self, q: torch.Tensor, depth: int):
+        self.q, self.num_depths, self.probs = q, depth, {}
+        self.verified = 0
+
+    def reset(self, request_id: str, start: int) -> None:
+        pass
+
+    def remove(self, request_id: str) -> None:
+        self.probs.pop(request_id, None)
+
+    def draft_probs(self, request_id: str) -> torch.Tensor | None:
+        return self.probs.get(request_id)
+
+    def extend(self, inputs: list[DraftInput]) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for item in inputs:
+            if item.draft:
+                assert item.temperature > 0 and item.generator is not None
+                drafts = torch.multinomial(self.q, self.num_depths, replacement=True, generator=item.generator)
+                self.probs[item.request_id] = self.q.expand(self.num_depths, -1)
+                out[item.request_id] = tuple(drafts.tolist())
+        return out
+
+
+@torch.inference_mode()
+def target_joint(model, config, prompt_ids: list[int], sampling: SamplingParams) -> dict[tuple[int, int], float]:
+    """P(t1, t2) of the target under `sampling` (top-k keeps the support small), from the contiguous reference."""
+    from decode_service.engine.worker.sampler import filtered_probs
+    from decode_service.model.batch import ForwardBatch, SequenceSlice
+    from decode_service.model.state import SequenceState
+
+    def probs(tokens: list[int]) -> torch.Tensor:
+        state = SequenceState.fresh(config.text, conv_dtype=model.dtype)
+        hidden = model.forward(ForwardBatch(torch.tensor(tokens), [SequenceSlice(0, len(tokens), state.layers)]))
+        p = filtered_probs(model.logits(hidden[-1:]).float(), [sampling])[0]
+        return p / p.sum()
+
+    first, joint = probs(prompt_ids), {}
+    for t1 in first.nonzero().flatten().tolist():
+        second = probs(prompt_ids + [t1])
+        for t2 in second.nonzero().flatten().tolist():
+            joint[t1, t2] = float(first[t1] * second[t2])
+    return joint
+
+
+def test_rejection_sampling_in_the_engine_keeps_the_target_distribution(fake_model, model_config):
+    """Temperature 1, top-k 3: the first two tokens of 800 seeded requests (the second one verified against a
+    draft from a fixed `q`) follow the target's joint distribution (chi-square), and drafts are accepted."""
+    from scipy.stats import chisquare
+
+    p = prompt(6, 21, 90)
+    sampling = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    joint = target_joint(fake_model, model_config, p, sampling)
+    cells = sorted(joint)
+    q = torch.softmax(torch.randn(90, generator=torch.Generator().manual_seed(2)), -1)
+    q[[t2 for _, t2 in cells]] += 0.3  # the drafts often hit the support of the second token
+    q /= q.sum()
+    engine = Engine(
+        fake_model,
+        model_config,
+        settings(mtp_depth=1, max_num_seqs=16, max_num_batched_tokens=64, enable_prefix_cache=False),
+        drafter=SampledDrafter(q, 1),
+    )
+    n = 800
+    for i in range(n):
+        engine.add_request(Request(f"s{i}", list(p), dataclasses.replace(sampling, seed=i)))
+    pairs, accepted = Counter(), 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            accepted += len(out.new_token_ids) == 2  # the verify of [t1, d1] kept d1
+            if out.finished:
+                pairs[tuple(out.token_ids[:2])] += 1
+    assert set(pairs) <= set(cells) and accepted > n // 10
+    total = sum(joint.values())
+    assert chisquare([pairs[c] for c in cells], [n * joint[c] / total for c in cells]).pvalue > 1e-3
+
+
+def test_checkpoint_drafter_samples_its_drafts_above_temperature_zero(tiny):
+    """Temperature > 0: the depths' drafts are sampled and kept as `q` for rejection sampling; seeded requests
+    repeat exactly run to run."""
+    sampling = SamplingParams(temperature=0.7, max_tokens=8, ignore_eos=True, seed=5)
+    specs = [("t0", prompt(7, 31), sampling, ()), ("t1", prompt(18, 32), dataclasses.replace(sampling, seed=6), ())]
+    trunk, mtp, config = tiny
+    engine = Engine(trunk, config, settings(mtp_depth=2), drafter=mtp)
+    seen = []
+    requests = fresh(specs)
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished:
+        engine.step()
+        seen += [engine.speculator.draft_probs(r.request_id) for r in requests if not r.is_finished]
+    probs = [q for q in seen if q is not None]
+    assert probs and all(q.shape == (2, config.text.unpadded_vocab_size) for q in probs)
+    torch.testing.assert_close(probs[0].sum(-1), torch.ones(2))
+    again = run(tiny, fresh(specs), mtp_depth=2)
+    assert [r.output_token_ids for r in requests] == again and all(len(t) == 8 for t in again)
