@@ -357,3 +357,60 @@ def test_checkpoint_drafter_samples_its_drafts_above_temperature_zero(tiny):
     torch.testing.assert_close(probs[0].sum(-1), torch.ones(2))
     again = run(tiny, fresh(specs), mtp_depth=2)
     assert [r.output_token_ids for r in requests] == again and all(len(t) == 8 for t in again)
+
+
+def test_structured_output_matcher_sees_only_emitted_tokens(tiny):
+    """A regex constraint with the oracle's partly wrong drafts: the output equals the non-speculative one and the
+    matcher accepted exactly the emitted tokens (it is advanced per emitted token, never by a rejected draft)."""
+    from decode_service.chat import CONTENT_TEXT, END_MESSAGE, MESSAGE_USER, encode_text
+    from decode_service.structured.compiler import ConstraintCompiler
+    from decode_service.structured.constraint import OutputConstraint
+    from decode_service.structured.matcher import ConstraintMatcher
+
+    trunk, _, config = tiny
+    p = [MESSAGE_USER, CONTENT_TEXT, *encode_text("Say a word"), END_MESSAGE]
+    sampling = SamplingParams(temperature=0.0, max_tokens=14)
+    compiler = ConstraintCompiler(config.text.unpadded_vocab_size, config.eos_token_ids)
+    try:
+        compiled = compiler.compile_sync(OutputConstraint("regex", "[a-z]{4,30}"), ())
+
+        def request(rid: str) -> Request:
+            matcher = ConstraintMatcher(compiled, p, config.eos_token_ids, sampling.stop_token_ids)
+            return Request(rid, list(p), sampling, constraint=matcher)
+
+        plain = Engine(trunk, config, settings()).generate([request("c")])[0]
+        oracle = Oracle({"c": p + plain.token_ids}, 3)
+        spec_request = request("c")
+        spec = Engine(trunk, config, settings(mtp_depth=3), drafter=oracle).generate([spec_request])[0]
+    finally:
+        compiler.close()
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason
+    assert oracle.rounds["c"] > 1
+    assert spec_request.constraint.num_accepted == len(spec.token_ids)
+
+
+def test_logprobs_of_accepted_runs_and_abort(fake_model, model_config):
+    p = prompt(11, 41, 90)
+    sampling = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    reference = Request("l", list(p), sampling)
+    plain = Engine(fake_model, model_config, settings()).generate([reference])[0]
+    oracle = Oracle({"l": p + plain.token_ids}, 3, vocab=90)
+    engine = Engine(fake_model, model_config, settings(mtp_depth=3), drafter=oracle)
+    request = Request("l", list(p), sampling)
+    spec = engine.generate([request])[0]
+    assert spec.token_ids == plain.token_ids and len(request.output_logprobs) == 16
+    for got, want in zip(request.output_logprobs, reference.output_logprobs, strict=True):
+        assert got.logprob == pytest.approx(want.logprob)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+
+    oracle.rounds.clear()
+    oracle.rounds["x"] = 3  # full acceptance: several tokens per step
+    oracle.answers["x"] = p + plain.token_ids
+    engine.add_request(Request("x", list(p), sampling))
+    emitted = []
+    for _ in range(3):
+        emitted += [t for out in engine.step() for t in out.new_token_ids]
+    engine.abort("x")
+    final = engine.step()
+    assert [out.finish_reason for out in final] == ["abort"] and not engine.has_unfinished
+    assert final[0].token_ids == emitted == plain.token_ids[: len(emitted)] and len(emitted) > 3
