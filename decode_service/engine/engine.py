@@ -73,6 +73,34 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens_gpu: int = 0  # prompt tokens from this replica's prefix cache
     num_cached_tokens_redis: int = 0  # prompt tokens fetched from the shared Redis prefix tier
+    num_draft_tokens: int = 0  # MTP drafts verified for this request so far
+    num_accepted_draft_tokens: int = 0  # of which accepted
+
+
+@dataclass
+class SpeculationStats:
+    """MTP acceptance since the engine started (verify steps only)."""
+
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # [a]: rounds that accepted exactly a drafts
+    accepted_at: list[int] = field(default_factory=list)  # [k]: rounds that accepted draft k+1 (and all before it)
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        self.accepted_lengths += [0] * max(0, num_drafts + 1 - len(self.accepted_lengths))
+        self.accepted_at += [0] * max(0, num_drafts - len(self.accepted_at))
+        self.num_rounds += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        self.accepted_lengths[accepted] += 1
+        for k in range(accepted):
+            self.accepted_at[k] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the bonus token)."""
+        return 1.0 + self.num_accepted_tokens / self.num_rounds if self.num_rounds else 0.0
 
 
 class Engine:
@@ -118,6 +146,7 @@ class Engine:
             self.redis_prefix,
         )
         self.speculator = _speculator(drafter, settings.mtp_depth)
+        self.speculation = SpeculationStats()
         decode_graphs = build_decode_graphs(model, self.kv, settings, self.max_model_len)
         self.runner = ModelRunner(
             model, self.kv, Sampler(settings.seed), settings.device, decode_graphs, self.redis_prefix, self.speculator
@@ -189,6 +218,10 @@ class Engine:
             if not samples:
                 continue
             accepted[request.request_id] = len(samples)  # a verify chunk commits the rows of its emitted tokens
+            if chunk.num_drafts:
+                self.speculation.record(chunk.num_drafts, len(samples) - 1)
+                request.num_draft_tokens += chunk.num_drafts
+                request.num_accepted_draft_tokens += len(samples) - 1
             new_ids, new_logprobs = [], []
             for result in samples:  # a stop inside an accepted run cuts exactly there
                 request.output_token_ids.append(result.token_id)
@@ -230,6 +263,8 @@ class Engine:
                     new_logprobs,
                     request.num_cached_tokens - redis_tokens,
                     redis_tokens,
+                    request.num_draft_tokens,
+                    request.num_accepted_draft_tokens,
                 )
             )
         return outputs

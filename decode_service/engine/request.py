@@ -141,6 +141,8 @@ class Request:
     num_preemptions: int = 0
     handle: SequencePages | None = None
     draft_token_ids: tuple[int, ...] = ()  # MTP drafts proposed for the next step (verified with the last token)
+    num_draft_tokens: int = 0  # MTP drafts verified (acceptance in usage)
+    num_accepted_draft_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of the full blocks so far
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
 

@@ -126,13 +126,22 @@ def test_oracle_drafter_every_acceptance_length(tiny, baseline, depth):
     requests = fresh(SPECS)
     for r in requests:
         engine.add_request(r)
-    lengths = Counter()
+    lengths, final = Counter(), {}
     while engine.has_unfinished:
         for out in engine.step():
             if out.new_token_ids and len(out.token_ids) > 1:
                 lengths[len(out.new_token_ids)] += 1
+            if out.finished:
+                final[out.request_id] = out
     assert [r.output_token_ids for r in requests] == baseline
     assert set(range(1, depth + 2)) <= set(lengths), lengths  # accepted 0..D drafts (+ the bonus token)
+    stats = engine.speculation
+    assert all(stats.accepted_lengths[a] > 0 for a in range(depth + 1))
+    assert sum(stats.accepted_lengths) == stats.num_rounds
+    assert stats.accepted_at == [sum(stats.accepted_lengths[k + 1 :]) for k in range(depth)]
+    assert sum(out.num_accepted_draft_tokens for out in final.values()) == stats.num_accepted_tokens
+    assert sum(out.num_draft_tokens for out in final.values()) == stats.num_draft_tokens
+    assert 1.0 < stats.mean_accepted_length < depth + 1
 
 
 def test_always_wrong_drafter_emits_one_token_per_step(tiny, baseline):
