@@ -147,6 +147,8 @@ class Engine:
         )
         self.speculator = _speculator(drafter, settings.mtp_depth)
         self.speculation = SpeculationStats()
+        if isinstance(self.speculator, MTPSpeculator) and self.prefix_cache is not None and self.kv.has_global:
+            self.speculator.enable_prefix_rows(spec.num_global_pages, spec.page_size)
         decode_graphs = build_decode_graphs(model, self.kv, settings, self.max_model_len)
         self.runner = ModelRunner(
             model, self.kv, Sampler(settings.seed), settings.device, decode_graphs, self.redis_prefix, self.speculator

@@ -52,8 +52,17 @@ class DraftModel(Protocol):
         """Consume the committed trunk rows of each input; drafts (`num_depths` tokens) for the inputs that draft."""
         ...
 
-    def reset(self, request_id: str, start: int) -> None:
-        """A (re)admitted sequence whose trunk rows begin at `start` (0, or a prefix-cache hit's length)."""
+    def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
+        """A (re)admitted sequence whose trunk rows begin at `start` (0, or a prefix-cache hit's length);
+        `pages`: its global block table (where the trunk rows of a cached prefix were remembered)."""
+        ...
+
+    def remember(self, pages: list[int | None], start: int, hidden: torch.Tensor) -> None:
+        """The trunk's rows `hidden` for positions `start..` of the sequence with global block table `pages`."""
+        ...
+
+    def forget(self, pages: tuple[int, ...]) -> None:
+        """Global pages whose KV came from elsewhere (the shared tier): no trunk rows for them."""
         ...
 
     def remove(self, request_id: str) -> None: ...
@@ -94,13 +103,55 @@ class MTPSpeculator:
         self.num_depths = num_depths
         self.states: dict[str, _DrafterState] = {}
         self.probs: dict[str, list[torch.Tensor]] = {}  # the sampled drafts' distributions, per request
+        self.rows: torch.Tensor | None = None  # see enable_prefix_rows
+        self.valid: torch.Tensor | None = None
+        self.page_size = 0
 
     def draft_probs(self, request_id: str) -> torch.Tensor | None:
         probs = self.probs.get(request_id)
         return torch.stack(probs) if probs else None
 
-    def reset(self, request_id: str, start: int) -> None:
+    def enable_prefix_rows(self, num_pages: int, page_size: int) -> None:
+        """Keep the trunk's final-normed row of every position in a pool laid out like the global KV pages, so a
+        prefix-cache hit recomputes the depths over the cached prefix (its pages hold those rows as long as they
+        hold its KV). Outside the KV budget: H values per cached position."""
+        weight = self.drafter.embed.weight
+        rows = (num_pages + 1) * page_size
+        self.page_size = page_size
+        self.rows = torch.zeros(rows, self.drafter.config.hidden_size, dtype=weight.dtype, device=weight.device)
+        self.valid = torch.zeros(rows, dtype=torch.bool, device=weight.device)
+
+    def _flat(self, pages: list[int | None], start: int, n: int) -> torch.Tensor | None:
+        positions = torch.arange(start, start + n)
+        ids = [pages[p] for p in range(start // self.page_size, (start + n - 1) // self.page_size + 1)]
+        if None in ids:
+            return None
+        table = torch.tensor(ids, dtype=torch.int64)
+        flat = table[positions // self.page_size - start // self.page_size] * self.page_size
+        return (flat + positions % self.page_size).to(self.rows.device)
+
+    def remember(self, pages: list[int | None], start: int, hidden: torch.Tensor) -> None:
+        if self.rows is None or not hidden.shape[0]:
+            return
+        flat = self._flat(pages, start, hidden.shape[0])
+        self.rows.index_copy_(0, flat, hidden.to(self.rows.dtype))
+        self.valid[flat] = True
+
+    def forget(self, pages: tuple[int, ...]) -> None:
+        if self.rows is None:
+            return
+        for page in pages:
+            self.valid[page * self.page_size : (page + 1) * self.page_size] = False
+
+    def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
         n = self.num_depths
+        if start and self.rows is not None:
+            flat = self._flat(pages, 0, start)
+            if flat is not None and bool(self.valid[flat].all()):  # recompute the depths over the cached prefix
+                self.states[request_id] = _DrafterState(self.drafter.new_state(), [0] * n, [None] * n, [None] * n)
+                self.extend([DraftInput(request_id, 0, self.rows.index_select(0, flat), token_ids, False)])
+                return
+        # No prefix, or its rows are unknown (loaded from the shared tier): the depths start at `start`.
         self.states[request_id] = _DrafterState(self.drafter.new_state(), [start] * n, [None] * n, [None] * n)
 
     def remove(self, request_id: str) -> None:

@@ -183,11 +183,17 @@ class ModelRunner:
             if chunk.global_pages.pages:
                 view.update(False, chunk.global_pages)
             view.num_tokens = chunk.start
-            if chunk.new_sequence and self.drafter is not None and self.requests[chunk.request_id].speculative:
-                self.drafter.reset(chunk.request_id, chunk.start)
         if self.prefix_tier is not None:
             for load in output.prefix_tier.loads:
                 self.snapshots.put(load.snapshot_id, self.prefix_tier.load(load))
+                if self.drafter is not None:
+                    self.drafter.forget(load.global_pages)
+        if self.drafter is not None:
+            for chunk in output.chunks:
+                request = self.requests[chunk.request_id]
+                if chunk.new_sequence and request.speculative:
+                    pages = views[chunk.request_id].tables[False]
+                    self.drafter.reset(chunk.request_id, chunk.start, request.all_token_ids, pages)
         if output.conv_ops:
             self.snapshots.before_forward(op for op in output.conv_ops if op.kind in BEFORE_FORWARD)
 
@@ -287,10 +293,11 @@ class ModelRunner:
         inputs = []
         for c, first in zip(chunks, first_rows, strict=True):
             request = self.requests[c.request_id]
-            if not request.speculative:
-                continue
             emitted = samples.get(c.request_id)
             n = len(emitted) if c.num_drafts else c.num_tokens  # the rows this step commits
+            self.drafter.remember(self.views[c.request_id].tables[False], c.start, hidden[first : first + n])
+            if not request.speculative:
+                continue
             rows, t = hidden[first : first + n], request.sampling.temperature
             generator = self.sampler.generator(request, hidden.device) if emitted and t > 0 else None
             inputs.append(DraftInput(c.request_id, c.start, rows, request.all_token_ids, bool(emitted), t, generator))

@@ -71,8 +71,14 @@ class Oracle:
         self.rounds = Counter()
         self.rows: dict[str, int] = {}
 
-    def reset(self, request_id: str, start: int) -> None:
+    def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
         self.rows[request_id] = start
+
+    def remember(self, pages: list[int | None], start: int, hidden: torch.Tensor) -> None:
+        pass
+
+    def forget(self, pages: tuple[int, ...]) -> None:
+        pass
 
     def remove(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
@@ -274,7 +280,13 @@ class SampledDrafter:
         self.q, self.num_depths, self.probs = q, depth, {}
         self.verified = 0
 
-    def reset(self, request_id: str, start: int) -> None:
+    def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
+        pass
+
+    def remember(self, pages: list[int | None], start: int, hidden: torch.Tensor) -> None:
+        pass
+
+    def forget(self, pages: tuple[int, ...]) -> None:
         pass
 
     def remove(self, request_id: str) -> None:
@@ -423,3 +435,39 @@ def test_logprobs_of_accepted_runs_and_abort(fake_model, model_config):
     final = engine.step()
     assert [out.finish_reason for out in final] == ["abort"] and not engine.has_unfinished
     assert final[0].token_ids == emitted == plain.token_ids[: len(emitted)] and len(emitted) > 3
+
+
+def test_prefix_hit_recomputes_the_depths_from_the_cached_rows(tiny):
+    """A request that hits the prefix cache drafts what it drafts without the cache: its depths are recomputed
+    over the cached prefix from the trunk rows kept with the pages."""
+    trunk, mtp, config = tiny
+    shared = prompt(26, 51)
+    first, second = Request("a", shared + [7, 8], GREEDY), Request("b", shared + [9, 10, 11], GREEDY)
+
+    def drafts_of(engine: Engine, rid: str) -> list[tuple[int, ...]]:
+        seen, extend, reset = [], engine.speculator.extend, engine.speculator.reset
+
+        def recording(inputs):
+            out = extend(inputs)
+            seen.extend(out[i.request_id] for i in inputs if i.request_id == rid and i.draft)
+            return out
+
+        def checked(request_id, start, token_ids, pages):
+            reset(request_id, start, token_ids, pages)
+            if request_id == rid and start:
+                assert engine.speculator.states[rid].committed[0] == start  # rows 0..start-1 recomputed
+                layer = engine.speculator.states[rid].state.layers[1]  # a global depth keeps every row
+                assert layer.k is not None and layer.first_position == 0 and layer.k.shape[0] == start
+
+        engine.speculator.extend, engine.speculator.reset = recording, checked
+        return seen
+
+    cached = Engine(trunk, config, settings(mtp_depth=2), drafter=mtp)
+    cached.generate([first])
+    recorded = drafts_of(cached, "b")
+    out = cached.generate([second])[0]
+    assert second.num_cached_tokens == 24
+    alone = Engine(trunk, config, settings(mtp_depth=2, enable_prefix_cache=False), drafter=mtp)
+    want = drafts_of(alone, "b")
+    assert alone.generate([Request("b", shared + [9, 10, 11], GREEDY)])[0].token_ids == out.token_ids
+    assert recorded == want and len(want) > 3
