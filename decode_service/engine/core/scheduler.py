@@ -108,6 +108,10 @@ class Scheduler:
             request = self.running[i]
             n = self._chunk_size(request, budget)
             drafts = self._drafts(request, n, budget)
+            if drafts and not self._make_room(
+                request.handle.pages_needed(request.num_computed_tokens + n + len(drafts))
+            ):
+                drafts = ()  # speculation never preempts: verify only what fits
             if not self._reserve(request, n + len(drafts), step):
                 continue  # `request` itself was preempted or finished; the list shrank
             step.chunks.append(self._scheduled(request, n, step, drafts))

@@ -471,3 +471,36 @@ def test_prefix_hit_recomputes_the_depths_from_the_cached_rows(tiny):
     want = drafts_of(alone, "b")
     assert alone.generate([Request("b", shared + [9, 10, 11], GREEDY)])[0].token_ids == out.token_ids
     assert recorded == want and len(want) > 3
+
+
+def test_context_limits_inside_accepted_runs(fake_model, model_config):
+    """Drafts stop at the context limit, whether it is max_model_len or the KV capacity of one sequence: the
+    output ends with LENGTH exactly where D = 0 ends, without preemption."""
+    p = prompt(13, 61, 90)
+    sampling = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for kw in (dict(max_model_len=27), dict(kv_cache_bytes=_one_sequence_budget(model_config, 44))):
+        plain_engine = Engine(fake_model, model_config, settings(**kw))
+        plain = plain_engine.generate([Request("m", list(p), sampling)])[0]
+        oracle = Oracle({"m": p + plain.token_ids}, 4, vocab=90)
+        oracle.rounds["m"] = 4  # full acceptance
+        engine = Engine(fake_model, model_config, settings(mtp_depth=4, **kw), drafter=oracle)
+        request = Request("m", list(p), sampling)
+        out = engine.generate([request])[0]
+        assert out.token_ids == plain.token_ids and out.finish_reason == plain.finish_reason
+        assert request.num_preemptions == 0 and engine.speculation.num_rounds > 0
+
+
+def _one_sequence_budget(config, tokens: int) -> int:
+    """kv_cache_bytes whose global pool holds `tokens` positions (page size 4) for the tiny fp64 fake config."""
+    from decode_service.engine.worker.kv_cache import CacheSpec
+
+    for budget in range(1 << 14, 1 << 22, 256):
+        try:
+            spec = CacheSpec.from_budget(
+                config.text, budget, page_size=4, max_num_seqs=4, max_num_batched_tokens=24, dtype=torch.float64
+            )
+        except ConfigError:
+            continue
+        if spec.num_global_pages * 4 >= tokens:
+            return budget
+    raise AssertionError("no budget found")
