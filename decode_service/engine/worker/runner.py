@@ -151,7 +151,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        """Run one step; every scheduled sequence's cache advances; sampled tokens keyed by request id."""
+        """Run one step; every scheduled sequence's cache advances (a verify chunk's by its accepted rows); the
+        emitted tokens and next drafts keyed by request id."""
         if self.prefix_tier is None:
             return self._execute(output)
         try:
@@ -220,9 +221,10 @@ class ModelRunner:
     def _sample(
         self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor, first_rows: list[int]
     ) -> dict[str, list[SampleResult]]:
-        """Sample each chunk's next token; a verify chunk's rows one after another while the sampled token equals
-        the draft that follows it (every emitted token is drawn from the target given the tokens before it, so
-        penalties, constraints, logprobs and seeded generators see exactly what a non-speculative run does)."""
+        """Sample each chunk's next token; a verify chunk's rows one after another while the draft that follows is
+        kept: drafts without a distribution (greedy) while the sampled token equals them, so every emitted token is
+        drawn from the target given the tokens before it (penalties, constraints, logprobs and seeded generators
+        see what a non-speculative run does); sampled drafts by rejection sampling against their `q`."""
         rows, index = [], {}  # logits row of (request id, verify offset)
         for c, first in zip(chunks, first_rows, strict=True):
             if c.needs_logits:
