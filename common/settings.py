@@ -327,11 +327,15 @@ class DecodeEngineSettings:
     seed: int = 0  # seeds the generators of requests without their own seed
     tensor_parallel_size: int = 1  # ranks of the replica (decode_service/engine/parallel.py), one per GPU
     expert_parallel: bool = False  # routed experts partitioned over the ranks instead of split by width
+    mtp_depth: int = 0  # MTP speculation: drafts per step from the checkpoint's first D depths (0 = off)
 
     def __post_init__(self) -> None:
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
         if self.expert_parallel and self.tensor_parallel_size == 1:
             raise ConfigError("--enable-expert-parallel needs --tensor-parallel-size > 1")
+        _positive("--mtp-depth", self.mtp_depth, allow_zero=True)
+        if self.mtp_depth and self.tensor_parallel_size > 1:
+            raise ConfigError("--mtp-depth: MTP speculation does not run under --tensor-parallel-size > 1 yet")
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"--dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         _positive("--kv-budget-mb", self.kv_cache_bytes)
@@ -435,6 +439,7 @@ def decode_settings(args: argparse.Namespace) -> DecodeSettings:
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.enable_expert_parallel,
+        mtp_depth=args.mtp_depth,
     )
     limits = ServiceLimits(
         max_prompt_tokens=args.max_prompt_tokens,

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from common.checkpoint import CheckpointFiles, load_decoder_weights
+from common.checkpoint import CheckpointFiles, load_decoder_weights, load_mtp_weights
 from common.config import load_model_config
 from common.dtypes import torch_dtype
-from common.errors import InvalidInputError, ResourceExhaustedError, UnavailableError
+from common.errors import ConfigError, InvalidInputError, ResourceExhaustedError, UnavailableError
 from common.fingerprint import model_fingerprint
 from common.media import MediaInput
 from common.request_ids import check_request_id
@@ -75,6 +75,7 @@ from decode_service.engine.redis_prefix import PrefixStore
 from decode_service.engine.request import MultimodalItem, Request, RequestStatus, SamplingParams
 from decode_service.engine.worker.ranks import RankFailure
 from decode_service.model.inkling import InklingDecoder
+from decode_service.model.mtp import MTPDrafter
 from decode_service.output_parser import OutputParser
 from decode_service.structured.compiler import ConstraintCompiler
 from decode_service.structured.matcher import ConstraintMatcher, finish_detail
@@ -663,6 +664,7 @@ def build_engine(
         seed=settings.seed,
         model_fingerprint=model_fingerprint(checkpoint, settings.dtype),
         cuda_graphs=settings.cuda_graphs,
+        mtp_depth=settings.mtp_depth,
     )
     if settings.tensor_parallel_size > 1:
         return launch_engine(
@@ -677,7 +679,13 @@ def build_engine(
     config = load_model_config(checkpoint)
     weights, _ = load_decoder_weights(CheckpointFiles(checkpoint), config, dtype=dtype, device=settings.device)
     model = InklingDecoder.from_weights(config.text, weights, dtype, settings.device)
-    return Engine(model, config, engine_settings, prefix_store)
+    drafter = None
+    if settings.mtp_depth:
+        if config.mtp is None:
+            raise ConfigError(f"--mtp-depth={settings.mtp_depth}: the checkpoint has no MTP drafter (mtp_config)")
+        mtp, _ = load_mtp_weights(CheckpointFiles(checkpoint), config, dtype=dtype, device=settings.device)
+        drafter = MTPDrafter.from_weights(mtp, config.mtp, model)
+    return Engine(model, config, engine_settings, prefix_store, drafter)
 
 
 __all__ = [

@@ -67,6 +67,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     _add_parallel_args(p.add_argument_group("tensor parallelism (--local)"))
+    p.add_argument("--mtp-depth", type=int, default=0, help="--local: MTP drafts per step (0 = off)")
     from common.settings import add_security_args
 
     add_security_args(p, max_streams_per_client=None)  # token / TLS to dial --server
@@ -187,6 +188,7 @@ def _responses(args: argparse.Namespace, request):
                 max_num_seqs=4,
                 tensor_parallel_size=args.tensor_parallel_size,
                 expert_parallel=args.enable_expert_parallel,
+                mtp_depth=args.mtp_depth,
             ),
         )
         encoder = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
@@ -341,6 +343,12 @@ def _add_decode_args(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--seed", type=int, default=e.seed, help="seeds requests that bring no seed")
     _add_parallel_args(engine, e.tensor_parallel_size)
+    engine.add_argument(
+        "--mtp-depth",
+        type=int,
+        default=e.mtp_depth,
+        help="MTP speculation: drafts per step from the checkpoint (0 = off)",
+    )
     limits = parser.add_argument_group("request limits")
     limits.add_argument(
         "--max-prompt-tokens", type=int, default=lim.max_prompt_tokens, help="longer prompts: INVALID_ARGUMENT"

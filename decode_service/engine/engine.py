@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.config import ModelConfig
-from common.errors import InvalidInputError, ResourceExhaustedError
+from common.errors import ConfigError, InvalidInputError, ResourceExhaustedError
 from common.fingerprint import config_fingerprint
 from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.core.prefix_index import PrefixCache
@@ -31,6 +31,7 @@ from decode_service.engine.request import FinishReason, Request, TokenLogprobs
 from decode_service.engine.worker.calibrate import measure_prefill_rate
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.engine.worker.kv_cache import CacheSpec, KVCache
+from decode_service.engine.worker.mtp import DraftModel, MTPSpeculator
 from decode_service.engine.worker.prefix_store import PrefixStore
 from decode_service.engine.worker.ranks import RankFailure, RankLeader
 from decode_service.engine.worker.redis_tier import RedisPrefixTier
@@ -38,6 +39,7 @@ from decode_service.engine.worker.runner import DecoderModel, ModelRunner, Worke
 from decode_service.engine.worker.sampler import Sampler
 from decode_service.model import fast_path
 from decode_service.model.inkling import InklingDecoder
+from decode_service.model.mtp import MTPDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class EngineSettings:
     seed: int = 0  # seeds the generators of requests without their own seed
     model_fingerprint: bytes | None = None  # build_engine: common.fingerprint.model_fingerprint; else config + dtype
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (fast path on CUDA); False: the same path eagerly
+    mtp_depth: int = 0  # MTP speculation: drafts per step from the checkpoint's first D depths (0 = off)
 
 
 @dataclass
@@ -71,6 +74,34 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens_gpu: int = 0  # prompt tokens from this replica's prefix cache
     num_cached_tokens_redis: int = 0  # prompt tokens fetched from the shared Redis prefix tier
+    num_draft_tokens: int = 0  # MTP drafts verified for this request so far
+    num_accepted_draft_tokens: int = 0  # of which accepted
+
+
+@dataclass
+class SpeculationStats:
+    """MTP acceptance since the engine started (verify steps only)."""
+
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # [a]: rounds that accepted exactly a drafts
+    accepted_at: list[int] = field(default_factory=list)  # [k]: rounds that accepted draft k+1 (and all before it)
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        self.accepted_lengths += [0] * max(0, num_drafts + 1 - len(self.accepted_lengths))
+        self.accepted_at += [0] * max(0, num_drafts - len(self.accepted_at))
+        self.num_rounds += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        self.accepted_lengths[accepted] += 1
+        for k in range(accepted):
+            self.accepted_at[k] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the bonus token)."""
+        return 1.0 + self.num_accepted_tokens / self.num_rounds if self.num_rounds else 0.0
 
 
 class Engine:
@@ -80,9 +111,11 @@ class Engine:
         config: ModelConfig,
         settings: EngineSettings,
         prefix_store: PrefixStore | None = None,
+        drafter: MTPDrafter | DraftModel | None = None,
         ranks: RankLeader | None = None,
     ):
         """`prefix_store`: the shared Redis prefix tier (needs the prefix cache); its cost model is measured here.
+        `drafter`: the checkpoint's MTP drafter (or a `DraftModel`), used when `settings.mtp_depth` > 0.
         `ranks`: the followers of a tensor-parallel replica (`engine/parallel.py`); every step goes to them first,
         and the KV pools hold the model's local heads (`model.config`)."""
         self.config = config
@@ -112,18 +145,22 @@ class Engine:
                 if ranks is None
                 else ranks.prefix_tier(self.kv, fingerprint, prefix_store)  # covers every rank's KV shard
             )
-        self.scheduler = Scheduler(
-            self.cache,
-            SchedulerConfig(settings.max_num_batched_tokens, settings.max_num_seqs),
-            self.prefix_cache,
-            self.redis_prefix,
-        )
         self.max_model_len = min(
             settings.max_model_len or text.max_position_embeddings, self.cache.max_tokens_per_sequence()
         )
+        self.scheduler = Scheduler(
+            self.cache,
+            SchedulerConfig(settings.max_num_batched_tokens, settings.max_num_seqs, self.max_model_len),
+            self.prefix_cache,
+            self.redis_prefix,
+        )
+        self.speculator = _speculator(drafter, settings.mtp_depth)
+        self.speculation = SpeculationStats()
+        if isinstance(self.speculator, MTPSpeculator) and self.prefix_cache is not None and self.kv.has_global:
+            self.speculator.enable_prefix_rows(spec.num_global_pages, spec.page_size)
         decode_graphs = build_decode_graphs(model, self.kv, settings, self.max_model_len)
         self.runner = ModelRunner(
-            model, self.kv, Sampler(settings.seed), settings.device, decode_graphs, self.redis_prefix
+            model, self.kv, Sampler(settings.seed), settings.device, decode_graphs, self.redis_prefix, self.speculator
         )
         if ranks is not None:
             self.runner = ranks.lead(self.runner)
@@ -163,7 +200,9 @@ class Engine:
                 f"KV cache ({self.max_model_len} tokens)"
             )
         self.requests[request.request_id] = request
-        self.runner.add_request(WorkerRequest.of(request))
+        worker = WorkerRequest.of(request)
+        worker.speculative = self.speculator is not None and request.sampling.speculative
+        self.runner.add_request(worker)
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> None:
@@ -190,23 +229,36 @@ class Engine:
                 self.scheduler.finish(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
                 deltas[request.request_id] = (request, [], [])
             return self._emit(deltas)
-        self.scheduler.commit(output)
+        accepted: dict[str, int] = {}
+        stopped: list[tuple[Request, FinishReason]] = []
         for chunk in output.chunks:
             request = self.requests[chunk.request_id]
-            result = results.get(request.request_id)
-            if result is None:
+            samples = results.samples.get(request.request_id)
+            if not samples:
                 continue
-            request.output_token_ids.append(result.token_id)
-            if result.logprobs is not None:
-                request.output_logprobs.append(result.logprobs)
-            deltas[request.request_id] = (
-                request,
-                [result.token_id],
-                [result.logprobs] if result.logprobs is not None else [],
-            )
-            reason = check_stop(request, self.config.eos_token_ids, self.max_model_len, result.constraint_finished)
-            if reason is not None:
-                self.scheduler.finish(request, reason)
+            accepted[request.request_id] = len(samples)  # a verify chunk commits the rows of its emitted tokens
+            if chunk.num_drafts:
+                self.speculation.record(chunk.num_drafts, len(samples) - 1)
+                request.num_draft_tokens += chunk.num_drafts
+                request.num_accepted_draft_tokens += len(samples) - 1
+            new_ids, new_logprobs = [], []
+            for result in samples:  # a stop inside an accepted run cuts exactly there
+                request.output_token_ids.append(result.token_id)
+                new_ids.append(result.token_id)
+                if result.logprobs is not None:
+                    request.output_logprobs.append(result.logprobs)
+                    new_logprobs.append(result.logprobs)
+                reason = check_stop(request, self.config.eos_token_ids, self.max_model_len, result.constraint_finished)
+                if reason is not None:
+                    stopped.append((request, reason))
+                    accepted[request.request_id] = min(len(samples), len(new_ids))
+                    break
+            else:
+                request.draft_token_ids = results.drafts.get(request.request_id, ())
+            deltas[request.request_id] = (request, new_ids, new_logprobs)
+        self.scheduler.commit(output, accepted)
+        for request, reason in stopped:
+            self.scheduler.finish(request, reason)
         return self._emit(deltas)
 
     def _emit(self, deltas: dict[str, tuple[Request, list[int], list[TokenLogprobs]]]) -> list[RequestOutput]:
@@ -230,6 +282,8 @@ class Engine:
                     new_logprobs,
                     request.num_cached_tokens - redis_tokens,
                     redis_tokens,
+                    request.num_draft_tokens,
+                    request.num_accepted_draft_tokens,
                 )
             )
         return outputs
@@ -246,6 +300,20 @@ class Engine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[rid] for rid in order]
+
+
+def _speculator(drafter: MTPDrafter | DraftModel | None, depth: int) -> DraftModel | None:
+    if depth < 0:
+        raise ConfigError(f"mtp_depth={depth}: expected >= 0")
+    if depth == 0:
+        return None
+    if drafter is None:
+        raise ConfigError(f"mtp_depth={depth}: the engine was given no MTP drafter (the checkpoint has none?)")
+    if isinstance(drafter, MTPDrafter):
+        return MTPSpeculator(drafter, depth)
+    if drafter.num_depths != depth:
+        raise ConfigError(f"mtp_depth={depth}: the drafter proposes {drafter.num_depths} tokens")
+    return drafter
 
 
 def build_decode_graphs(

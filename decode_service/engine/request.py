@@ -58,6 +58,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    speculative: bool = True  # False: this request opts out of MTP speculation (engine --mtp-depth > 0)
 
     _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -139,6 +140,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the first admission
     num_preemptions: int = 0
     handle: SequencePages | None = None
+    draft_token_ids: tuple[int, ...] = ()  # MTP drafts proposed for the next step (verified with the last token)
+    num_draft_tokens: int = 0  # MTP drafts verified (acceptance in usage)
+    num_accepted_draft_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of the full blocks so far
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
 

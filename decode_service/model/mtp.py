@@ -15,7 +15,8 @@ and writes `seq.layers[d]` of the batch exactly like trunk layer d would: the en
 per-request caches (`new_state()`, or paged pools of the depths' geometry) and runs one depth per forward.
 Positions are the trunk row positions at every depth (SG's convention, spec 7.2).
 
-Not here yet: multimodal rows (a depth's token at an encoder placeholder), which `forward` refuses.
+Multimodal prompts: `forward` refuses `mm_rows`; the engine pairs a media placeholder row with the placeholder
+token's embedding and the media reach the depths through the trunk's hidden at those rows (docs/decisions.md).
 """
 
 from __future__ import annotations

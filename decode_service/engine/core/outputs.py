@@ -37,6 +37,7 @@ class ScheduledChunk(NamedTuple):
     global_pages: PageUpdate
     new_sequence: bool  # first chunk since (re)admission: the tables start from these updates
     snapshot_id: int | None = None  # conv states after this chunk are kept under this id (a SNAPSHOT op)
+    num_drafts: int = 0  # MTP verify: token_ids = (the last sampled token, *drafts); commits only accepted rows
 
     @property
     def num_tokens(self) -> int:

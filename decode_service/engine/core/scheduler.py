@@ -12,6 +12,7 @@ the step once the data plane has run it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from decode_service.engine.core.outputs import (
@@ -36,6 +37,7 @@ from decode_service.engine.request import FinishReason, Request, RequestStatus
 class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
     max_num_seqs: int = 8  # running sequences (= conv slots)
+    max_model_len: int = 1 << 62  # positions a sequence may write (verify chunks stay below it)
 
 
 class _Step:
@@ -105,10 +107,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._chunk_size(request, budget)
-            if not self._reserve(request, n, step):
+            drafts = self._drafts(request, n, budget)
+            if drafts and not self._make_room(
+                request.handle.pages_needed(request.num_computed_tokens + n + len(drafts))
+            ):
+                drafts = ()  # speculation never preempts: verify only what fits
+            if not self._reserve(request, n + len(drafts), step):
                 continue  # `request` itself was preempted or finished; the list shrank
-            step.chunks.append(self._scheduled(request, n, step))
-            budget -= n
+            step.chunks.append(self._scheduled(request, n, step, drafts))
+            budget -= n + len(drafts)
             i += 1
         if not step.preempted:
             self._admit(budget, step)
@@ -118,11 +125,14 @@ class Scheduler:
         self._dropped = []
         return step.freeze(dropped)
 
-    def commit(self, output: SchedulerOutput) -> None:
-        """After the data plane ran `output`: the chunks are in the caches (record prefix blocks, advance, trim)."""
+    def commit(self, output: SchedulerOutput, accepted: Mapping[str, int] | None = None) -> None:
+        """After the data plane ran `output`: the chunks are in the caches (record prefix blocks, advance, trim).
+        `accepted`: for verify chunks, how many of their tokens are committed (the rest were rejected drafts); the
+        sliding pages a rollback still reads are released only here, after acceptance is known."""
         for chunk in output.chunks:
             request = self.live[chunk.request_id]
-            seq, end = request.handle, chunk.start + len(chunk.token_ids)
+            n = accepted[chunk.request_id] if chunk.num_drafts and accepted else len(chunk.token_ids)
+            seq, end = request.handle, chunk.start + n
             if self.prefix_cache is not None:
                 taken = self.prefix_cache.insert(request, seq, end, chunk.snapshot_id)
                 if chunk.snapshot_id is not None and not taken:
@@ -166,11 +176,21 @@ class Scheduler:
             n = min(n, self.prefix_cache.next_boundary(request, computed) - computed)
         return n
 
-    def _scheduled(self, request: Request, n: int, step: _Step) -> ScheduledChunk:
+    def _drafts(self, request: Request, n: int, budget: int) -> tuple[int, ...]:
+        """The drafts a decode step of `request` verifies: within the step budget, max_tokens and max_model_len."""
+        drafts, request.draft_token_ids = request.draft_token_ids, ()
+        if not drafts or n != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return ()
+        k = min(len(drafts), budget - 1, self.config.max_model_len - 1 - request.num_computed_tokens)
+        if request.sampling.max_tokens is not None:
+            k = min(k, request.sampling.max_tokens - len(request.output_token_ids) - 1)
+        return drafts[: max(k, 0)]
+
+    def _scheduled(self, request: Request, n: int, step: _Step, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         seq, start = request.handle, request.num_computed_tokens
         end = start + n
         snapshot = None
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and not drafts:  # a verify chunk's end is known only after acceptance
             if self.prefix_cache.wants_snapshot(request, end):
                 snapshot = self.prefix_cache.snapshots.new()
                 step.conv_ops.append(ConvOp(SNAPSHOT, seq.slot, snapshot))
@@ -180,9 +200,18 @@ class Scheduler:
                     step.saves.append(save)
         is_new = seq.is_new
         sliding, global_ = seq.take_updates()
-        tokens = tuple(request.token_slice(start, end))
+        tokens = tuple(request.token_slice(start, end)) + drafts
         return ScheduledChunk(
-            request.request_id, seq.slot, start, tokens, end == request.num_tokens, sliding, global_, is_new, snapshot
+            request.request_id,
+            seq.slot,
+            start,
+            tokens,
+            end == request.num_tokens,
+            sliding,
+            global_,
+            is_new,
+            snapshot,
+            len(drafts),
         )
 
     def _make_room(self, need: tuple[int, int]) -> bool:
@@ -210,6 +239,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        request.draft_token_ids = ()
         self.waiting.append(request)
         step.preempted.append(request.request_id)
 

@@ -28,8 +28,7 @@ from common.errors import UnavailableError
 from decode_service.engine.core.outputs import SchedulerOutput
 from decode_service.engine.worker.kv_cache import KVCache
 from decode_service.engine.worker.prefix_store import PrefixStore
-from decode_service.engine.worker.runner import ModelRunner, WorkerRequest
-from decode_service.engine.worker.sampler import SampleResult
+from decode_service.engine.worker.runner import ModelRunner, RunnerOutput, WorkerRequest
 from decode_service.engine.worker.sharded_tier import Handover, LeaderPrefixTier
 
 log = logging.getLogger(__name__)
@@ -163,7 +162,7 @@ class LeaderRunner:
         self.runner.remove_request(request_id)
         self._ops.append((REMOVE, request_id))
 
-    def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
         ops, self._ops = tuple(self._ops), []
         tier = self.runner.prefix_tier
         handovers = {load.load_id: tier.take_handover(load.load_id) for load in output.prefix_tier.loads}

@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from decode_service.engine.core.outputs import BEFORE_FORWARD, SchedulerOutput
+from decode_service.engine.core.outputs import BEFORE_FORWARD, ScheduledChunk, SchedulerOutput
 from decode_service.engine.request import MultimodalItem, Request, SamplingParams
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.engine.worker.kv_cache import KVCache, SequenceView
+from decode_service.engine.worker.mtp import DraftInput, DraftModel
+from decode_service.engine.worker.rejection import verify_draft
 from decode_service.engine.worker.sampler import Sampler, SampleResult
 from decode_service.engine.worker.snapshots import SnapshotStore
 from decode_service.model.batch import ForwardBatch, SequenceSlice
@@ -44,6 +46,7 @@ class WorkerRequest:
     output_token_ids: list[int] = field(default_factory=list)  # every token sampled for it (kept on preemption)
     generator: torch.Generator | None = None
     constraint: ConstraintMatcher | None = None  # structured output: masks its logits, advanced per token
+    speculative: bool = False  # the drafter keeps state for it and proposes its drafts
 
     @classmethod
     def of(cls, request: Request) -> WorkerRequest:
@@ -102,11 +105,21 @@ def is_uniform_decode(output: SchedulerOutput, requests: dict[str, WorkerRequest
     )
 
 
+@dataclass
+class RunnerOutput:
+    """One step's result: the tokens each sampled request emits (several after a verify: the accepted drafts and
+    the bonus token, in order) and the drafter's proposals for the next step."""
+
+    samples: dict[str, list[SampleResult]] = field(default_factory=dict)
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
 class ModelRunner:
     """`decode_graphs`: uniform decode steps go there (batched paged path, CUDA graphs); the rest is packed.
     `prefix_tier`: executes the plan's loads and saves (None without the shared tier). `sampler` None: a
     follower rank of a tensor-parallel replica (`ranks.py`), which computes the logits (their all-gather is a
-    collective) and samples nothing."""
+    collective) and samples nothing. `drafter`: MTP speculation (chunks with `num_drafts` are verified, the
+    committed rows extend the drafter's state)."""
 
     def __init__(
         self,
@@ -116,6 +129,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         decode_graphs: DecodeGraphs | None = None,
         prefix_tier: RedisPrefixTier | None = None,
+        drafter: DraftModel | None = None,
     ):
         self.model = model
         self.cache = cache
@@ -123,6 +137,7 @@ class ModelRunner:
         self.device = device
         self.decode_graphs = decode_graphs
         self.prefix_tier = prefix_tier
+        self.drafter = drafter
         self.snapshots = SnapshotStore(cache)
         self.requests: dict[str, WorkerRequest] = {}
         self.views: dict[str, SequenceView] = {}
@@ -133,10 +148,13 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.views.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.remove(request_id)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
-        """Run one step; every scheduled sequence's cache advances; sampled tokens keyed by request id."""
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        """Run one step; every scheduled sequence's cache advances (a verify chunk's by its accepted rows); the
+        emitted tokens and next drafts keyed by request id."""
         if self.prefix_tier is None:
             return self._execute(output)
         try:
@@ -144,9 +162,9 @@ class ModelRunner:
         finally:
             self.prefix_tier.discard_staged()  # lookups the scheduler could not make room for
 
-    def _execute(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+    def _execute(self, output: SchedulerOutput) -> RunnerOutput:
         self._prepare(output)
-        results = self._forward(output) if output.chunks else {}
+        results = self._forward(output) if output.chunks else RunnerOutput()
         if output.conv_ops:
             self.snapshots.after_forward(output.conv_ops)
         if self.prefix_tier is not None:
@@ -171,11 +189,21 @@ class ModelRunner:
         if self.prefix_tier is not None:
             for load in output.prefix_tier.loads:
                 self.snapshots.put(load.snapshot_id, self.prefix_tier.load(load))
+                if self.drafter is not None:
+                    self.drafter.forget(load.global_pages)
+        if self.drafter is not None:
+            for chunk in output.chunks:
+                request = self.requests[chunk.request_id]
+                if chunk.new_sequence and request.speculative:
+                    pages = views[chunk.request_id].tables[False]
+                    self.drafter.reset(chunk.request_id, chunk.start, request.all_token_ids, pages)
         if output.conv_ops:
             self.snapshots.before_forward(op for op in output.conv_ops if op.kind in BEFORE_FORWARD)
 
-    def _forward(self, output: SchedulerOutput) -> dict[str, SampleResult]:
+    def _forward(self, output: SchedulerOutput) -> RunnerOutput:
         chunks, requests = output.chunks, self.requests
+        # Verify chunks: conv states before the forward, restored if a draft is rejected (decisions.md).
+        before = {c.request_id: self.cache.snapshot_conv(c.slot) for c in chunks if c.num_drafts}
         if self.decode_graphs is not None and is_uniform_decode(output, requests):
             hidden = self.decode_graphs.run(
                 [c.token_ids[0] for c in chunks], [self.views[c.request_id] for c in chunks]
@@ -184,15 +212,99 @@ class ModelRunner:
         else:
             batch, last_rows = build_batch(output, requests, self.views, self.device)
             hidden = self.model.forward(batch)  # [T, H]
-        sampling = [(requests[c.request_id], row) for c, row in zip(chunks, last_rows, strict=True) if c.needs_logits]
-        if not sampling:
+        first_rows = [row - c.num_tokens + 1 for c, row in zip(chunks, last_rows, strict=True)]
+        samples = self._sample(chunks, hidden, first_rows)
+        rejected = [c for c in chunks if c.num_drafts and len(samples[c.request_id]) < c.num_tokens]
+        if rejected:
+            self._replay(output, rejected, samples, before)
+        drafts = self._draft(chunks, hidden, first_rows, samples) if self.drafter is not None else {}
+        return RunnerOutput(samples, drafts)
+
+    def _sample(
+        self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor, first_rows: list[int]
+    ) -> dict[str, list[SampleResult]]:
+        """Sample each chunk's next token; a verify chunk's rows one after another while the draft that follows is
+        kept: drafts without a distribution (greedy) while the sampled token equals them, so every emitted token is
+        drawn from the target given the tokens before it (penalties, constraints, logprobs and seeded generators
+        see what a non-speculative run does); sampled drafts by rejection sampling against their `q`."""
+        rows, index = [], {}  # logits row of (request id, verify offset)
+        for c, first in zip(chunks, first_rows, strict=True):
+            if c.needs_logits:
+                for j in range(c.num_drafts + 1):
+                    index[c.request_id, j] = len(rows)
+                    rows.append(first + c.num_tokens - 1 - c.num_drafts + j)
+        if not rows:
             return {}
-        sampled = [r for r, _ in sampling]
-        rows = torch.tensor([row for _, row in sampling], device=hidden.device)
-        logits = self.model.logits(hidden.index_select(0, rows))  # [N, V] fp32
+        logits = self.model.logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device)))  # [N, V] fp32
         if self.sampler is None:
             return {}
-        results = self.sampler.sample(logits, sampled)
-        for request, result in zip(sampled, results, strict=True):
-            request.output_token_ids.append(result.token_id)
-        return {r.request_id: res for r, res in zip(sampled, results, strict=True)}
+        samples: dict[str, list[SampleResult]] = {}
+        q = {c.request_id: self._draft_probs(c) for c in chunks if c.num_drafts}
+        active = [(c, 0) for c in chunks if c.needs_logits]
+        while active:
+            plain = [(c, j) for c, j in active if j == c.num_drafts or q.get(c.request_id) is None]
+            emitted: list[tuple[ScheduledChunk, int, SampleResult, bool]] = []  # (chunk, offset, result, go on)
+            if plain:
+                reqs = [self.requests[c.request_id] for c, _ in plain]
+                picks = torch.tensor([index[c.request_id, j] for c, j in plain], device=logits.device)
+                for (c, j), result in zip(plain, self.sampler.sample(logits.index_select(0, picks), reqs), strict=True):
+                    emitted.append((c, j, result, j < c.num_drafts and result.token_id == c.token_ids[j + 1]))
+            for c, j in active:
+                if j < c.num_drafts and q.get(c.request_id) is not None:  # rejection sampling (worker/rejection.py)
+                    request, row = self.requests[c.request_id], logits[index[c.request_id, j]][None]
+                    p = self.sampler.target_probs(row, [request])[0]
+                    generator = self.sampler.generator(request, logits.device)
+                    ok, token = verify_draft(p, q[c.request_id][j], c.token_ids[j + 1], generator)
+                    emitted.append((c, j, self.sampler.emit(row, [request], [token])[0], ok))
+            active = []
+            for c, j, result, go_on in emitted:
+                self.requests[c.request_id].output_token_ids.append(result.token_id)
+                samples.setdefault(c.request_id, []).append(result)
+                if go_on and not result.constraint_finished:
+                    active.append((c, j + 1))
+        return samples
+
+    def _draft_probs(self, chunk: ScheduledChunk) -> torch.Tensor | None:
+        """The verify chunk's draft distributions `[num_drafts, V]` when its drafts were sampled (temperature > 0)."""
+        if self.drafter is None or self.requests[chunk.request_id].sampling.greedy:
+            return None
+        probs = self.drafter.draft_probs(chunk.request_id)
+        return None if probs is None else probs[: chunk.num_drafts]
+
+    def _replay(
+        self,
+        output: SchedulerOutput,
+        rejected: list[ScheduledChunk],
+        samples: dict[str, list[SampleResult]],
+        before: dict,
+    ) -> None:
+        """Rejected drafts: the conv states go back to before the verify and the accepted rows run again (their
+        KV is rewritten in place; the rejected positions are overwritten by later steps)."""
+        accepted = []
+        for c in rejected:
+            self.cache.restore_conv(c.slot, before[c.request_id])
+            self.views[c.request_id].num_tokens = c.start
+            accepted.append(c._replace(token_ids=c.token_ids[: len(samples[c.request_id])]))
+        replay = SchedulerOutput(tuple(accepted))
+        batch, _ = build_batch(replay, self.requests, self.views, self.device)
+        self.model.forward(batch)
+
+    def _draft(
+        self,
+        chunks: tuple[ScheduledChunk, ...],
+        hidden: torch.Tensor,
+        first_rows: list[int],
+        samples: dict[str, list[SampleResult]],
+    ) -> dict[str, tuple[int, ...]]:
+        inputs = []
+        for c, first in zip(chunks, first_rows, strict=True):
+            request = self.requests[c.request_id]
+            emitted = samples.get(c.request_id)
+            n = len(emitted) if c.num_drafts else c.num_tokens  # the rows this step commits
+            self.drafter.remember(self.views[c.request_id].tables[False], c.start, hidden[first : first + n])
+            if not request.speculative:
+                continue
+            rows, t = hidden[first : first + n], request.sampling.temperature
+            generator = self.sampler.generator(request, hidden.device) if emitted and t > 0 else None
+            inputs.append(DraftInput(c.request_id, c.start, rows, request.all_token_ids, bool(emitted), t, generator))
+        return self.drafter.extend(inputs) if inputs else {}

@@ -70,7 +70,23 @@ class Sampler:
                 ]
             )
             tokens = torch.where(greedy, tokens, (probs / noise).argmax(-1))
-        results, token_list = [], tokens.tolist()
+        return self.emit(logits, requests, tokens.tolist())
+
+    def target_probs(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
+        """The distribution `sample` draws each row from, normalised `[N, V]` (penalties, mask, temperature,
+        filters); speculative verification compares drafts against it. Non-greedy requests only."""
+        assert not any(r.sampling.greedy for r in requests), "greedy rows have no distribution to verify against"
+        x = mask_logits(apply_penalties(logits.float(), requests), requests)
+        probs = filtered_probs(x, [r.sampling for r in requests])
+        return probs / probs.sum(-1, keepdim=True)
+
+    def emit(
+        self, logits: torch.Tensor, requests: Sequence[SamplingState], token_list: list[int]
+    ) -> list[SampleResult]:
+        """Tokens chosen for the rows of `logits`: advance the constraints, compute the logprobs asked for."""
+        logits = logits.float()
+        params = [r.sampling for r in requests]
+        results = []
         advance_matchers(requests, token_list)
         want = [p.logprobs for p in params]
         raw = torch.log_softmax(logits, -1) if any(n is not None for n in want) else None

@@ -276,3 +276,48 @@ def test_an_abandoned_step_drops_the_snapshots_it_planned(model_config):
     s.add(request("b", 3))
     dropped = {op.snapshot_id for op in s.schedule().conv_ops if op.kind == DROP}
     assert dropped == planned and not s.prefix_cache.entries
+
+
+def prefilled(s: Scheduler, r: Request) -> None:
+    s.add(r)
+    while not r.output_token_ids:
+        fake_step(s)
+
+
+def test_verify_chunks_commit_only_the_accepted_rows(model_config):
+    """Drafts ride on the decode chunk; the scheduler commits the accepted count only, so a sliding page still
+    inside the window of the committed end stays allocated (window 8, page 4)."""
+    s = make(model_config.text, budget=16)
+    r = request("v", 10, max_tokens=20)
+    prefilled(s, r)
+    r.draft_token_ids = (5, 6, 7)
+    out = s.schedule()
+    (chunk,) = out.chunks
+    assert (chunk.start, chunk.token_ids, chunk.num_drafts, chunk.needs_logits) == (10, (1, 5, 6, 7), 3, True)
+    assert chunk.snapshot_id is None and r.draft_token_ids == ()
+    assert len(r.handle.tables[False]) == 4  # pages for positions 10..13 were reserved
+    s.commit(out, {"v": 2})  # the bonus and d_1 committed, d_2 rejected
+    assert r.num_computed_tokens == 12 and r.handle.num_tokens == 12
+    assert r.handle.tables[True][1] is not None  # positions 4..7: inside the window of position 12
+    r.output_token_ids += [5, 9]
+    nxt = s.schedule()
+    assert [(c.start, c.token_ids, c.num_drafts) for c in nxt.chunks] == [(12, (9,), 0)]
+
+
+def test_drafts_are_capped_and_never_preempt(model_config):
+    s = make(model_config.text, budget=16)
+    r = request("c", 10, max_tokens=3)
+    prefilled(s, r)
+    r.draft_token_ids = (5, 6, 7, 8)
+    (chunk,) = s.schedule().chunks
+    assert chunk.token_ids == (1, 5)  # max_tokens 3, one generated: one draft + the bonus token at most
+
+    tight = make(model_config.text, budget=22, pages=6)  # both prompts fill three pages of each pool
+    a, b = request("a", 11, max_tokens=30), request("b", 11, max_tokens=30, offset=40)
+    tight.add(a)
+    tight.add(b)
+    fake_step(tight)
+    assert a.output_token_ids and b.output_token_ids and tight.cache.num_free_pages(False) == 0
+    a.draft_token_ids = (5, 6, 7, 8, 9)  # position 11 fits the third page, the drafts would need a fourth
+    out = tight.schedule()
+    assert [(c.request_id, c.num_drafts) for c in out.chunks] == [("a", 0), ("b", 0)] and not out.preempted

@@ -1,0 +1,228 @@
+"""Data plane of MTP speculation: the drafter's per-request state and the draft chain (spec inkling-text 7.2-7.5).
+
+Rows. Depth d is a causal sequence model over the trunk's rows: row i pairs the previous hidden `g_{d-1}(i)`
+(`g_{-1}` = the trunk's final-normed hidden `y`) with the token at position `i + d + 1`. With `K` known tokens
+(prompt + accepted output) and the trunk's rows computed through `L` (`L + 1 <= K - 1`), row i of depth d is
+*committed* when its token is known (`i + d + 1 < K`) and *provisional* when it is one of this round's drafts
+(`d_1` is depth 0's guess for position K, ...). A round (`extend`) runs, per depth, the rows from its committed
+count through L: the committed ones first, then a snapshot of the depth's KV and conv states, then the
+provisional ones (only when drafting), whose argmax at row L is the next draft. The next round restores that
+snapshot before it continues, so a depth's caches only ever hold rows it could compute from known tokens, plus
+this round's provisional tail. Committed rows of depth d - 1 that depth d has not committed yet wait in
+`pending[d]` (their hidden). Every depth therefore sees exactly the rows the training-consistent view feeds it
+(HF's MtpModel / SG's draft-extend), whatever the acceptance.
+
+Multimodal prompts: a depth's token at a media placeholder row is the placeholder id (its embedding); the media
+rows reach the depths through the trunk's hidden at those rows (decisions.md).
+
+`DraftModel` is what the runner calls: `MTPSpeculator` (the checkpoint's drafter) or a test double.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from decode_service.model.batch import ForwardBatch, SequenceSlice
+from decode_service.model.mtp import MTPDrafter
+from decode_service.model.state import ContiguousLayerCache, SequenceState
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    """One request's trunk rows of this step, as the drafter consumes them."""
+
+    request_id: str
+    first_row: int  # absolute position of hidden[0]
+    hidden: torch.Tensor  # [m, H] the trunk's final-normed rows first_row .. first_row + m - 1 (committed rows only)
+    token_ids: list[int]  # every known token (prompt + output, including the one sampled this step)
+    draft: bool  # the trunk sampled a token this step: propose the next drafts
+    temperature: float = 0.0  # > 0: drafts are sampled from the depth's softmax(logits / temperature), kept as `q`
+    generator: torch.Generator | None = None  # draws those drafts (the request's own)
+
+
+class DraftModel(Protocol):
+    """Proposes draft tokens for requests from the trunk rows they committed."""
+
+    num_depths: int
+
+    def extend(self, inputs: list[DraftInput]) -> dict[str, tuple[int, ...]]:
+        """Consume the committed trunk rows of each input; drafts (`num_depths` tokens) for the inputs that draft."""
+        ...
+
+    def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
+        """A (re)admitted sequence whose trunk rows begin at `start` (0, or a prefix-cache hit's length);
+        `pages`: its global block table (where the trunk rows of a cached prefix were remembered)."""
+        ...
+
+    def remember(self, pages: list[int | None], start: int, hidden: torch.Tensor) -> None:
+        """The trunk's rows `hidden` for positions `start..` of the sequence with global block table `pages`."""
+        ...
+
+    def forget(self, pages: tuple[int, ...]) -> None:
+        """Global pages whose KV came from elsewhere (the shared tier): no trunk rows for them."""
+        ...
+
+    def remove(self, request_id: str) -> None: ...
+
+    def draft_probs(self, request_id: str) -> torch.Tensor | None:
+        """`[D, V]` the distributions the last drafts of `request_id` were sampled from (rejection sampling);
+        None: they were chosen deterministically (the verifier then samples the target row by row)."""
+        ...
+
+
+def _save(layer: ContiguousLayerCache) -> tuple:
+    return layer.k, layer.v, layer.first_position, [c.clone() for c in layer.conv]
+
+
+def _restore(layer: ContiguousLayerCache, saved: tuple) -> None:
+    layer.k, layer.v, layer.first_position, conv = saved
+    layer.conv = [c.clone() for c in conv]
+
+
+@dataclass
+class _DrafterState:
+    """One request's drafter caches (`state.layers[d]` = depth d) and row bookkeeping."""
+
+    state: SequenceState
+    committed: list[int]  # rows of each depth whose KV/conv are committed: 0 .. committed[d] - 1
+    pending: list[torch.Tensor | None]  # pending[d] (d >= 1): g_{d-1} rows committed[d] .. committed[d-1] - 1
+    saved: list[tuple | None]  # each depth's caches at committed[d] (restored before its next rows)
+
+
+class MTPSpeculator:
+    """The checkpoint's drafter over the engine's requests (caches: one contiguous `SequenceState` per request, each
+    depth in its own geometry with its 4 conv states; outside the paged KV budget)."""
+
+    def __init__(self, drafter: MTPDrafter, num_depths: int):
+        if not 1 <= num_depths <= drafter.num_depths:
+            raise ValueError(f"mtp_depth: expected 1..{drafter.num_depths} (the checkpoint's depths), got {num_depths}")
+        self.drafter = drafter
+        self.num_depths = num_depths
+        self.states: dict[str, _DrafterState] = {}
+        self.probs: dict[str, list[torch.Tensor]] = {}  # the sampled drafts' distributions, per request
+        self.rows: torch.Tensor | None = None  # see enable_prefix_rows
+        self.valid: torch.Tensor | None = None
+        self.page_size = 0
+
+    def draft_probs(self, request_id: str) -> torch.Tensor | None:
+        probs = self.probs.get(request_id)
+        return torch.stack(probs) if probs else None
+
+    def enable_prefix_rows(self, num_pages: int, page_size: int) -> None:
+        """Keep the trunk's final-normed row of every position in a pool laid out like the global KV pages, so a
+        prefix-cache hit recomputes the depths over the cached prefix (its pages hold those rows as long as they
+        hold its KV). Outside the KV budget: H values per cached position."""
+        weight = self.drafter.embed.weight
+        rows = (num_pages + 1) * page_size
+        self.page_size = page_size
+        self.rows = torch.zeros(rows, self.drafter.config.hidden_size, dtype=weight.dtype, device=weight.device)
+        self.valid = torch.zeros(rows, dtype=torch.bool, device=weight.device)
+
+    def _flat(self, pages: list[int | None], start: int, n: int) -> torch.Tensor | None:
+        positions = torch.arange(start, start + n)
+        ids = [pages[p] for p in range(start // self.page_size, (start + n - 1) // self.page_size + 1)]
+        if None in ids:
+            return None
+        table = torch.tensor(ids, dtype=torch.int64)
+        flat = table[positions // self.page_size - start // self.page_size] * self.page_size
+        return (flat + positions % self.page_size).to(self.rows.device)
+
+    def remember(self, pages: list[int | None], start: int, hidden: torch.Tensor) -> None:
+        if self.rows is None or not hidden.shape[0]:
+            return
+        flat = self._flat(pages, start, hidden.shape[0])
+        self.rows.index_copy_(0, flat, hidden.to(self.rows.dtype))
+        self.valid[flat] = True
+
+    def forget(self, pages: tuple[int, ...]) -> None:
+        if self.rows is None:
+            return
+        for page in pages:
+            self.valid[page * self.page_size : (page + 1) * self.page_size] = False
+
+    def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
+        n = self.num_depths
+        if start and self.rows is not None:
+            flat = self._flat(pages, 0, start)
+            if flat is not None and bool(self.valid[flat].all()):  # recompute the depths over the cached prefix
+                self.states[request_id] = _DrafterState(self.drafter.new_state(), [0] * n, [None] * n, [None] * n)
+                self.extend([DraftInput(request_id, 0, self.rows.index_select(0, flat), token_ids, False)])
+                return
+        # No prefix, or its rows are unknown (loaded from the shared tier): the depths start at `start`.
+        self.states[request_id] = _DrafterState(self.drafter.new_state(), [start] * n, [None] * n, [None] * n)
+
+    def remove(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+        self.probs.pop(request_id, None)
+
+    def extend(self, inputs: list[DraftInput]) -> dict[str, tuple[int, ...]]:
+        work = []
+        for item in inputs:
+            st = self.states[item.request_id]
+            assert item.first_row == st.committed[0], (
+                f"request {item.request_id}: trunk rows from {item.first_row}, depth 0 at {st.committed[0]}"
+            )
+            last = item.first_row + item.hidden.shape[0]  # one past the trunk's last row L
+            assert item.draft <= (last == len(item.token_ids) - 1), "drafting needs the token after the last row"
+            work.append((item, st))
+        drafts: dict[str, list[int]] = {item.request_id: [] for item, _ in work if item.draft}
+        for item, _ in work:
+            self.probs.pop(item.request_id, None)
+        incoming = {item.request_id: item.hidden for item, _ in work}  # g_{d-1} of this round's new rows
+        for d in range(self.num_depths):
+            committed_part, provisional_part = [], []
+            for item, st in work:
+                if st.saved[d] is not None:
+                    _restore(st.state.layers[d], st.saved[d])
+                rows = incoming[item.request_id]
+                if st.pending[d] is not None:
+                    rows = torch.cat([st.pending[d], rows])
+                start = st.committed[d]
+                reach = start + rows.shape[0]
+                end = max(start, min(reach, len(item.token_ids) - 1 - d))  # rows whose token is known
+                tokens = item.token_ids + drafts.get(item.request_id, [])
+                committed_part.append((item, st, start, end, rows[: end - start], tokens))
+                if item.draft and end < reach:
+                    provisional_part.append((item, st, end, reach, rows[end - start :], tokens))
+                # Committed rows of depth d - 1 this depth cannot commit yet wait for its next round.
+                above = st.committed[d - 1] if d else end
+                st.pending[d] = rows[end - start : above - start] if above > end else None
+            out_c = self._run(d, committed_part)
+            for _, st, _, end, _, _ in committed_part:
+                st.saved[d] = _save(st.state.layers[d])
+                st.committed[d] = end
+            out_p = dict(zip([p[0].request_id for p in provisional_part], self._run(d, provisional_part), strict=True))
+            heads = []
+            for (item, *_), g in zip(committed_part, out_c, strict=True):
+                rid = item.request_id
+                incoming[rid] = torch.cat([g, out_p[rid]]) if rid in out_p else g
+                if item.draft:
+                    heads.append((rid, incoming[rid][-1], item))
+            if heads:
+                logits = self.drafter.logits(torch.stack([h for _, h, _ in heads]))  # [N, Vu]
+                for (rid, _, item), row, token in zip(heads, logits, logits.argmax(-1).tolist(), strict=True):
+                    if item.temperature > 0:  # spec 7.4: the same scaled logits give the draft distribution
+                        q = torch.softmax(row / item.temperature, -1)
+                        token = int(torch.multinomial(q, 1, generator=item.generator))
+                        self.probs.setdefault(rid, []).append(q)
+                    drafts[rid].append(token)
+        return {rid: tuple(tokens) for rid, tokens in drafts.items()}
+
+    def _run(self, depth: int, parts: list) -> list[torch.Tensor]:
+        """One packed forward of `depth` over each part's rows [start, end) -> each part's output `[end - start, H]`."""
+        live = [p for p in parts if p[3] > p[2]]
+        if not live:
+            return [p[4][:0] for p in parts]
+        device = live[0][4].device
+        token_ids, slices, hidden = [], [], []
+        for _, st, start, end, rows, tokens in live:
+            token_ids.extend(tokens[start + depth + 1 : end + depth + 1])
+            slices.append(SequenceSlice(start, end - start, st.state.layers))
+            hidden.append(rows)
+        batch = ForwardBatch(torch.tensor(token_ids, dtype=torch.int64, device=device), slices)
+        out = self.drafter(depth, torch.cat(hidden).to(self.drafter.embed.weight.dtype), batch)
+        pieces = iter(out.split([p[3] - p[2] for p in live]))
+        return [next(pieces) if p[3] > p[2] else p[4][:0] for p in parts]
