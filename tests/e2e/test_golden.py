@@ -11,6 +11,7 @@ extractor:
   is served from the shared Redis embedding cache (no encoder call) and the decoder's prefix cache;
 - (c) a short video: its sampled frames are image spans; HF gets the same frames, decoded here, as images;
 - (b) again on a replica with `--local-encode` (no encoder tier, no Redis).
+- (b) and (a) on a replica of two tensor-parallel ranks (`--tensor-parallel-size 2`, gloo on CPU).
 """
 
 from __future__ import annotations
@@ -310,4 +311,38 @@ def test_local_encode_replica_equals_transformers_with_images_and_audio(checkpoi
     finally:
         cluster.stop()
     assert tokens == expected
+    assert final.usage.prompt_tokens == prompt_tokens and final.usage.audio_tokens == counts[2]
+
+
+def test_tensor_parallel_replica_equals_transformers_with_images_and_audio(checkpoint, hf_model, tmp_path):
+    """A decode replica of two ranks (`--tensor-parallel-size 2`: gloo on CPU, rank 1 a child process) behind the
+    router, with an encoder and Redis: transformers' tokens for images + audio, and for text."""
+    expected, prompt_tokens, counts, wire = _images_and_audio(hf_model)
+    text_expected, _ = _hf_tokens(hf_model, [TextPart(QUESTION)], [])
+    spec = ClusterSpec(
+        checkpoint=checkpoint,
+        encoders=1,
+        decoders=1,
+        redis=REDIS_URL,
+        dtype="float32",
+        log_dir=str(tmp_path),
+        startup_timeout_s=120.0,
+        stop_timeout_s=15.0,
+        grace_seconds=1.0,
+        extra_args={"decode": ["--tensor-parallel-size", "2"]},
+    )
+    prefix = f"ink:test-golden-tp-{uuid.uuid4().hex[:12]}:"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("INKLING_REDIS_KEY_PREFIX", prefix)
+        cluster = Cluster(spec).start()
+    try:
+        tokens, final = _generate(cluster.router_address, _request("golden-tp-mm", wire))
+        text_tokens, _ = _generate(cluster.router_address, _request("golden-tp-text", [pb.ContentPart(text=QUESTION)]))
+    finally:
+        cluster.stop()
+        client = redis.Redis.from_url(REDIS_URL, socket_timeout=1.0)
+        for key in client.scan_iter(prefix + "*"):
+            client.delete(key)
+        client.close()
+    assert tokens == expected and text_tokens == text_expected
     assert final.usage.prompt_tokens == prompt_tokens and final.usage.audio_tokens == counts[2]
