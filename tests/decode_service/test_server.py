@@ -352,3 +352,82 @@ async def test_text_prompt_is_the_ordinary_token_prompt_and_logprobs_carry_token
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await generate(stub, pb.GenerateRequest(request_id="tx-3", text=pb.TextPrompt(), sampling=sampling))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text.text" in err.value.details()
+
+
+async def _serve_text(checkpoint, mtp_depth: int, prompts: list[str], max_tokens: int):
+    """Greedy text generations through a decode server of the given MTP depth; (tokens, usages, registry)."""
+    engine = build_engine(
+        checkpoint,
+        DecodeEngineSettings(
+            dtype="float32", kv_cache_bytes=8 << 20, max_num_seqs=4, enable_prefix_cache=False, mtp_depth=mtp_depth
+        ),
+    )
+    metrics = DecodeMetrics(new_registry(), MODEL)
+    decode = build_server(DecodeService(engine, None), GrpcSettings(port=0), None, metrics)
+    await decode.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}")
+    try:
+        stub = generator_pb2_grpc.GeneratorStub(channel)
+        sampling = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        before = scrape(metrics.registry)
+        results = await asyncio.gather(
+            *(
+                generate(stub, pb.GenerateRequest(request_id=f"mtp-{i}", text=pb.TextPrompt(text=p), sampling=sampling))
+                for i, p in enumerate(prompts)
+            )
+        )
+        after = scrape(metrics.registry)
+    finally:
+        await channel.close()
+        await decode.stop(0.5)
+    tokens = [[t for d in deltas for t in d.token_ids] for deltas, _ in results]
+    return tokens, [final.usage for _, final in results], {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def scrape(registry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The registry's /metrics text, parsed back: (sample name, labels) -> value."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+async def test_mtp_depth_2_streams_the_same_greedy_tokens_and_reports_acceptance(checkpoint):
+    prompts = ["Once upon a time", "The quick brown fox jumps", "1 2 3 4 5 6 7"]
+    plain, plain_usage, plain_metrics = await _serve_text(checkpoint, 0, prompts, max_tokens=12)
+    spec, spec_usage, spec_metrics = await _serve_text(checkpoint, 2, prompts, max_tokens=12)
+    assert spec == plain
+    for u0, u2 in zip(plain_usage, spec_usage, strict=True):
+        assert (u0.draft_tokens, u0.accepted_draft_tokens) == (0, 0)
+        assert u2.completion_tokens == u0.completion_tokens == 12
+        assert 0 <= u2.accepted_draft_tokens <= u2.draft_tokens
+        # every token after the first comes from a later step (its sampled token plus the drafts it accepted);
+        # a step verifies at most D = 2 drafts (fewer, or none, where max_tokens leaves less room)
+        steps = u2.completion_tokens - 1 - u2.accepted_draft_tokens
+        assert 0 < u2.draft_tokens <= 2 * steps
+
+    def value(metrics, name: str, **labels: str) -> float:
+        return metrics.get((name, tuple(sorted({"model_name": MODEL, **labels}.items()))), 0.0)
+
+    assert value(plain_metrics, "inkling_spec_decode_num_draft_tokens_total") == 0
+    drafts = value(spec_metrics, "inkling_spec_decode_num_draft_tokens_total")
+    accepted = value(spec_metrics, "inkling_spec_decode_num_accepted_tokens_total")
+    rounds = value(spec_metrics, "inkling_spec_decode_num_drafts_total")
+    assert drafts == sum(u.draft_tokens for u in spec_usage)
+    assert drafts / 2 <= rounds <= sum(u.completion_tokens - 1 - u.accepted_draft_tokens for u in spec_usage)
+    assert accepted == sum(u.accepted_draft_tokens for u in spec_usage)
+    per_pos = [
+        value(spec_metrics, "inkling_spec_decode_num_accepted_tokens_per_pos_total", position=str(k)) for k in (0, 1)
+    ]
+    assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1]
+    hist = "inkling_spec_decode_accepted_length"
+    buckets = [value(spec_metrics, f"{hist}_bucket", le=le) for le in ("0.0", "1.0", "2.0", "+Inf")]
+    assert buckets[2] == buckets[3] == value(spec_metrics, f"{hist}_count") == rounds
+    assert buckets[1] - buckets[0] == per_pos[0] - per_pos[1]  # rounds that accepted exactly one draft
+    assert value(spec_metrics, f"{hist}_sum") == accepted
