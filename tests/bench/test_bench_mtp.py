@@ -19,7 +19,7 @@ def test_tiny_cpu_run_reports_every_batch_and_depth(capsys) -> None:
         assert r.rows == 1 + round(expected_accepted(r.depth))
         assert 1 <= r.tokens_per_round <= 1 + r.depth
         assert r.per_token_ms == pytest.approx((r.verify_ms + r.chain_ms) / r.tokens_per_round)
-        assert r.speedup == pytest.approx(r.plain_ms / r.per_token_ms)
+        assert r.plain_graph_ms is None and r.speedup == pytest.approx(r.plain_ms / r.per_token_ms)  # CPU: no graphs
         assert f"# B={r.batch} D={r.depth}: verify" in out
     assert "one-token byte floor" in out and "# B=3: best D=" in out
 
