@@ -26,8 +26,11 @@ What the proxy's lm_head share does: the proxy has 6 of Inkling-Small's 42 layer
 the draft chain re-reads it, so the chain costs much more relative to a proxy step than to a full step: the
 proxy understates the speedup, most at B=1 where the step is pure weight reads (at full depth the trunk step is
 about 7x the proxy's non-lm_head bytes while each depth's cost stays the same). The verify step re-reads the
-lm_head once either way. The figures here are therefore a lower bound for the full model at the same acceptance;
-acceptance itself is not measured (random weights), only assumed.
+lm_head once either way. The measured figures are therefore a lower bound for the full model at the same
+acceptance. What full depth would give is printed as an estimate ("at 42 layers"): the lm_head is timed alone over
+the plain and the verify rows, the rest of each trunk step is scaled by 42 / 6 and the draft chain kept as measured
+(first order: the proxy's layer mix, 5 sliding / 1 global and 3 of 6 NVFP4, stands for the full 35 / 7 split).
+Acceptance itself is not measured (random weights), only assumed.
 
     python3 -m bench.bench_mtp [--device cuda|cpu] [--batches 1 8 64] [--ctx 1024] [--depths 1 2 ... 8]
 """
@@ -64,6 +67,7 @@ from tools.make_tiny_checkpoint import raw_config
 REAL_MTP = {"num_nextn_predict_layers": 8, "chain_hidden_post_norm": False, "local_layer_ids": [0, 2, 4, 5, 6, 7]}
 # vLLM, Inkling, GSM8K, concurrency 64, greedy: cumulative acceptance of draft position k = 1..8.
 VLLM_RATES = (0.757, 0.601, 0.498, 0.411, 0.354, 0.298, 0.261, 0.223)
+FULL_LAYERS = 42  # Inkling-Small (spec 1.5), for the full-depth estimate
 
 
 def timed_ms(fn: Callable[[], object], device: str, reps: int, warmup: int = 2) -> float:
@@ -239,6 +243,8 @@ class Row:
     plain_ms: float  # the packed path, eager (as the verify step runs)
     floor_ms: float
     plain_graph_ms: float | None = None  # CUDA: the engine's plain decode step replayed from its CUDA graph
+    lm_plain_ms: float = 0.0  # the lm_head alone over the plain step's B rows
+    lm_verify_ms: float = 0.0  # ... over the verify step's B(D+1) rows
 
     @property
     def round_ms(self) -> float:
@@ -257,14 +263,40 @@ class Row:
     def speedup(self) -> float:
         return self.baseline_ms / self.per_token_ms
 
+    def full_depth_speedup(self, layer_scale: float) -> float:
+        """The speedup with the trunk's layer time (step minus lm_head) scaled by `layer_scale` (full / proxy
+        layers) and the lm_head and the draft chain as measured: a first-order estimate of full depth."""
+        baseline = self.lm_plain_ms + (self.baseline_ms - self.lm_plain_ms) * layer_scale
+        verify = self.lm_verify_ms + (self.verify_ms - self.lm_verify_ms) * layer_scale
+        return baseline / ((verify + self.chain_ms) / self.tokens_per_round)
 
-def run(device: str, batches: Sequence[int], ctx: int, depths: Sequence[int], reps: int, rounds: int) -> list[Row]:
+
+def lm_head_ms(model: InklingDecoder, rows: int, device: str, reps: int) -> float:
+    hidden = torch.randn(rows, model.config.hidden_size, device=model.embed.weight.device, dtype=model.dtype)
+
+    def run() -> torch.Tensor:
+        with torch.inference_mode():
+            return model.logits(hidden)
+
+    return timed_ms(run, device, reps)
+
+
+def run(
+    device: str,
+    batches: Sequence[int],
+    ctx: int,
+    depths: Sequence[int],
+    reps: int,
+    rounds: int,
+    full_layers: int = FULL_LAYERS,
+) -> list[Row]:
     if not depths or min(depths) < 1 or max(depths) > len(VLLM_RATES):
         raise ValueError(f"--depths: expected values in 1..{len(VLLM_RATES)}, got {list(depths)}")
     if ctx < 1:
         raise ValueError(f"--ctx: expected >= 1, got {ctx}")
     gbs = copy_gbs(device)
     trunk, drafter = build(device, max(depths))
+    layer_scale = full_layers / trunk.config.num_layers
     results = []
     for b in batches:
         if b < 1:
@@ -273,10 +305,12 @@ def run(device: str, batches: Sequence[int], ctx: int, depths: Sequence[int], re
         plain = timed_ms(trunk_step(trunk, plain_fb), device, reps)
         floor = step_bytes(trunk, b, ctx, touched_experts(trunk, plain_fb)) / (gbs * 1e9) * 1e3
         graphed = plain_graph_ms(trunk, b, ctx, reps) if device == "cuda" else None
+        lm_plain = lm_head_ms(trunk, b, device, reps)
         chain = DraftChain(drafter, b, ctx)
         graph_text = f", from its CUDA graph {graphed:.3f} ms (the baseline below)" if graphed is not None else ""
         print(
-            f"# B={b} ctx={ctx}: plain step {plain:.3f} ms eager{graph_text}, one-token byte floor {floor:.3f} ms",
+            f"# B={b} ctx={ctx}: plain step {plain:.3f} ms eager{graph_text}, of which lm_head {lm_plain:.3f} ms; "
+            f"one-token byte floor {floor:.3f} ms",
             flush=True,
         )
         for d in depths:
@@ -284,18 +318,25 @@ def run(device: str, batches: Sequence[int], ctx: int, depths: Sequence[int], re
             rows = 1 + round(expected_accepted(d))
             chain_ms = timed_ms(chain.step(d, rows), device, reps)
             tokens = 1.0 + simulate_accepted(d, b, rounds)
-            row = Row(b, d, verify, chain_ms, rows, tokens, plain, floor, graphed)
+            lm_verify = lm_head_ms(trunk, b * (d + 1), device, reps)
+            row = Row(b, d, verify, chain_ms, rows, tokens, plain, floor, graphed, lm_plain, lm_verify)
             results.append(row)
             print(
                 f"# B={b} D={d}: verify {verify:.3f} ms ({verify / plain:.2f}x plain), draft chain {chain_ms:.3f} ms "
                 f"({rows} rows/seq), {tokens:.2f} tokens/round (expected {1 + expected_accepted(d):.2f}); "
                 f"{1e3 / row.per_token_ms:.0f} tokens/s per sequence = {row.speedup:.2f}x no speculation "
                 f"({1e3 / row.baseline_ms:.0f}); "
-                f"per-token {row.per_token_ms:.3f} ms vs floor {floor:.3f} ms ({row.per_token_ms / floor:.2f}x)",
+                f"per-token {row.per_token_ms:.3f} ms vs floor {floor:.3f} ms ({row.per_token_ms / floor:.2f}x); "
+                f"at {full_layers} layers ~{row.full_depth_speedup(layer_scale):.2f}x",
                 flush=True,
             )
         best = max((r for r in results if r.batch == b), key=lambda r: r.speedup)
-        print(f"# B={b}: best D={best.depth}, {best.speedup:.2f}x tokens/s per sequence", flush=True)
+        full = max((r for r in results if r.batch == b), key=lambda r: r.full_depth_speedup(layer_scale))
+        print(
+            f"# B={b}: best D={best.depth}, {best.speedup:.2f}x tokens/s per sequence; at {full_layers} layers "
+            f"best D={full.depth}, ~{full.full_depth_speedup(layer_scale):.2f}x",
+            flush=True,
+        )
         del plain_fb, chain
     return results
 
@@ -308,10 +349,11 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--depths", type=int, nargs="+", default=list(range(1, 9)))
     parser.add_argument("--reps", type=int, default=20, help="timed calls per figure (median)")
     parser.add_argument("--rounds", type=int, default=2000, help="synthetic acceptor rounds per (B, D)")
+    parser.add_argument("--full-layers", type=int, default=FULL_LAYERS, help="trunk depth of the full-depth estimate")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device (use --device cpu for the tiny shapes)")
-    return run(args.device, args.batches, args.ctx, args.depths, args.reps, args.rounds)
+    return run(args.device, args.batches, args.ctx, args.depths, args.reps, args.rounds, args.full_layers)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ def test_tiny_cpu_run_reports_every_batch_and_depth(capsys) -> None:
         assert 1 <= r.tokens_per_round <= 1 + r.depth
         assert r.per_token_ms == pytest.approx((r.verify_ms + r.chain_ms) / r.tokens_per_round)
         assert r.plain_graph_ms is None and r.speedup == pytest.approx(r.plain_ms / r.per_token_ms)  # CPU: no graphs
+        assert 0 < r.lm_plain_ms and 0 < r.lm_verify_ms
+        assert r.full_depth_speedup(1.0) == pytest.approx(r.speedup)  # no scaling: the measured figure
         assert f"# B={r.batch} D={r.depth}: verify" in out
-    assert "one-token byte floor" in out and "# B=3: best D=" in out
+    assert "one-token byte floor" in out and "# B=3: best D=" in out and "at 42 layers" in out
 
 
 def test_synthetic_acceptor_follows_the_published_cumulative_rates() -> None:
