@@ -7,12 +7,14 @@ it to the metric classes below; `start_metrics_server` exposes it on `/metrics`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -126,6 +128,50 @@ class ModelLabelled:
 
 class LoadSource(Protocol):
     def load(self) -> Any: ...  # decode_service.api.LoadSnapshot: running, waiting, kv_usage
+    def speculation(self) -> Any: ...  # decode_service.engine.engine.SpeculationSnapshot
+
+
+class SpeculationCollector(Collector):
+    """MTP acceptance read from the engine's counters at scrape time (the engine imports no prometheus).
+    Names follow vLLM's (`spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`,
+    `..._num_accepted_tokens_per_pos` with a 0-based `position`), plus the accepted-length histogram: per
+    verify round, the number of drafts accepted (0..D; the round also emits its bonus token)."""
+
+    def __init__(self, source: LoadSource, model_name: str) -> None:
+        self.source, self.model_name = source, model_name
+
+    def _families(self, snap: Any) -> Iterator[Metric]:
+        m = ["model_name"]
+        rounds = CounterMetricFamily("inkling_spec_decode_num_drafts", "MTP verify rounds (one per sequence)", labels=m)
+        drafts = CounterMetricFamily("inkling_spec_decode_num_draft_tokens", "MTP draft tokens verified", labels=m)
+        accepted = CounterMetricFamily("inkling_spec_decode_num_accepted_tokens", "MTP draft tokens accepted", labels=m)
+        per_pos = CounterMetricFamily(
+            "inkling_spec_decode_num_accepted_tokens_per_pos",
+            "Rounds that accepted the draft at this 0-based position (and every one before it)",
+            labels=[*m, "position"],
+        )
+        length = HistogramMetricFamily(
+            "inkling_spec_decode_accepted_length", "Drafts accepted per MTP verify round", labels=m
+        )
+        if snap is not None:
+            rounds.add_metric([self.model_name], snap.num_rounds)
+            drafts.add_metric([self.model_name], snap.num_draft_tokens)
+            accepted.add_metric([self.model_name], snap.num_accepted_tokens)
+            for position, count in enumerate(snap.accepted_at):
+                per_pos.add_metric([self.model_name, str(position)], count)
+            cumulative, buckets = 0, []
+            for upper, count in enumerate(snap.accepted_lengths):
+                cumulative += count
+                buckets.append((str(float(upper)), cumulative))
+            buckets.append(("+Inf", snap.num_rounds))
+            length.add_metric([self.model_name], buckets, snap.num_accepted_tokens)
+        yield from (rounds, drafts, accepted, per_pos, length)
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self.source.speculation())
 
 
 class DecodeMetrics:
@@ -185,6 +231,7 @@ class DecodeMetrics:
         self.running.set_function(lambda: service.load().running)
         self.waiting.set_function(lambda: service.load().waiting)
         self.kv_usage.set_function(lambda: min(1.0, max(0.0, service.load().kv_usage)))
+        self.registry.register(SpeculationCollector(service, self.model_name))
 
     def observe_final(self, usage: Any, timings: Any) -> None:
         """A finished request's `decode_service.api.Usage` and `Timings`."""

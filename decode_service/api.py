@@ -83,6 +83,8 @@ class Usage:
     reasoning_tokens: int = 0
     mm_items_cached: int = 0
     mm_items_encoded: int = 0
+    draft_tokens: int = 0  # MTP drafts verified for this request
+    accepted_draft_tokens: int = 0  # of which accepted
 
     @property
     def cached_tokens(self) -> int:

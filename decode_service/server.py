@@ -200,6 +200,8 @@ def final_message(event: FinalEvent) -> pb.GenerateResponse:
             reasoning_tokens=u.reasoning_tokens,
             mm_items_cached=u.mm_items_cached,
             mm_items_encoded=u.mm_items_encoded,
+            draft_tokens=u.draft_tokens,
+            accepted_draft_tokens=u.accepted_draft_tokens,
         ),
         timings=pb.Timings(
             queue_s=t.queue_s, encode_s=t.encode_s, prefill_s=t.prefill_s, ttft_s=t.ttft_s, decode_s=t.decode_s

@@ -69,7 +69,7 @@ from decode_service.chat import (
     encode_text,
     render_chat,
 )
-from decode_service.engine.engine import Engine, EngineSettings, RequestOutput
+from decode_service.engine.engine import Engine, EngineSettings, RequestOutput, SpeculationSnapshot
 from decode_service.engine.parallel import PrefixConnection, launch_engine
 from decode_service.engine.redis_prefix import PrefixStore
 from decode_service.engine.request import MultimodalItem, Request, RequestStatus, SamplingParams
@@ -151,6 +151,7 @@ class DecodeService:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._load = LoadSnapshot()
+        self._speculation = SpeculationSnapshot()
         self._prompt_tokens_seen = 0
         self._cached_tokens_seen = 0
         self._wake = threading.Event()
@@ -373,6 +374,8 @@ class DecodeService:
                 reasoning_tokens=reasoning,
                 mm_items_cached=counts.cached,
                 mm_items_encoded=counts.encoded,
+                draft_tokens=out.num_draft_tokens,
+                accepted_draft_tokens=out.num_accepted_draft_tokens,
             )
             scheduled = sink.scheduled_at or sink.submitted_at
             first = first_token_at or finished_at
@@ -557,6 +560,10 @@ class DecodeService:
         elif isinstance(command, _Abort):
             self.engine.abort(command.request_id)
 
+    def speculation(self) -> SpeculationSnapshot:
+        """MTP acceptance since the engine started (the engine thread refreshes it after every step)."""
+        return self._speculation
+
     def _note_scheduled(self, step_started: float) -> None:
         """Requests that left WAITING in the step that began at `step_started` were scheduled then."""
         for sink in self._sinks.values():
@@ -575,6 +582,7 @@ class DecodeService:
         self._load = LoadSnapshot(
             len(scheduler.running), len(scheduler.waiting), 1.0 - free / total if total else 0.0, free
         )
+        self._speculation = self.engine.speculation.snapshot(self.engine.settings.mtp_depth)
 
 
 @dataclass(frozen=True)

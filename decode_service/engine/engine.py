@@ -103,6 +103,27 @@ class SpeculationStats:
         """Tokens emitted per verify step (accepted drafts + the bonus token)."""
         return 1.0 + self.num_accepted_tokens / self.num_rounds if self.num_rounds else 0.0
 
+    def snapshot(self, depth: int) -> SpeculationSnapshot:
+        """A frozen copy for other threads (the metrics exporter), its per-length and per-position lists padded
+        to `depth` drafts so the exported series exist from the first scrape on."""
+        lengths = self.accepted_lengths + [0] * max(0, depth + 1 - len(self.accepted_lengths))
+        at = self.accepted_at + [0] * max(0, depth - len(self.accepted_at))
+        return SpeculationSnapshot(
+            self.num_rounds, self.num_draft_tokens, self.num_accepted_tokens, tuple(lengths), tuple(at)
+        )
+
+
+@dataclass(frozen=True)
+class SpeculationSnapshot:
+    """`SpeculationStats` at one moment: `accepted_lengths[a]` rounds accepted exactly a drafts,
+    `accepted_at[k]` rounds accepted draft k+1 (cumulative per position, vLLM's `..._per_pos`)."""
+
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_lengths: tuple[int, ...] = ()
+    accepted_at: tuple[int, ...] = ()
+
 
 class Engine:
     def __init__(

@@ -7,14 +7,19 @@ import pytest
 
 from common.metrics import DecodeMetrics, EncoderMetrics, new_registry
 from decode_service.api import LoadSnapshot, Timings, Usage
+from decode_service.engine.engine import SpeculationStats
 
 
 class Service:
     def __init__(self) -> None:
         self.snapshot = LoadSnapshot(running=3, waiting=2, kv_usage=0.25)
+        self.stats = SpeculationStats()
 
     def load(self) -> LoadSnapshot:
         return self.snapshot
+
+    def speculation(self):
+        return self.stats.snapshot(3)
 
 
 def test_decode_metrics_carry_the_model_name_and_split_prefix_hits_by_tier() -> None:
@@ -78,3 +83,30 @@ def test_observer_hooks_count() -> None:
     assert registry.get_sample_value("inkling_encode_rpc_seconds_count", rpc) == 1
     assert registry.get_sample_value("inkling_encode_retries_total", m) == 1
     assert registry.get_sample_value("inkling_encode_fallback_local_total", m) == 1
+
+
+def test_speculation_counters_and_accepted_length_histogram_follow_the_engine_stats() -> None:
+    registry = new_registry()
+    metrics = DecodeMetrics(registry, "m")
+    service = Service()
+    metrics.watch_load(service)
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    assert sample("inkling_spec_decode_num_draft_tokens_total") == 0  # series exist before the first round
+    assert sample("inkling_spec_decode_num_accepted_tokens_per_pos_total", position="2") == 0
+    assert sample("inkling_spec_decode_accepted_length_bucket", le="3.0") == 0
+    for drafts, accepted in [(3, 0), (3, 3), (3, 1), (2, 2), (3, 1)]:  # (2, 2): max_tokens left room for 2
+        service.stats.record(drafts, accepted)
+    assert sample("inkling_spec_decode_num_drafts_total") == 5
+    assert sample("inkling_spec_decode_num_draft_tokens_total") == 14
+    assert sample("inkling_spec_decode_num_accepted_tokens_total") == 7
+    per_pos = [sample("inkling_spec_decode_num_accepted_tokens_per_pos_total", position=str(k)) for k in range(3)]
+    assert per_pos == [4, 2, 1]
+    buckets = [
+        sample("inkling_spec_decode_accepted_length_bucket", le=le) for le in ("0.0", "1.0", "2.0", "3.0", "+Inf")
+    ]
+    assert buckets == [1, 3, 4, 5, 5]
+    assert sample("inkling_spec_decode_accepted_length_count") == 5
+    assert sample("inkling_spec_decode_accepted_length_sum") == 7

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -19,6 +21,7 @@ from common.settings import DecodeEngineSettings, EncoderSettings, GrpcSettings
 from decode_service.api import DeltaEvent
 from decode_service.chat import encode_text, token_bytes
 from decode_service.encoder_client import EncoderClient, EncoderPoolUnavailableError
+from decode_service.engine.engine import Engine
 from decode_service.output_parser import ParsedToolCall
 from decode_service.server import GeneratorServicer, build_server, delta_message
 from decode_service.service import DecodeService, build_engine
@@ -352,3 +355,151 @@ async def test_text_prompt_is_the_ordinary_token_prompt_and_logprobs_carry_token
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await generate(stub, pb.GenerateRequest(request_id="tx-3", text=pb.TextPrompt(), sampling=sampling))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text.text" in err.value.details()
+
+
+def _engine(checkpoint, mtp_depth: int):
+    return build_engine(
+        checkpoint,
+        DecodeEngineSettings(
+            dtype="float32", kv_cache_bytes=8 << 20, max_num_seqs=4, enable_prefix_cache=False, mtp_depth=mtp_depth
+        ),
+    )
+
+
+async def _serve(engine, prompts: list[pb.GenerateRequest], max_tokens: int):
+    """Greedy generations through a decode server on `engine`; (tokens, usages, metric deltas over the calls)."""
+    metrics = DecodeMetrics(new_registry(), MODEL)
+    decode = build_server(DecodeService(engine, None), GrpcSettings(port=0), None, metrics)
+    await decode.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}")
+    try:
+        stub = generator_pb2_grpc.GeneratorStub(channel)
+        sampling = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        before = scrape(metrics.registry)
+        results = await asyncio.gather(
+            *(
+                generate(stub, pb.GenerateRequest(request_id=f"mtp-{i}", sampling=sampling, **prompt))
+                for i, prompt in enumerate(prompts)
+            )
+        )
+        after = scrape(metrics.registry)
+    finally:
+        await channel.close()
+        await decode.stop(0.5)
+    tokens = [[t for d in deltas for t in d.token_ids] for deltas, _ in results]
+    return tokens, [final.usage for _, final in results], {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def value(metrics, name: str, **labels: str) -> float:
+    return metrics.get((name, tuple(sorted({"model_name": MODEL, **labels}.items()))), 0.0)
+
+
+def scrape(registry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The registry's /metrics text, parsed back: (sample name, labels) -> value."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+async def test_mtp_depth_2_streams_the_same_greedy_tokens_and_reports_acceptance(checkpoint):
+    texts = ["Once upon a time", "The quick brown fox jumps", "1 2 3 4 5 6 7"]
+    prompts = [{"text": pb.TextPrompt(text=t)} for t in texts]
+    plain, plain_usage, plain_metrics = await _serve(_engine(checkpoint, 0), prompts, max_tokens=12)
+    spec, spec_usage, spec_metrics = await _serve(_engine(checkpoint, 2), prompts, max_tokens=12)
+    assert spec == plain
+    for u0, u2 in zip(plain_usage, spec_usage, strict=True):
+        assert (u0.draft_tokens, u0.accepted_draft_tokens) == (0, 0)
+        assert u2.completion_tokens == u0.completion_tokens == 12
+        assert 0 <= u2.accepted_draft_tokens <= u2.draft_tokens
+        # every token after the first comes from a later step (its sampled token plus the drafts it accepted);
+        # a step verifies at most D = 2 drafts (fewer, or none, where max_tokens leaves less room)
+        steps = u2.completion_tokens - 1 - u2.accepted_draft_tokens
+        assert 0 < u2.draft_tokens <= 2 * steps
+
+    assert value(plain_metrics, "inkling_spec_decode_num_draft_tokens_total") == 0
+    drafts = value(spec_metrics, "inkling_spec_decode_num_draft_tokens_total")
+    accepted = value(spec_metrics, "inkling_spec_decode_num_accepted_tokens_total")
+    rounds = value(spec_metrics, "inkling_spec_decode_num_drafts_total")
+    assert drafts == sum(u.draft_tokens for u in spec_usage)
+    assert drafts / 2 <= rounds <= sum(u.completion_tokens - 1 - u.accepted_draft_tokens for u in spec_usage)
+    assert accepted == sum(u.accepted_draft_tokens for u in spec_usage)
+    per_pos = [
+        value(spec_metrics, "inkling_spec_decode_num_accepted_tokens_per_pos_total", position=str(k)) for k in (0, 1)
+    ]
+    assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1]
+    hist = "inkling_spec_decode_accepted_length"
+    buckets = [value(spec_metrics, f"{hist}_bucket", le=le) for le in ("0.0", "1.0", "2.0", "+Inf")]
+    assert buckets[2] == buckets[3] == value(spec_metrics, f"{hist}_count") == rounds
+    assert buckets[1] - buckets[0] == per_pos[0] - per_pos[1]  # rounds that accepted exactly one draft
+    assert value(spec_metrics, f"{hist}_sum") == accepted
+
+
+class KnowsTheAnswer:
+    """A test drafter that proposes the target's own greedy continuation, corrupted at a cycling index (0..D; D:
+    nothing corrupted), so every accepted length occurs; requests it has no answer for get wrong drafts."""
+
+    def __init__(self, answers: dict[str, list[int]], depth: int):
+        self.answers, self.num_depths, self.rounds = answers, depth, Counter()
+
+    def reset(self, request_id, start, token_ids, pages) -> None:
+        pass
+
+    def remember(self, pages, start, hidden) -> None:
+        pass
+
+    def forget(self, pages) -> None:
+        pass
+
+    def remove(self, request_id) -> None:
+        pass
+
+    def draft_probs(self, request_id) -> None:
+        return None
+
+    def extend(self, inputs) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for item in inputs:
+            if not item.draft:
+                continue
+            k, answer = len(item.token_ids), self.answers.get(item.request_id, [])
+            drafts = (answer[k : k + self.num_depths] + [5] * self.num_depths)[: self.num_depths]
+            cut = self.rounds[item.request_id] % (self.num_depths + 1) if answer else 0
+            self.rounds[item.request_id] += 1
+            out[item.request_id] = tuple((t + 1) % 1000 if i == cut else t for i, t in enumerate(drafts))
+        return out
+
+
+async def test_accepted_drafts_reach_usage_and_the_per_position_metrics(checkpoint):
+    """Forced acceptance through gRPC: completion tokens unchanged, accepted drafts > 0 in usage, and the
+    scrape's per-position counters and accepted-length histogram match the engine's rounds."""
+    base = _engine(checkpoint, 0)
+    prompts = [encode_text(t) for t in ("Once upon a time", "The quick brown fox", "1 2 3")]
+    requests = [{"tokens": pb.TokenPrompt(token_ids=p)} for p in prompts]
+    plain, _, _ = await _serve(base, requests, max_tokens=16)  # the warm-up (2 tokens) verifies no drafts
+    answers = {f"mtp-{i}": p + out for i, (p, out) in enumerate(zip(prompts, plain, strict=True))}
+    drafter = KnowsTheAnswer(answers, 3)
+    engine = Engine(base.runner.model, base.config, dataclasses.replace(base.settings, mtp_depth=3), drafter=drafter)
+    spec, usage, metrics = await _serve(engine, requests, max_tokens=16)
+    assert spec == plain
+    for u in usage:
+        assert u.completion_tokens == 16 and 0 < u.accepted_draft_tokens <= u.draft_tokens
+    accepted = value(metrics, "inkling_spec_decode_num_accepted_tokens_total")
+    assert accepted == sum(u.accepted_draft_tokens for u in usage) == engine.speculation.num_accepted_tokens
+    assert value(metrics, "inkling_spec_decode_num_draft_tokens_total") == sum(u.draft_tokens for u in usage)
+    assert value(metrics, "inkling_spec_decode_num_drafts_total") == engine.speculation.num_rounds
+    per_pos = [
+        value(metrics, "inkling_spec_decode_num_accepted_tokens_per_pos_total", position=str(k)) for k in range(3)
+    ]
+    assert per_pos == engine.speculation.accepted_at and per_pos[2] > 0  # some rounds accepted all 3 drafts
+    hist = "inkling_spec_decode_accepted_length"
+    buckets = [value(metrics, f"{hist}_bucket", le=le) for le in ("0.0", "1.0", "2.0", "3.0")]
+    lengths = engine.speculation.accepted_lengths
+    assert buckets == [sum(lengths[: a + 1]) for a in range(4)] and all(n > 0 for n in lengths)
+    assert value(metrics, f"{hist}_sum") == accepted

@@ -236,7 +236,7 @@ class Delta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., channel: _Optional[_Union[Channel, str]] = ..., tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "cached_tokens_gpu", "cached_tokens_redis", "image_tokens", "audio_tokens", "completion_tokens", "reasoning_tokens", "mm_items_cached", "mm_items_encoded")
+    __slots__ = ("prompt_tokens", "cached_tokens", "cached_tokens_gpu", "cached_tokens_redis", "image_tokens", "audio_tokens", "completion_tokens", "reasoning_tokens", "mm_items_cached", "mm_items_encoded", "draft_tokens", "accepted_draft_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_GPU_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,8 @@ class Usage(_message.Message):
     REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MM_ITEMS_CACHED_FIELD_NUMBER: _ClassVar[int]
     MM_ITEMS_ENCODED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     cached_tokens_gpu: int
@@ -257,7 +259,9 @@ class Usage(_message.Message):
     reasoning_tokens: int
     mm_items_cached: int
     mm_items_encoded: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_gpu: _Optional[int] = ..., cached_tokens_redis: _Optional[int] = ..., image_tokens: _Optional[int] = ..., audio_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., mm_items_cached: _Optional[int] = ..., mm_items_encoded: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_gpu: _Optional[int] = ..., cached_tokens_redis: _Optional[int] = ..., image_tokens: _Optional[int] = ..., audio_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., mm_items_cached: _Optional[int] = ..., mm_items_encoded: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "encode_s", "prefill_s", "ttft_s", "decode_s")

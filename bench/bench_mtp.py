@@ -1,0 +1,360 @@
+"""MTP speculation: verify-step and draft-chain cost, then tokens/s per sequence with vLLM's published acceptance.
+
+Model: on CUDA the "Small-L6" proxy of `bench.bench_decode` (its builder, exact Inkling-Small layer shapes over
+6 layers, full 201024 vocabulary) plus 8 MTP depths of real shape (H=4096, one decoder layer each with the dense
+MLP of I=16384, depths 1 and 3 global, the others sliding, spec 1.5), random weights; on `--device cpu` the
+make-tiny shapes, so the whole run takes seconds (for CI, not for figures).
+
+For each B (default 1/8/64) at context `--ctx`:
+- plain step: the trunk forward of B sequences with 1 new token each through the engine's paged KV cache, plus
+  the lm_head of the B rows; verify step: the same with D+1 tokens per sequence (the bonus token and D drafts)
+  and the lm_head of all B(D+1) rows (the packed path, eager);
+- draft chain: depth 0..D-1 each over `r` rows per sequence (the rows the round verified: 1 + the expected
+  accepted drafts, rounded) and its draft logits through the shared lm_head for the B last rows;
+- a synthetic acceptor: per sequence and round one uniform u accepts draft k iff u < rate_k, with vLLM's
+  published cumulative per-position rates for Inkling (GSM8K, concurrency 64, greedy: 75.7 / 60.1 / 49.8 / 41.1 /
+  35.4 / 29.8 / 26.1 / 22.3 %), so a round emits 1 + accepted tokens and costs verify(D) + chain(D);
+  tokens/s per sequence = mean tokens per round / round time, vs 1 / plain step without speculation (on CUDA
+  the plain step replayed from the engine's decode CUDA graph, which is what the engine runs without drafts;
+  the verify step and the chain run eagerly, as in the engine today).
+The one-token byte floor (`bench_decode.step_bytes`: every non-routed weight once, the routed experts the plain
+step touches, K/V and conv state, fp32 logits, over the copy bandwidth measured in the same run) is printed next
+to the per-token time: speculation is how the per-token time goes below it.
+
+What the proxy's lm_head share does: the proxy has 6 of Inkling-Small's 42 layers but its whole lm_head (201024 x
+4096 bf16, 1.6 GB), so the lm_head is a far larger share of a proxy step than of a full-depth one. Every depth of
+the draft chain re-reads it, so the chain costs much more relative to a proxy step than to a full step: the
+proxy understates the speedup, most at B=1 where the step is pure weight reads (at full depth the trunk step is
+about 7x the proxy's non-lm_head bytes while each depth's cost stays the same). The verify step re-reads the
+lm_head once either way. The measured figures are therefore a lower bound for the full model at the same
+acceptance. What full depth would give is printed as an estimate ("at 42 layers"): the lm_head is timed alone over
+the plain and the verify rows, the rest of each trunk step is scaled by 42 / 6 and the draft chain kept as measured
+(first order: the proxy's layer mix, 5 sliding / 1 global and 3 of 6 NVFP4, stands for the full 35 / 7 split).
+Acceptance itself is not measured (random weights), only assumed.
+
+    python3 -m bench.bench_mtp [--device cuda|cpu] [--batches 1 8 64] [--ctx 1024] [--depths 1 2 ... 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from bench.bench_decode import (
+    NVFP4_LAYERS,
+    PAGE,
+    SMALL_L6,
+    paged_decode_batch,
+    random_proxy,
+    step_bytes,
+    touched_experts,
+)
+from common.config import MtpConfig, parse_model_config
+from decode_service.engine.core.pages import KVAllocator
+from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
+from decode_service.model.batch import ForwardBatch, SequenceSlice
+from decode_service.model.inkling import InklingDecoder
+from decode_service.model.mtp import MTPDrafter
+from tools.make_tiny_checkpoint import raw_config
+
+# Inkling-Small's MTP block (spec 1.5): 8 depths, depths 1 and 3 global.
+REAL_MTP = {"num_nextn_predict_layers": 8, "chain_hidden_post_norm": False, "local_layer_ids": [0, 2, 4, 5, 6, 7]}
+# vLLM, Inkling, GSM8K, concurrency 64, greedy: cumulative acceptance of draft position k = 1..8.
+VLLM_RATES = (0.757, 0.601, 0.498, 0.411, 0.354, 0.298, 0.261, 0.223)
+FULL_LAYERS = 42  # Inkling-Small (spec 1.5), for the full-depth estimate
+
+
+def timed_ms(fn: Callable[[], object], device: str, reps: int, warmup: int = 2) -> float:
+    """Median wall time of `fn` in ms (CUDA events around each call on CUDA, perf_counter on CPU)."""
+    if device == "cuda":
+        from bench.floors import time_eager_ms
+
+        return time_eager_ms(fn, reps=reps, warmup=warmup)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def copy_gbs(device: str) -> float:
+    """Copy bandwidth (bytes read + written per second, GB/s), measured here like `bench.floors`."""
+    if device == "cuda":
+        from bench.floors import measure_ceilings
+
+        ceil = measure_ceilings()
+        print(ceil.line(), flush=True)
+        return ceil.copy_gbs
+    n = 64 << 20
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    gbs = 2 * n / (timed_ms(lambda: dst.copy_(src), "cpu", reps=5) * 1e-3) / 1e9
+    print(f"# device cpu: measured copy bandwidth {gbs:.1f} GB/s", flush=True)
+    return gbs
+
+
+def build(device: str, num_depths: int) -> tuple[InklingDecoder, MTPDrafter]:
+    """The trunk (Small-L6 on CUDA, make-tiny on CPU) and `num_depths` random MTP depths of the real block."""
+    mtp_block = dict(REAL_MTP, num_nextn_predict_layers=num_depths)
+    mtp_block["local_layer_ids"] = [i for i in REAL_MTP["local_layer_ids"] if i < num_depths]
+    if device == "cuda":
+        parsed = parse_model_config(raw_config(**SMALL_L6, mtp_config=mtp_block))
+        trunk = random_proxy(parsed.text, NVFP4_LAYERS, device).with_ops("fast")
+    else:
+        parsed = parse_model_config(raw_config(mtp_config=mtp_block))
+        trunk = random_proxy(parsed.text, frozenset(), device)
+    assert parsed.mtp is not None
+    return trunk, random_drafter(parsed.mtp, trunk)
+
+
+@torch.no_grad()
+def random_drafter(mtp: MtpConfig, trunk: InklingDecoder) -> MTPDrafter:
+    """The drafter's own tensors drawn like `random_proxy`'s (unit-variance linear outputs), in the dtypes
+    `MTPDrafter.from_weights` gives them (convs fp32, the rest the trunk's dtype); embed and lm_head shared."""
+    with torch.device("meta"):
+        drafter = MTPDrafter(mtp, trunk)
+    device, dtype = trunk.embed.weight.device, trunk.dtype
+    state = {}
+    for name, meta in drafter.state_dict().items():
+        if name.startswith(("embed.", "embed_norm.", "unembed.")):
+            continue
+        shape = tuple(meta.shape)
+        if name.endswith("sconv.weight"):
+            t = 0.1 * torch.randn(shape, device=device)
+        elif name.endswith("norm.weight"):
+            t = (1.0 + 0.1 * torch.randn(shape, device=device)).to(dtype)
+        elif name.endswith("rel_logits_proj.proj"):
+            t = (0.5 * torch.randn(shape, device=device)).to(dtype)
+        else:
+            t = torch.randn(shape, device=device, dtype=dtype).mul_(1.0 / math.sqrt(shape[-1]))
+        state[name] = t
+    drafter.load_state_dict(state, strict=False, assign=True)
+    assert not any(p.is_meta for p in drafter.parameters()), "every drafter parameter is drawn"
+    return drafter.eval()
+
+
+def paged_batch(model: InklingDecoder, batch: int, ctx: int, width: int) -> ForwardBatch:
+    """B sequences with `ctx` committed tokens of random K/V in the engine's paged cache -> the packed batch that
+    brings `width` new tokens to each (re-running it rewrites the same slots)."""
+    config, device = model.config, model.embed.weight.device
+    window_pages = math.ceil((config.sliding_window + width) / PAGE) + 2
+    ctx_pages = math.ceil((ctx + width) / PAGE)
+    spec = CacheSpec(PAGE, batch * window_pages + ctx_pages, batch * ctx_pages, batch, model.dtype, device)
+    cache, allocator = KVCache(config, spec), KVAllocator(config, spec)
+    for pool in (*cache.k.values(), *cache.v.values()):
+        pool.normal_()
+    seqs = []
+    for _ in range(batch):
+        pages = allocator.new_sequence()
+        pages.grow(ctx + width)
+        pages.commit(ctx)  # drops the sliding pages before the window
+        handle = SequenceView(cache, pages.slot)
+        for sliding, update in zip((True, False), pages.take_updates(), strict=True):
+            handle.update(sliding, update)
+        handle.num_tokens = ctx
+        seqs.append(SequenceSlice(ctx, width, handle.layers))
+    tokens = torch.randint(0, config.unpadded_vocab_size, (batch * width,), device=device)
+    return ForwardBatch(tokens, seqs)
+
+
+def trunk_step(model: InklingDecoder, fb: ForwardBatch) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        with torch.inference_mode():
+            return model.logits(model(fb))
+
+    return run
+
+
+class DraftChain:
+    """B sequences' drafter states, each depth prefilled with `ctx` rows; `run(depth, rows)` times one round's
+    chain: depths 0..D-1 each over `rows` new rows per sequence, then the draft logits of each sequence's last row.
+    The states grow by the timed rows (a few per call, against `ctx` of history)."""
+
+    def __init__(self, drafter: MTPDrafter, batch: int, ctx: int):
+        self.drafter, self.batch = drafter, batch
+        self.device = drafter.embed.weight.device
+        self.states = [drafter.new_state() for _ in range(batch)]
+        self.positions = [ctx] * drafter.num_depths  # each depth's next row
+        with torch.inference_mode():
+            for depth in range(drafter.num_depths):
+                self._forward(depth, 0, ctx)
+
+    def _forward(self, depth: int, start: int, rows: int) -> torch.Tensor:
+        h, vocab = self.drafter.config.hidden_size, self.drafter.config.unpadded_vocab_size
+        tokens = torch.randint(0, vocab, (self.batch * rows,), device=self.device)
+        slices = [SequenceSlice(start, rows, state.layers) for state in self.states]
+        hidden = torch.randn(self.batch * rows, h, device=self.device, dtype=self.drafter.embed.weight.dtype)
+        return self.drafter(depth, hidden, ForwardBatch(tokens, slices))
+
+    def step(self, depths: int, rows: int) -> Callable[[], None]:
+        def run() -> None:
+            with torch.inference_mode():
+                for depth in range(depths):
+                    out = self._forward(depth, self.positions[depth], rows)
+                    self.drafter.logits(out.view(self.batch, rows, -1)[:, -1]).argmax(-1)
+                    self.positions[depth] += rows
+
+        return run
+
+
+def plain_graph_ms(model: InklingDecoder, batch: int, ctx: int, reps: int) -> float:
+    """The engine's plain decode step (`DecodeGraphs` replay + lm_head) for B sequences at `ctx`, as in
+    `bench.bench_decode`."""
+    fb, graphs, handles = paged_decode_batch(model, batch, ctx, ctx + 1)
+    tokens = fb.token_ids.tolist()
+
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            return model.logits(graphs.run(tokens, handles))
+
+    return timed_ms(step, "cuda", reps, warmup=3)  # the first run captures B's graph
+
+
+def expected_accepted(depth: int, rates: Sequence[float] = VLLM_RATES) -> float:
+    return sum(rates[:depth])
+
+
+def simulate_accepted(depth: int, sequences: int, rounds: int, seed: int = 0) -> float:
+    """Mean accepted drafts per round of the synthetic acceptor: one uniform u per sequence and round accepts draft
+    k iff u < rate_k (the rates are cumulative, so the accepted run is a prefix)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(rounds, sequences, 1, generator=gen)
+    rates = torch.tensor(VLLM_RATES[:depth])
+    return float((u < rates).sum(-1).float().mean())
+
+
+@dataclass
+class Row:
+    batch: int
+    depth: int
+    verify_ms: float
+    chain_ms: float
+    rows: int
+    tokens_per_round: float
+    plain_ms: float  # the packed path, eager (as the verify step runs)
+    floor_ms: float
+    plain_graph_ms: float | None = None  # CUDA: the engine's plain decode step replayed from its CUDA graph
+    lm_plain_ms: float = 0.0  # the lm_head alone over the plain step's B rows
+    lm_verify_ms: float = 0.0  # ... over the verify step's B(D+1) rows
+
+    @property
+    def round_ms(self) -> float:
+        return self.verify_ms + self.chain_ms
+
+    @property
+    def per_token_ms(self) -> float:
+        return self.round_ms / self.tokens_per_round
+
+    @property
+    def baseline_ms(self) -> float:
+        """Non-speculative time per token: what the engine runs without drafts (graph replay on CUDA)."""
+        return self.plain_graph_ms if self.plain_graph_ms is not None else self.plain_ms
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline_ms / self.per_token_ms
+
+    def full_depth_speedup(self, layer_scale: float) -> float:
+        """The speedup with the trunk's layer time (step minus lm_head) scaled by `layer_scale` (full / proxy
+        layers) and the lm_head and the draft chain as measured: a first-order estimate of full depth."""
+        baseline = self.lm_plain_ms + (self.baseline_ms - self.lm_plain_ms) * layer_scale
+        verify = self.lm_verify_ms + (self.verify_ms - self.lm_verify_ms) * layer_scale
+        return baseline / ((verify + self.chain_ms) / self.tokens_per_round)
+
+
+def lm_head_ms(model: InklingDecoder, rows: int, device: str, reps: int) -> float:
+    hidden = torch.randn(rows, model.config.hidden_size, device=model.embed.weight.device, dtype=model.dtype)
+
+    def run() -> torch.Tensor:
+        with torch.inference_mode():
+            return model.logits(hidden)
+
+    return timed_ms(run, device, reps)
+
+
+def run(
+    device: str,
+    batches: Sequence[int],
+    ctx: int,
+    depths: Sequence[int],
+    reps: int,
+    rounds: int,
+    full_layers: int = FULL_LAYERS,
+) -> list[Row]:
+    if not depths or min(depths) < 1 or max(depths) > len(VLLM_RATES):
+        raise ValueError(f"--depths: expected values in 1..{len(VLLM_RATES)}, got {list(depths)}")
+    if ctx < 1:
+        raise ValueError(f"--ctx: expected >= 1, got {ctx}")
+    gbs = copy_gbs(device)
+    trunk, drafter = build(device, max(depths))
+    layer_scale = full_layers / trunk.config.num_layers
+    results = []
+    for b in batches:
+        if b < 1:
+            raise ValueError(f"--batches: expected values >= 1, got {b}")
+        plain_fb = paged_batch(trunk, b, ctx, 1)
+        plain = timed_ms(trunk_step(trunk, plain_fb), device, reps)
+        floor = step_bytes(trunk, b, ctx, touched_experts(trunk, plain_fb)) / (gbs * 1e9) * 1e3
+        graphed = plain_graph_ms(trunk, b, ctx, reps) if device == "cuda" else None
+        lm_plain = lm_head_ms(trunk, b, device, reps)
+        chain = DraftChain(drafter, b, ctx)
+        graph_text = f", from its CUDA graph {graphed:.3f} ms (the baseline below)" if graphed is not None else ""
+        print(
+            f"# B={b} ctx={ctx}: plain step {plain:.3f} ms eager{graph_text}, of which lm_head {lm_plain:.3f} ms; "
+            f"one-token byte floor {floor:.3f} ms",
+            flush=True,
+        )
+        for d in depths:
+            verify = timed_ms(trunk_step(trunk, paged_batch(trunk, b, ctx, d + 1)), device, reps)
+            rows = 1 + round(expected_accepted(d))
+            chain_ms = timed_ms(chain.step(d, rows), device, reps)
+            tokens = 1.0 + simulate_accepted(d, b, rounds)
+            lm_verify = lm_head_ms(trunk, b * (d + 1), device, reps)
+            row = Row(b, d, verify, chain_ms, rows, tokens, plain, floor, graphed, lm_plain, lm_verify)
+            results.append(row)
+            print(
+                f"# B={b} D={d}: verify {verify:.3f} ms ({verify / plain:.2f}x plain), draft chain {chain_ms:.3f} ms "
+                f"({rows} rows/seq), {tokens:.2f} tokens/round (expected {1 + expected_accepted(d):.2f}); "
+                f"{1e3 / row.per_token_ms:.0f} tokens/s per sequence = {row.speedup:.2f}x no speculation "
+                f"({1e3 / row.baseline_ms:.0f}); "
+                f"per-token {row.per_token_ms:.3f} ms vs floor {floor:.3f} ms ({row.per_token_ms / floor:.2f}x); "
+                f"at {full_layers} layers ~{row.full_depth_speedup(layer_scale):.2f}x",
+                flush=True,
+            )
+        best = max((r for r in results if r.batch == b), key=lambda r: r.speedup)
+        full = max((r for r in results if r.batch == b), key=lambda r: r.full_depth_speedup(layer_scale))
+        print(
+            f"# B={b}: best D={best.depth}, {best.speedup:.2f}x tokens/s per sequence; at {full_layers} layers "
+            f"best D={full.depth}, ~{full.full_depth_speedup(layer_scale):.2f}x",
+            flush=True,
+        )
+        del plain_fb, chain
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--ctx", type=int, default=1024, help="committed tokens per sequence")
+    parser.add_argument("--depths", type=int, nargs="+", default=list(range(1, 9)))
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per figure (median)")
+    parser.add_argument("--rounds", type=int, default=2000, help="synthetic acceptor rounds per (B, D)")
+    parser.add_argument("--full-layers", type=int, default=FULL_LAYERS, help="trunk depth of the full-depth estimate")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device (use --device cpu for the tiny shapes)")
+    return run(args.device, args.batches, args.ctx, args.depths, args.reps, args.rounds, args.full_layers)
+
+
+if __name__ == "__main__":
+    main()
