@@ -116,6 +116,21 @@ def random_rank_model(
     return InklingDecoder.from_weights(local, weights, torch.bfloat16, device, tp=tp)
 
 
+def check_replicated(model: InklingDecoder, plan: RankPlan) -> int:
+    """Raise unless every replicated tensor is equal on every rank (a checksum per tensor, compared over the
+    group); returns how many were compared."""
+    names = [n for n, _ in model.state_dict().items() if n in plan.shards and plan.shards[n].rule == REPLICATED]
+    state = model.state_dict()
+    sums = torch.tensor([state[n].double().sum().item() for n in names], dtype=torch.float64)
+    low, high = sums.clone(), sums.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=_cpu_group(None))
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=_cpu_group(None))
+    differ = [n for n, a, b in zip(names, low.tolist(), high.tolist(), strict=True) if a != b]
+    if differ:
+        raise RuntimeError(f"replicated tensors differ between ranks: {differ[:5]}")
+    return len(names)
+
+
 def kv_bytes(model: InklingDecoder, batch: int, ctx: int) -> int:
     """Bytes of the K/V pools `paged_decode_batch` allocates for B sequences at `ctx` (bf16)."""
     config = model.config
@@ -226,6 +241,7 @@ def _bench(rank: int, args: BenchArgs, device: str, out_path: str | None) -> lis
     config = model_config(args.model, args.tiny)
     plan = plan_rank(config, args.tensor_parallel_size, rank, args.expert_parallel, nvfp4_layers(config))
     model = random_rank_model(config, plan, None, device, args.seed)
+    replicated = check_replicated(model, plan)
     name = "tiny" if args.tiny else args.model
     mode = "expert parallel" if args.expert_parallel else "tensor parallel"
     weights_gb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 1e9
@@ -233,7 +249,7 @@ def _bench(rank: int, args: BenchArgs, device: str, out_path: str | None) -> lis
         print(ceil.line(), flush=True)
     say(
         f"# {name}: {config.text.num_layers} layers, {mode} over {args.tensor_parallel_size} ranks, "
-        f"{weights_gb:.1f} GB of weights on rank 0",
+        f"{weights_gb:.1f} GB of weights on rank 0, {replicated} replicated tensors equal on every rank",
         flush=True,
     )
     layers = config.text.num_layers
