@@ -280,3 +280,27 @@ def test_bf16_moe_gpu(cuda_device, t):
     err = rel_err(out, moe_reference(x, ids, wts, w13, None, None, w2, None, None))
     print(f"bf16_moe T={t}: rel {err:.2e}")
     assert err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_masked_routes_reach_no_expert_gpu_full_width(cuda_device, t):
+    """Inkling-Small widths with half the routes masked (expert parallelism over 2): identity (T=1, 8) and sorted
+    (T=64) routing; a token with every route masked has a NaN input and gets exactly 0."""
+    gen = torch.Generator().manual_seed(t + 100)
+    e, h, i, k = 16, 4096, 2048, 6
+    w13 = nvfp4_stack(e, 2 * i, h, gen, cuda_device)
+    w2 = nvfp4_stack(e, h, i, gen, cuda_device)
+    w13, w2 = (w13[0], w13[1], w13[2] * 1e-3), (w2[0], w2[1], w2[2] * 1e-3)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    ids, wts = routing(t, e, k, gen)
+    ids = masked(ids, gen)
+    ids[0], x[0] = MASKED_ROUTE, float("nan")
+    x, ids, wts = x.to(cuda_device), ids.to(cuda_device), wts.to(cuda_device)
+    align = moe_align(ids, e, 8)
+    assert all(torch.equal(a, b) for a, b in zip(align, moe_align_reference(ids, e, 8), strict=True))
+    out = nvfp4_moe(x, ids, wts, *w13, *w2)
+    assert torch.equal(out[0].float().cpu(), torch.zeros(h))
+    if t > 1:
+        ref = moe_reference(x[1:], ids[1:], wts[1:], *w13, *w2)
+        assert rel_err(out[1:], ref) < 1e-2
