@@ -26,6 +26,10 @@ experts at T=2 and 600) and over greedy decode runs, next to a control: the refe
 so only the per-module figures measure the kernels.
 
     python3 -m bench.bench_decode [--batches 1 8 64] [--contexts 1024 8192] [--check] [--check-fp32] [--hf]
+
+`--tensor-parallel-size N` (or `--tiny --device cpu`) runs `bench.bench_decode_tp` instead: full-depth
+Inkling-Small (`--model small`) or Inkling (`--model inkling`) shapes over N ranks, B 1/8/64/256 at ctx 8k/32k
+unless given, eager vs graphs, the per-GPU byte floor plus the measured all-reduce latency.
 """
 
 from __future__ import annotations
@@ -87,37 +91,52 @@ def random_proxy(config: TextConfig, nvfp4_layers: frozenset[int], device: str =
     torch.manual_seed(seed)
     with torch.device("meta"):
         shapes = InklingDecoder(config, nvfp4_layers).state_dict()
-    e2m1_rms, scale_mean = 2.93, 1.0  # RMS of the 16 e2m1 codes; block scales drawn in [0.25, 1.75]
-    weights = {}
-    for name, meta in shapes.items():
-        shape = tuple(meta.shape)
-        if meta.dtype == torch.uint8:  # packed e2m1 codes
-            t = torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
-        elif meta.dtype == torch.float8_e4m3fn:
-            t = (torch.rand(shape, device=device) * 1.5 + 0.25).to(torch.float8_e4m3fn)
-        elif name.endswith("_scale2"):  # per-expert scale: W rows of RMS 1/sqrt(fan-in)
-            fan_in = config.hidden_size if "w13" in name else config.moe_intermediate_size
-            t = torch.full(shape, 1.0 / math.sqrt(fan_in) / (e2m1_rms * scale_mean), device=device)
-        elif name.endswith("mlp.gate.bias"):
-            t = torch.zeros(shape, device=device)
-        elif name.endswith("global_scale"):
-            t = torch.ones(shape, device=device)
-        elif name.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, device=device)
-        elif "sconv" in name:
-            t = 0.1 * torch.randn(shape, device=device)
-        elif name.endswith("rel_logits_proj.proj"):
-            t = 0.5 * torch.randn(shape, device=device)
-        else:
-            t = torch.randn(shape, device=device, dtype=torch.bfloat16).mul_(1.0 / math.sqrt(shape[-1]))
-        weights[name] = t
+    weights = {
+        name: random_tensor(name, tuple(meta.shape), meta.dtype, config, device) for name, meta in shapes.items()
+    }
     return InklingDecoder.from_weights(config, weights, torch.bfloat16, device)
 
 
-def paged_decode_batch(model: InklingDecoder, batch: int, ctx: int, max_model_len: int, device: str = "cuda"):
+def random_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    config: TextConfig,
+    device: str,
+    generator: torch.Generator | None = None,
+    fan_in: int | None = None,
+) -> torch.Tensor:
+    """One random weight of the proxy's statistics, drawn on `device`; matrices scaled by 1/sqrt(`fan_in`, default
+    their last dim: a row-parallel shard passes the full model's), `config` the full model's."""
+    e2m1_rms, scale_mean = 2.93, 1.0  # RMS of the 16 e2m1 codes; block scales drawn in [0.25, 1.75]
+    g = {"generator": generator, "device": device}
+    if dtype == torch.uint8:  # packed e2m1 codes
+        return torch.randint(0, 256, shape, dtype=torch.uint8, **g)
+    if dtype == torch.float8_e4m3fn:
+        return (torch.rand(shape, **g) * 1.5 + 0.25).to(torch.float8_e4m3fn)
+    if name.endswith("_scale2"):  # per-expert scale: W rows of RMS 1/sqrt(fan-in)
+        rows_in = config.hidden_size if "w13" in name else config.moe_intermediate_size
+        return torch.full(shape, 1.0 / math.sqrt(rows_in) / (e2m1_rms * scale_mean), device=device)
+    if name.endswith("mlp.gate.bias"):
+        return torch.zeros(shape, device=device)
+    if name.endswith("global_scale"):
+        return torch.ones(shape, device=device)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, **g)
+    if "sconv" in name:
+        return 0.1 * torch.randn(shape, **g)
+    if name.endswith("rel_logits_proj.proj"):
+        return 0.5 * torch.randn(shape, **g)
+    return torch.randn(shape, dtype=torch.bfloat16, **g).mul_(1.0 / math.sqrt(fan_in or shape[-1]))
+
+
+def paged_decode_batch(
+    model: InklingDecoder, batch: int, ctx: int, max_model_len: int, device: str = "cuda", seed: int | None = None
+):
     """B sequences whose `ctx` committed tokens sit in the engine's paged cache (random K/V, zero conv
     states) -> the packed batch that decodes position `ctx` of each (re-running it rewrites the same slots), and
-    the engine's `DecodeGraphs` over the same cache with the sequences' handles."""
+    the engine's `DecodeGraphs` over the same cache with the sequences' handles. `seed`: the tokens from a seeded
+    generator (equal on every rank of a tensor-parallel group)."""
     config = model.config
     window_pages = math.ceil(config.sliding_window / PAGE) + 2
     ctx_pages = math.ceil((ctx + 1) / PAGE)
@@ -137,19 +156,20 @@ def paged_decode_batch(model: InklingDecoder, batch: int, ctx: int, max_model_le
         handle.num_tokens = ctx
         seqs.append(SequenceSlice(ctx, 1, handle.layers))
         handles.append(handle)
-    tokens = torch.randint(0, config.unpadded_vocab_size, (batch,), device=device)
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.unpadded_vocab_size, (batch,), generator=gen).to(device)
     return ForwardBatch(tokens, seqs), graphs, handles
 
 
 def touched_experts(model: InklingDecoder, fb: ForwardBatch) -> dict[int, int]:
-    """Distinct routed experts per MoE layer in this step's routing."""
+    """Distinct routed experts per MoE layer in this step's routing (of this rank's: masked routes not counted)."""
     counts: dict[int, int] = {}
     hooks = []
     for i, layer in enumerate(model.layers):
         experts = getattr(layer.mlp, "experts", None)
         if isinstance(experts, (Bf16Experts, NVFP4Experts)):
             hooks.append(experts.register_forward_pre_hook(
-                lambda _m, args, i=i: counts.__setitem__(i, int(args[1].unique().numel()))
+                lambda _m, args, i=i: counts.__setitem__(i, int(args[1][args[1] >= 0].unique().numel()))
             ))  # fmt: skip
     with torch.inference_mode():
         model(fb)
@@ -178,7 +198,7 @@ def step_bytes(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, i
         visible = min(ctx + 1, geo.window) if geo.window else ctx + 1
         total += batch * visible * 2 * geo.kv_width * 2  # K and V, bf16
         total += batch * 2 * (config.conv_kernel_size - 1) * (2 * geo.kv_width + 2 * h) * 2  # conv in + out
-    total += batch * config.unpadded_vocab_size * 4  # fp32 logits
+    total += batch * min(config.unpadded_vocab_size, config.vocab_size) * 4  # fp32 logits (this rank's vocab shard)
     return total
 
 
@@ -409,6 +429,8 @@ def hf_decode_ms(raw_text: dict, batches: list[int], ctx: int, reps: int = 5) ->
 
 
 def main() -> None:
+    from bench import bench_decode_tp
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
@@ -419,7 +441,11 @@ def main() -> None:
     parser.add_argument("--ref-max-batch", type=int, default=64, help="skip the reference path above this B")
     parser.add_argument("--prefill", type=int, default=8192, help="prefill this many tokens (0: skip)")
     parser.add_argument("--prefill-chunk", type=int, default=2048)
+    bench_decode_tp.add_args(parser)
     args = parser.parse_args()
+    if args.tensor_parallel_size > 1 or args.tiny or args.device == "cpu":
+        bench_decode_tp.launch(bench_decode_tp.from_namespace(args, [1, 8, 64], [1024, 8192]), args.json)
+        return
 
     ceil = measure_ceilings()
     print(ceil.line(), flush=True)

@@ -71,6 +71,8 @@ class ClusterSpec:
     security: SecuritySettings = field(default_factory=SecuritySettings)  # how the launcher dials them
     commands: Mapping[str, Sequence[str]] = field(default_factory=dict)  # role -> argv prefix override
     api_port: int | None = None  # the OpenAI-compatible HTTP front in front of the router (0: a free port)
+    tensor_parallel_size: int = 1  # ranks (GPUs) per decode replica, passed to every `decode`
+    expert_parallel: bool = False  # the replicas partition the routed experts over their ranks
 
     def __post_init__(self) -> None:
         if self.encoders < 0 or self.decoders < 1:
@@ -80,6 +82,33 @@ class ClusterSpec:
             raise ClusterError(f"unknown roles {sorted(unknown)}; expected {ROLES}")
         if self.redis not in ("auto", "private", "none") and not self.redis.startswith(("redis://", "rediss://")):
             raise ClusterError(f"redis: expected auto, private, none or a redis:// URL, got {self.redis!r}")
+        if self.tensor_parallel_size < 1:
+            raise ClusterError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            raise ClusterError("--enable-expert-parallel needs --tensor-parallel-size > 1")
+        given = {"--tensor-parallel-size", "--enable-expert-parallel"} & set(self.extra_args.get("decode", ()))
+        if given and (self.tensor_parallel_size > 1 or self.expert_parallel):
+            raise ClusterError(f"{sorted(given)} given both as an `up` flag and in --decode-args: give it once")
+
+    def decode_gpus(self, replica: int) -> str | None:
+        """CUDA_VISIBLE_DEVICES of decode replica `replica` when several tensor-parallel replicas share the host
+        (GPUs `replica * N .. replica * N + N - 1` of the launcher's visible ones), else None (inherited)."""
+        if self.tensor_parallel_size == 1 or self.decoders == 1 or not self.device.startswith("cuda"):
+            return None
+        n = self.tensor_parallel_size
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(g) for g in range(self.decoders * n)]
+        if len(gpus) < self.decoders * n:
+            raise ClusterError(
+                f"{self.decoders} decode replicas x --tensor-parallel-size {n} need {self.decoders * n} GPUs, "
+                f"CUDA_VISIBLE_DEVICES has {len(gpus)}"
+            )
+        return ",".join(gpus[replica * n : (replica + 1) * n])
+
+    def parallel_args(self) -> list[str]:
+        """The tensor / expert parallel flags of every decode replica."""
+        args = ["--tensor-parallel-size", str(self.tensor_parallel_size)] if self.tensor_parallel_size > 1 else []
+        return [*args, "--enable-expert-parallel"] if self.expert_parallel else args
 
     def command(self, role: str) -> list[str]:
         return [*self.commands.get(role, (sys.executable, "-m", "tools.cli")), role]
@@ -95,6 +124,7 @@ class ManagedProcess:
     started_at: float = 0.0  # time.monotonic() of the last start
     restarts: int = 0
     restart_at: float | None = None  # when a dead process is due to be started again
+    env: Mapping[str, str] = field(default_factory=dict)  # set over the launcher's environment
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -290,10 +320,12 @@ class Cluster:
         encoders = ",".join(self.encoder_addresses)
         for i, port in enumerate(ports["decode"]):
             address = f"{spec.host}:{port}"
-            args = [*model_args, "--encoders", encoders, "--replica-id", address]
+            args = [*model_args, "--encoders", encoders, "--replica-id", address, *spec.parallel_args()]
             if not encoders:
                 args.append("--local-encode")
-            self.decoders.append(self._spawn_server(f"decode-{i}", "decode", port, args))
+            gpus = spec.decode_gpus(i)
+            env = {} if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus}
+            self.decoders.append(self._spawn_server(f"decode-{i}", "decode", port, args, env))
         self._wait_serving(self.decoders)
         # the decode replicas serve the checkpoint directory's name as their model id: label the router alike
         model_name = Path(spec.checkpoint).resolve().name
@@ -315,19 +347,23 @@ class Cluster:
                 raise ClusterError(f"api did not become healthy; log {self.api.log_path}:\n{self.api.log_tail()}")
             time.sleep(0.2)
 
-    def _spawn_server(self, name: str, role: str, port: int, args: list[str]) -> ManagedProcess:
+    def _spawn_server(
+        self, name: str, role: str, port: int, args: list[str], env: Mapping[str, str] | None = None
+    ) -> ManagedProcess:
         extra = self.spec.extra_args.get(role, ())
         argv = [*self.spec.command(role), *self._server_args(port), *args, *extra]
-        return self._spawn(name, argv, address=f"{self.spec.host}:{port}")
+        return self._spawn(name, argv, address=f"{self.spec.host}:{port}", env=env)
 
-    def _spawn(self, name: str, argv: list[str], address: str | None) -> ManagedProcess:
-        process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", address)
+    def _spawn(
+        self, name: str, argv: list[str], address: str | None, env: Mapping[str, str] | None = None
+    ) -> ManagedProcess:
+        process = ManagedProcess(name, argv, self.log_dir / f"{name}.log", address, env=dict(env or {}))
         self._popen(process, "wb")
         log.info("started %s (pid %d, %s)", name, process.popen.pid, address or "no gRPC")
         return process
 
     def _popen(self, process: ManagedProcess, mode: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **process.env}
         with open(process.log_path, mode) as log_file:
             guarded = [sys.executable, "-m", "deploy.exit_with_parent", str(os.getpid()), *process.argv]
             process.popen = subprocess.Popen(
@@ -469,6 +505,18 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     )
     up.add_argument("--device", default="cpu")
     up.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    up.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks per decode replica: one GPU each with --device cuda (replica i of several gets GPUs "
+        "i*N..i*N+N-1 of the visible ones), gloo processes with --device cpu",
+    )
+    up.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="decode replicas partition the routed experts over their ranks (needs --tensor-parallel-size > 1)",
+    )
     up.add_argument("--grace-seconds", type=float, default=10.0, help="every server's drain time on SIGTERM")
     up.add_argument("--log-level", default=None, type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     for role in ROLES:
@@ -516,6 +564,8 @@ def main(args: argparse.Namespace) -> int:
             security_flags=security_flags(args),
             security=security_settings(args),
             api_port=args.api_port,
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            expert_parallel=getattr(args, "enable_expert_parallel", False),
         )
     except ClusterError as exc:
         print(f"inkling-epd up: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ Row blocks come from one of two routings (constexpr ``IDENTITY``):
   * identity: block b is pair b alone (expert ``topk_ids.flat[b]``); no metadata, best when pairs are few;
   * sorted: ``sorted_pairs[b * BLOCK_M + i]`` lists the pairs of expert ``block_expert[b]`` (sentinel
     ``n_pairs`` pads), built by ``kernels.moe.moe_align``; a block with expert -1 exits at once.
+A masked route (id -1) is in no sorted block, its identity block exits at once, and the slot sum skips it.
 
 NVFP4 weights are unpacked in registers: the low nibble of byte m is column 2m and the high nibble column
 2m+1, so each K block issues two dots, the activations split into their even and odd columns. e2m1 codes
@@ -339,14 +340,16 @@ def moe_w2_kernel(
 
 
 @triton.jit
-def moe_sum_kernel(Part, Out, N, TOPK: tl.constexpr, BLOCK: tl.constexpr):
-    """``Out[t, :] = sum_i Part[t * TOPK + i, :]`` (fp32 sum of the slots, one rounding to Out's dtype)."""
+def moe_sum_kernel(Part, TopkIds, Out, N, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """``Out[t, :] = sum_i Part[t * TOPK + i, :]`` over the slots whose id is not masked (< 0: no expert wrote
+    their rows), an fp32 sum with one rounding to Out's dtype."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in range(TOPK):
-        acc += tl.load(Part + (t * TOPK + i).to(tl.int64) * N + offs, mask=mask, other=0.0)
+        routed = (offs * 0 + tl.load(TopkIds + t * TOPK + i)) >= 0
+        acc += tl.load(Part + (t * TOPK + i).to(tl.int64) * N + offs, mask=mask & routed, other=0.0)
     tl.store(Out + t.to(tl.int64) * N + offs, acc.to(Out.dtype.element_ty), mask=mask)
 
 
@@ -367,8 +370,8 @@ def moe_align_kernel(
     """One program: count the pairs per expert (atomics into ``Scratch[:EXPERT_ROWS]``), lay the experts' padded
     row spans out in expert order, fill every row with the pad id and every block with -1, then place each pair
     at its expert's cursor (``Scratch[EXPERT_ROWS:]``; pairs of one expert in pair order, as a stable sort) and
-    name the block it lands in. Scratch is int32 ``[2 * EXPERT_ROWS]``; cursors are read past L1 (``.cg``), since
-    the atomics that advance them act in L2."""
+    name the block it lands in; pairs of a negative (masked) id are counted and placed nowhere. Scratch is int32
+    ``[2 * EXPERT_ROWS]``; cursors are read past L1 (``.cg``), since the atomics that advance them act in L2."""
     experts = tl.arange(0, EXPERT_ROWS)
     Counts = Scratch
     Cursor = Scratch + EXPERT_ROWS
@@ -384,7 +387,7 @@ def moe_align_kernel(
     for start in range(0, n_pairs, CHUNK):
         valid = start + offs < n_pairs
         ids = tl.load(Ids + start + offs, mask=valid, other=0).to(tl.int32)
-        tl.atomic_add(Counts + ids, tl.full([CHUNK], 1, tl.int32), mask=valid)
+        tl.atomic_add(Counts + ids, tl.full([CHUNK], 1, tl.int32), mask=valid & (ids >= 0))
     tl.debug_barrier()
     counts = tl.load(Counts + experts, cache_modifier=".cg")
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -396,6 +399,7 @@ def moe_align_kernel(
         pairs = start + offs
         valid = pairs < n_pairs
         ids = tl.load(Ids + pairs, mask=valid, other=-1).to(tl.int32)
+        valid = valid & (ids >= 0)  # masked routes are placed nowhere
         rank = tl.sum(((ids[None, :] == ids[:, None]) & earlier).to(tl.int32), axis=1)
         pos = tl.load(Cursor + ids, mask=valid, other=0, cache_modifier=".cg") + rank
         tl.store(SortedPairs + pos, pairs.to(tl.int32), mask=valid)

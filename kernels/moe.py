@@ -21,8 +21,10 @@ dequantisation (~2 instructions per weight) overlapping the weight stream. What 
 only ~58% of the copy bandwidth even without any dequantisation), the weights as the MMA's M operand and
 the block's <= 8 rows as its N (``swap_ab``: no padded token rows through shared memory, half the MMAs),
 8-row sorted blocks, and the intermediate stored even/odd-split per w2 K block (``presplit``).
-Excluded from this slice: expert parallelism (ids outside [0, E)), fp8 activations, split-K, fusing the
-slot sum / shared experts into the w2 epilogue.
+Masked routes: a (token, slot) pair whose id is ``MASKED_ROUTE`` (-1; expert parallelism marks the routes to
+other ranks' experts so) reaches no expert: ``moe_align`` leaves it out of every block, its identity block exits at
+once, and the slot sum skips it (it adds exactly 0). Ids must otherwise lie in [0, E).
+Excluded from this slice: fp8 activations, split-K, fusing the slot sum / shared experts into the w2 epilogue.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class MoeConfig:
     split_acc: bool = False  # w13: separate accumulators for the even and the odd columns of a K block
 
 
+MASKED_ROUTE = -1  # a route id that no expert computes and that contributes 0 to its token
+
 PREFILL_MIN_PAIRS = 8192  # from here on prefill-sized tiles (~32+ pairs per expert at E = 256)
 
 
@@ -85,7 +89,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     """Group (token, slot) pairs by expert into row blocks, without reading anything back to the host.
 
     Returns ``sorted_pairs`` int32 ``[n_blocks * block_m]`` (pair ids ``t * k + i``, pad = n_pairs) and
-    ``block_expert`` int32 ``[n_blocks]`` (-1 for blocks past the used ones). ``n_blocks`` is the static upper
+    ``block_expert`` int32 ``[n_blocks]`` (-1 for blocks past the used ones). Pairs of id ``MASKED_ROUTE`` are in
+    no block. ``n_blocks`` is the static upper
     bound ``ceil(n_pairs / block_m) + min(n_pairs, E)``. Up to ``ALIGN_KERNEL_MAX_PAIRS`` pairs in one launch
     (``moe_align_kernel``), beyond that ``moe_align_reference``'s torch sort; the results are identical.
     """
@@ -120,16 +125,20 @@ def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) 
     n_pairs = flat.numel()
     dev = flat.device
     n_blocks = -(-n_pairs // block_m) + min(n_pairs, num_experts)
-    sorted_ids, order = torch.sort(flat.long(), stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    n_slots = n_blocks * block_m
+    ids = flat.long()
+    ids = torch.where(ids < 0, num_experts, ids)  # masked routes: an extra bucket past the experts, dropped below
+    sorted_ids, order = torch.sort(ids, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(0, sorted_ids, torch.ones_like(sorted_ids))
-    padded = (counts + block_m - 1) // block_m * block_m
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
+    padded_start = torch.cat([padded_end - padded, padded.new_full((1,), n_slots)])  # masked pairs land past the end
     start = torch.cumsum(counts, 0) - counts
     rank = torch.arange(n_pairs, device=dev) - start[sorted_ids]
-    sorted_pairs = torch.full((n_blocks * block_m,), n_pairs, dtype=torch.int32, device=dev)
-    sorted_pairs.scatter_(0, padded_start[sorted_ids] + rank, order.to(torch.int32))
+    slots = torch.full((n_slots + n_pairs,), n_pairs, dtype=torch.int32, device=dev)
+    slots.scatter_(0, padded_start[sorted_ids] + rank, order.to(torch.int32))
+    sorted_pairs = slots[:n_slots]
     block_start = torch.arange(n_blocks, device=dev) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
     block_expert = torch.where(block_start < padded_end[-1], block_expert, -1).to(torch.int32)
@@ -212,7 +221,7 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
     part = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)
     _launch_w2(inter, routing, w2, s2, s2b, part, cfg, fp4, asm)
     block = min(1024, triton.next_power_of_2(h))
-    tk.moe_sum_kernel[(t, triton.cdiv(h, block))](part, out, h, TOPK=k, BLOCK=block, num_warps=4)
+    tk.moe_sum_kernel[(t, triton.cdiv(h, block))](part, ids, out, h, TOPK=k, BLOCK=block, num_warps=4)
     return out
 
 
@@ -352,6 +361,8 @@ def moe_reference(
     out = torch.zeros((t, x.shape[1]), dtype=torch.float32, device=x.device)
     xf = x.float()
     for e in torch.unique(topk_ids).tolist():
+        if e == MASKED_ROUTE:
+            continue
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         if w13_scale is not None:
             g13 = dequant_nvfp4(w13[e], w13_scale[e], w13_scale2[e])

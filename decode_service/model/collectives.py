@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.moe import MASKED_ROUTE
+
 
 @dataclass(frozen=True, eq=False)
 class TPGroup:
@@ -53,13 +55,13 @@ class TPGroup:
         return held, width if self.expert_width is None else self.expert_width
 
     def local_routes(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global expert ids `[T, k]` -> ids into this rank's experts; a route to another rank's expert gets weight
-        0 (it contributes nothing here; its own rank adds it in the same all-reduce)."""
+        """Global expert ids `[T, k]` -> ids into this rank's experts; a route to another rank's expert gets the id
+        `MASKED_ROUTE` and weight 0: no expert here computes it, its own rank adds it in the same all-reduce."""
         if self.experts is None:
             return ids, weights
         first, stop = self.experts
         mine = (ids >= first) & (ids < stop)
-        return (ids - first).masked_fill(~mine, 0), weights.masked_fill(~mine, 0.0)
+        return (ids - first).masked_fill(~mine, MASKED_ROUTE), weights.masked_fill(~mine, 0.0)
 
 
 SINGLE = TPGroup()

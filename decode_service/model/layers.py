@@ -244,7 +244,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights, gammas = self.gate(x)  # [T, k], [T, k], [T, S]
-        ids, weights = self.tp.local_routes(ids, weights)  # expert parallel: other ranks' experts weigh 0 here
+        ids, weights = self.tp.local_routes(ids, weights)  # expert parallel: other ranks' experts masked
         return self.experts(x, ids, weights) + self.shared_experts(x, gammas)
 
 

@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from common.nvfp4 import dequant_nvfp4
+from kernels.moe import MASKED_ROUTE
 from kernels.rms_norm import rms_norm_reference
 from kernels.router import route_reference
 
-# x [T, H], ids [T, k], weights [T, k], then the expert stacks -> [T, H] in x's dtype
+# x [T, H], ids [T, k], weights [T, k], then the expert stacks -> [T, H] in x's dtype; a route of id MASKED_ROUTE
+# (expert parallelism: another rank's expert) reaches no expert and adds nothing
 RoutedExperts = Callable[..., torch.Tensor]
 
 
@@ -76,10 +78,13 @@ def _experts_loop(
     weights: torch.Tensor,
     expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:
-    """`out[t] = sum_i w[t, i] * W2_e (silu(Wg_e x_t) * (Wu_e x_t))`, one used expert at a time."""
+    """`out[t] = sum_i w[t, i] * W2_e (silu(Wg_e x_t) * (Wu_e x_t))`, one used expert at a time (masked routes
+    skipped)."""
     out = torch.zeros_like(x)  # [T, H]
     weights = weights.to(x.dtype)
     for e in ids.unique().tolist():
+        if e == MASKED_ROUTE:
+            continue
         token, slot = torch.where(ids == e)
         w13, w2 = expert(e)  # [2I, H], [H, I] in x's dtype
         gate, up = (x[token] @ w13.T).split(w2.shape[1], dim=-1)

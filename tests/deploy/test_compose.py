@@ -175,6 +175,9 @@ def test_gpu_reservation_and_cpu_variant(compose):
     decode = compose["services"]["decode"]
     devices = decode["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    args = build_parser().parse_args(cli_args(decode))
+    assert args.tensor_parallel_size == devices[0]["count"]  # one GPU per rank: the reservation holds the ranks
+    assert not args.enable_expert_parallel
     assert decode["profiles"] == ["gpu"]
     cpu = compose["services"]["decode-cpu"]
     assert cpu["profiles"] == ["cpu"] and "resources" not in cpu.get("deploy", {})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import socket
 import sys
@@ -264,3 +265,78 @@ def test_private_redis_is_started_even_when_one_answers_locally(fake_spec):
     reused = Cluster(fake_spec(redis="auto"))
     with reused:
         assert reused.redis_url == launch.DEFAULT_REDIS_URL and reused.redis_origin.startswith("reused")
+
+
+def test_up_passes_tensor_and_expert_parallel_flags_to_every_decode_replica(fake_spec):
+    parser = argparse.ArgumentParser()
+    launch.add_up_args(parser)
+    args = parser.parse_args(["--checkpoint", "x", "--tensor-parallel-size", "2", "--enable-expert-parallel"])
+    assert (args.tensor_parallel_size, args.enable_expert_parallel) == (2, True)
+    spec = fake_spec(decoders=2, encoders=0, tensor_parallel_size=2, expert_parallel=True)
+    with Cluster(spec) as cluster:
+        for process in cluster.decoders:
+            assert "--tensor-parallel-size 2 --enable-expert-parallel" in " ".join(process.argv)
+            assert process.env == {}  # --device cpu: gloo ranks, no GPUs to hand out
+        assert "--tensor-parallel-size" not in " ".join(cluster.router.argv)
+
+
+def test_tensor_parallel_replicas_get_disjoint_gpus(monkeypatch):
+    spec = ClusterSpec(checkpoint="x", decoders=2, device="cuda", tensor_parallel_size=4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [spec.decode_gpus(i) for i in range(2)] == ["0,1,2,3", "4,5,6,7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,6,5,4,3,2,1,0")
+    assert [spec.decode_gpus(i) for i in range(2)] == ["7,6,5,4", "3,2,1,0"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    with pytest.raises(ClusterError, match="need 8 GPUs, CUDA_VISIBLE_DEVICES has 3"):
+        spec.decode_gpus(0)
+    one = ClusterSpec(checkpoint="x", decoders=1, device="cuda", tensor_parallel_size=2)
+    assert one.decode_gpus(0) is None  # one replica: it uses GPUs 0..N-1 of what it inherits
+
+
+def test_bad_parallel_flags_are_named():
+    with pytest.raises(ClusterError, match="--tensor-parallel-size must be >= 1, got 0"):
+        ClusterSpec(checkpoint="x", tensor_parallel_size=0)
+    with pytest.raises(ClusterError, match="--enable-expert-parallel needs --tensor-parallel-size > 1"):
+        ClusterSpec(checkpoint="x", expert_parallel=True)
+    with pytest.raises(ClusterError, match="both as an `up` flag and in --decode-args"):
+        ClusterSpec(checkpoint="x", tensor_parallel_size=2, extra_args={"decode": ["--tensor-parallel-size", "4"]})
+    parser = argparse.ArgumentParser()
+    launch.add_up_args(parser)
+    args = parser.parse_args(["--checkpoint", "x", "--enable-expert-parallel"])
+    assert launch.main(args) == 2  # the spec error, before anything starts
+
+
+def test_a_tensor_parallel_replica_started_by_up_serves_the_single_process_tokens(tmp_path, capsys):
+    """A real decode replica of 2 gloo ranks (make-tiny checkpoint, no encoder tier) behind the router returns the
+    greedy tokens of `generate --local` in one process."""
+    from tools.cli import main as cli_main
+    from tools.make_tiny_checkpoint import make_tiny_checkpoint
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", nvfp4=False, seed=3)
+    prompt = [200000, 200004, 9906, 11, 1917, 200010] * 3
+    argv = ["generate", "--local", "--checkpoint", str(checkpoint), "--dtype", "float32", "--json"]
+    flags = ["--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "8", "--ignore-eos"]
+    assert cli_main([*argv, *flags]) == 0
+    expected = json.loads(capsys.readouterr().out)["token_ids"]
+    spec = ClusterSpec(
+        checkpoint=str(checkpoint),
+        encoders=0,
+        redis="none",
+        dtype="float32",
+        log_dir=str(tmp_path / "logs"),
+        startup_timeout_s=120.0,
+        stop_timeout_s=15.0,
+        grace_seconds=0.5,
+        tensor_parallel_size=2,
+    )
+    request = pb.GenerateRequest(
+        request_id="tp2-up",
+        tokens=pb.TokenPrompt(token_ids=prompt),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    )
+    with Cluster(spec) as cluster:
+        assert "--tensor-parallel-size 2" in " ".join(cluster.decoders[0].argv)
+        with grpc.insecure_channel(cluster.router_address) as channel:
+            responses = list(generator_pb2_grpc.GeneratorStub(channel).Generate(request, timeout=60))
+    assert responses[-1].WhichOneof("response") == "final"
+    assert [t for r in responses[:-1] for t in r.delta.token_ids] == expected and len(expected) == 8

@@ -3,6 +3,7 @@ import torch
 
 import kernels.moe as moe_module
 from kernels.moe import (
+    MASKED_ROUTE,
     MoeConfig,
     bf16_moe,
     default_config,
@@ -78,6 +79,41 @@ def test_moe_align_rejects_bad_arguments():
         moe_align(torch.zeros(2, 2, dtype=torch.int32), 4, 6)
 
 
+def masked(ids: torch.Tensor, gen: torch.Generator, p: float = 0.5) -> torch.Tensor:
+    """ids with about a fraction p of the routes masked, as expert parallelism masks other ranks' experts."""
+    return ids.masked_fill(torch.rand(ids.shape, generator=gen) < p, MASKED_ROUTE)
+
+
+def expert_counts(sorted_pairs, block_expert, n_pairs, num_experts, block_m):
+    """Pairs per expert as moe_align's blocks hold them."""
+    counts = [0] * num_experts
+    for b, e in enumerate(block_expert.tolist()):
+        rows = [p for p in sorted_pairs[b * block_m : (b + 1) * block_m].tolist() if p < n_pairs]
+        assert e >= 0 or not rows
+        counts[e] += len(rows) if e >= 0 else 0
+    return counts
+
+
+@pytest.mark.parametrize("align", [moe_align, moe_align_reference])
+def test_moe_align_puts_masked_routes_in_no_block(cpu_interpreter, align):
+    ids = torch.tensor([[3, MASKED_ROUTE], [MASKED_ROUTE, 0], [3, MASKED_ROUTE], [MASKED_ROUTE, MASKED_ROUTE]])
+    sorted_pairs, block_expert = align(ids, num_experts=5, block_m=2)
+    assert expert_counts(sorted_pairs, block_expert, ids.numel(), 5, 2) == [1, 0, 0, 2, 0]
+    placed = {p for p in sorted_pairs.tolist() if p < ids.numel()}
+    assert placed == {0, 3, 4}  # the unmasked pairs, each once
+
+
+@pytest.mark.parametrize("t,e,k,block_m", [(37, 16, 3, 4), (70, 256, 6, 8)])
+def test_moe_align_kernel_equals_the_torch_sort_with_masked_routes(cpu_interpreter, t, e, k, block_m):
+    gen = torch.Generator().manual_seed(t + e)
+    for ids in (masked(routing(t, e, k, gen)[0], gen), masked(skewed_ids(t, e, k, gen), gen, 0.9)):
+        got = moe_align(ids, e, block_m)
+        ref = moe_align_reference(ids, e, block_m)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+        kept = torch.bincount(ids[ids >= 0].long(), minlength=e).tolist()
+        assert expert_counts(*got, ids.numel(), e, block_m) == kept
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [64, 256, 600])
 def test_moe_align_kernel_gpu(cuda_device, t):
@@ -137,6 +173,40 @@ def test_nvfp4_moe_code_shapes_match_reference(cpu_interpreter, variant, sorted_
     cfg = MoeConfig(**{**SMALL.__dict__, "sorted_min_pairs": sorted_min_pairs, **variant})
     out = nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg)
     assert rel_err(out, moe_reference(x, ids, wts, *w13, *w2)) < 1e-5
+
+
+@pytest.mark.parametrize("sorted_min_pairs", [1, 64])
+@pytest.mark.parametrize("fp4", [True, False])
+def test_masked_routes_reach_no_expert(cpu_interpreter, sorted_min_pairs, fp4):
+    """A masked route adds nothing to its token, whatever its weight, and no expert computes it: a token whose every
+    route is masked has a NaN input row and still gets exactly 0 (NaN * 0 is NaN, so one computed route would show),
+    with the identity (64) and the sorted (1) routing."""
+    gen = torch.Generator().manual_seed(5)
+    e, h, i, t, k = 8, 64, 32, 6, 3
+    if fp4:
+        w13, w2 = nvfp4_stack(e, 2 * i, h, gen), nvfp4_stack(e, h, i, gen)
+    else:
+        w13, w2 = (torch.randn(e, 2 * i, h, generator=gen) * 0.2,), (torch.randn(e, h, i, generator=gen) * 0.2,)
+    x = torch.randn(t, h, generator=gen)
+    x[2] = float("nan")
+    ids, wts = routing(t, e, k, gen)
+    ids = masked(ids, gen, 0.4)
+    ids[2] = MASKED_ROUTE
+    ids[3, 0] = 1  # token 3 keeps at least one route
+    cfg = MoeConfig(**{**SMALL.__dict__, "sorted_min_pairs": sorted_min_pairs})
+    if fp4:
+        out = nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg)
+        ref = moe_reference(x, ids, wts, *w13, *w2)
+    else:
+        out = bf16_moe(x, ids, wts, *w13, *w2, config=cfg)
+        ref = moe_reference(x, ids, wts, w13[0], None, None, w2[0], None, None)
+    assert torch.equal(out[2], torch.zeros(h)) and torch.equal(ref[2], torch.zeros(h))
+    keep = [r for r in range(t) if r != 2]
+    kept_wts = wts.masked_fill(ids < 0, 0.0)  # the same routes with the masked ones at weight 0 on any expert
+    zero_ids = ids.clamp(min=0)
+    unmasked = moe_reference(x[keep], zero_ids[keep], kept_wts[keep], *(w13 if fp4 else (w13[0], None, None)),
+                             *(w2 if fp4 else (w2[0], None, None)))  # fmt: skip
+    assert rel_err(out[keep], unmasked) < 1e-5 and rel_err(ref[keep], unmasked) < 1e-5
 
 
 def test_default_config_tiles_fit_inkling_small():
@@ -210,3 +280,27 @@ def test_bf16_moe_gpu(cuda_device, t):
     err = rel_err(out, moe_reference(x, ids, wts, w13, None, None, w2, None, None))
     print(f"bf16_moe T={t}: rel {err:.2e}")
     assert err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_masked_routes_reach_no_expert_gpu_full_width(cuda_device, t):
+    """Inkling-Small widths with half the routes masked (expert parallelism over 2): identity (T=1, 8) and sorted
+    (T=64) routing; a token with every route masked has a NaN input and gets exactly 0."""
+    gen = torch.Generator().manual_seed(t + 100)
+    e, h, i, k = 16, 4096, 2048, 6
+    w13 = nvfp4_stack(e, 2 * i, h, gen, cuda_device)
+    w2 = nvfp4_stack(e, h, i, gen, cuda_device)
+    w13, w2 = (w13[0], w13[1], w13[2] * 1e-3), (w2[0], w2[1], w2[2] * 1e-3)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    ids, wts = routing(t, e, k, gen)
+    ids = masked(ids, gen)
+    ids[0], x[0] = MASKED_ROUTE, float("nan")
+    x, ids, wts = x.to(cuda_device), ids.to(cuda_device), wts.to(cuda_device)
+    align = moe_align(ids, e, 8)
+    assert all(torch.equal(a, b) for a, b in zip(align, moe_align_reference(ids, e, 8), strict=True))
+    out = nvfp4_moe(x, ids, wts, *w13, *w2)
+    assert torch.equal(out[0].float().cpu(), torch.zeros(h))
+    if t > 1:
+        ref = moe_reference(x[1:], ids[1:], wts[1:], *w13, *w2)
+        assert rel_err(out[1:], ref) < 1e-2

@@ -22,9 +22,12 @@ from common.config import load_model_config
 from common.errors import ConfigError
 from common.tensor_parallel import plan_rank
 from decode_service.model.batch import ForwardBatch, SequenceSlice
+from decode_service.model.collectives import TPGroup
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.mtp import MTPDrafter
+from decode_service.model.ops import bf16_experts_reference
 from decode_service.model.parallel import build_rank_decoder, local_text_config, tp_group
+from kernels.moe import MASKED_ROUTE
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 # 7 routed experts: uneven under expert parallelism over 2 (4 + 3) and 4 ranks (2 + 2 + 2 + 1). The tiny
@@ -172,3 +175,24 @@ def test_expert_parallel_needs_an_expert_on_every_rank(checkpoints):
     plan = plan_rank(dataclasses.replace(config, text=small), 4, 3, expert_parallel=True)
     with pytest.raises(ConfigError, match="leave rank 3 with none"):
         tp_group(small, plan, None)
+
+
+def test_expert_parallel_routes_to_other_ranks_reach_no_expert():
+    """Rank 1 of 2 holding experts 3..5: routes to the others are masked (id MASKED_ROUTE, weight 0), and the
+    reference experts compute none of them: a token routed only elsewhere has a NaN input and still gets 0."""
+    tp = TPGroup(2, 1, None, 0, (3, 6), 8)
+    ids = torch.tensor([[0, 4], [5, 2], [1, 6]])
+    weights = torch.tensor([[0.25, 0.75], [0.5, 0.5], [0.5, 0.5]])
+    local, local_weights = tp.local_routes(ids, weights)
+    assert local.tolist() == [[MASKED_ROUTE, 1], [2, MASKED_ROUTE], [MASKED_ROUTE, MASKED_ROUTE]]
+    assert local_weights.tolist() == [[0.0, 0.75], [0.5, 0.0], [0.0, 0.0]]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 16, generator=gen)
+    x[2] = float("nan")
+    w13, w2 = torch.randn(3, 16, 16, generator=gen), torch.randn(3, 16, 8, generator=gen)
+    out = bf16_experts_reference(x, local, weights, w13, w2)  # the unmasked weights: masking alone drops them
+    assert torch.equal(out[2], torch.zeros(16))
+    only = bf16_experts_reference(
+        x[:2], torch.tensor([[1, 1], [2, 2]]), torch.tensor([[0.75, 0.0], [0.5, 0.0]]), w13, w2
+    )
+    torch.testing.assert_close(out[:2], only)
