@@ -10,7 +10,7 @@ drawn from one seed on every rank, sharded ones from a per-rank seed.
 
 Per (ctx, B): the engine's batched decode step (`DecodeGraphs` over the paged cache holding random history) run
 eagerly and replayed from its CUDA graph (wall time, metadata fill included), the greedy tokens of the two compared
-(gathered logits, the unpadded vocab), and the floor: the per-GPU bytes of `bench_decode.step_bytes` on the rank's
+(gathered logits, the unpadded vocab), and the floor: the per-GPU bytes of `bench.proxy.step_bytes` on the rank's
 shard (the slowest rank's) over the copy bandwidth measured in the same run, plus 2 x layers x the all-reduce
 latency of this step's message (`[B, H]` bf16) measured in the same run over the same group. The logits all-gather
 is not in the floor. `--tiny --device cpu` runs the same code at make-tiny shapes over gloo (CI smoke test).
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.bench_decode import paged_decode_batch, random_tensor, step_bytes, touched_experts
 from bench.floors import Ceilings, measure_ceilings, time_eager_ms
+from bench.proxy import paged_decode_batch, random_tensor, step_bytes, touched_experts
 from common.config import ModelConfig, parse_model_config
 from common.tensor_parallel import REPLICATED, ROW, RankPlan, plan_rank
 from decode_service.engine.worker.decode_graphs import DecodeGraphs

@@ -1,6 +1,6 @@
 """MTP speculation: verify-step and draft-chain cost, then tokens/s per sequence with vLLM's published acceptance.
 
-Model: on CUDA the "Small-L6" proxy of `bench.bench_decode` (its builder, exact Inkling-Small layer shapes over
+Model: on CUDA the "Small-L6" proxy of `bench.proxy` (its builder, exact Inkling-Small layer shapes over
 6 layers, full 201024 vocabulary) plus 8 MTP depths of real shape (H=4096, one decoder layer each with the dense
 MLP of I=16384, depths 1 and 3 global, the others sliding, spec 1.5), random weights; on `--device cpu` the
 make-tiny shapes, so the whole run takes seconds (for CI, not for figures).
@@ -17,7 +17,7 @@ For each B (default 1/8/64) at context `--ctx`:
   tokens/s per sequence = mean tokens per round / round time, vs 1 / plain step without speculation (on CUDA
   the plain step replayed from the engine's decode CUDA graph, which is what the engine runs without drafts;
   the verify step and the chain run eagerly, as in the engine today).
-The one-token byte floor (`bench_decode.step_bytes`: every non-routed weight once, the routed experts the plain
+The one-token byte floor (`bench.proxy.step_bytes`: every non-routed weight once, the routed experts the plain
 step touches, K/V and conv state, fp32 logits, over the copy bandwidth measured in the same run) is printed next
 to the per-token time: speculation is how the per-token time goes below it.
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.bench_decode import (
+from bench.proxy import (
     NVFP4_LAYERS,
     PAGE,
     SMALL_L6,

@@ -1,0 +1,168 @@
+"""The decode benchmarks' shared pieces: the "Small-L6" proxy (exact Inkling-Small layer shapes over 6 layers,
+random weights generated on the device, NVFP4 stacks in their packed form), paged decode batches over the
+engine's pools, and the bytes a decode step must move (the floor). Used by `bench_decode`, `bench_decode_tp` and
+`bench_mtp`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from common.config import TextConfig, parse_model_config
+from decode_service.engine.core.pages import KVAllocator
+from decode_service.engine.worker.decode_graphs import DecodeGraphs
+from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
+from decode_service.model.batch import ForwardBatch, SequenceSlice
+from decode_service.model.inkling import InklingDecoder
+from decode_service.model.layers import Bf16Experts, NVFP4Experts
+from tools.make_tiny_checkpoint import raw_config
+
+SMALL_L6 = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "swa_num_attention_heads": 32,
+    "swa_num_key_value_heads": 8,
+    "swa_head_dim": 128,
+    "sliding_window_size": 512,
+    "d_rel": 16,
+    "rel_extent": 1024,
+    "log_scaling_n_floor": 128000,
+    "local_layer_ids": [0, 1, 2, 3, 4],
+    "dense_mlp_idx": 2,
+    "dense_intermediate_size": 16384,
+    "intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 2,
+}
+NVFP4_LAYERS = frozenset({3, 4, 5})
+PAGE = 16
+
+
+def proxy_raw_text() -> dict:
+    return raw_config(**SMALL_L6)["text_config"]
+
+
+def proxy_config() -> TextConfig:
+    return parse_model_config(raw_config(**SMALL_L6)).text
+
+
+@torch.no_grad()
+def random_proxy(config: TextConfig, nvfp4_layers: frozenset[int], device: str = "cuda", seed: int = 0):
+    """`InklingDecoder` with random weights made on `device`: unit-variance linear outputs, routing ~ uniform."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        shapes = InklingDecoder(config, nvfp4_layers).state_dict()
+    weights = {
+        name: random_tensor(name, tuple(meta.shape), meta.dtype, config, device) for name, meta in shapes.items()
+    }
+    return InklingDecoder.from_weights(config, weights, torch.bfloat16, device)
+
+
+def random_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    config: TextConfig,
+    device: str,
+    generator: torch.Generator | None = None,
+    fan_in: int | None = None,
+) -> torch.Tensor:
+    """One random weight of the proxy's statistics, drawn on `device`; matrices scaled by 1/sqrt(`fan_in`, default
+    their last dim: a row-parallel shard passes the full model's), `config` the full model's."""
+    e2m1_rms, scale_mean = 2.93, 1.0  # RMS of the 16 e2m1 codes; block scales drawn in [0.25, 1.75]
+    g = {"generator": generator, "device": device}
+    if dtype == torch.uint8:  # packed e2m1 codes
+        return torch.randint(0, 256, shape, dtype=torch.uint8, **g)
+    if dtype == torch.float8_e4m3fn:
+        return (torch.rand(shape, **g) * 1.5 + 0.25).to(torch.float8_e4m3fn)
+    if name.endswith("_scale2"):  # per-expert scale: W rows of RMS 1/sqrt(fan-in)
+        rows_in = config.hidden_size if "w13" in name else config.moe_intermediate_size
+        return torch.full(shape, 1.0 / math.sqrt(rows_in) / (e2m1_rms * scale_mean), device=device)
+    if name.endswith("mlp.gate.bias"):
+        return torch.zeros(shape, device=device)
+    if name.endswith("global_scale"):
+        return torch.ones(shape, device=device)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, **g)
+    if "sconv" in name:
+        return 0.1 * torch.randn(shape, **g)
+    if name.endswith("rel_logits_proj.proj"):
+        return 0.5 * torch.randn(shape, **g)
+    return torch.randn(shape, dtype=torch.bfloat16, **g).mul_(1.0 / math.sqrt(fan_in or shape[-1]))
+
+
+def paged_decode_batch(
+    model: InklingDecoder, batch: int, ctx: int, max_model_len: int, device: str = "cuda", seed: int | None = None
+):
+    """B sequences whose `ctx` committed tokens sit in the engine's paged cache (random K/V, zero conv
+    states) -> the packed batch that decodes position `ctx` of each (re-running it rewrites the same slots), and
+    the engine's `DecodeGraphs` over the same cache with the sequences' handles. `seed`: the tokens from a seeded
+    generator (equal on every rank of a tensor-parallel group)."""
+    config = model.config
+    window_pages = math.ceil(config.sliding_window / PAGE) + 2
+    ctx_pages = math.ceil((ctx + 1) / PAGE)
+    spec = CacheSpec(PAGE, batch * window_pages + ctx_pages, batch * ctx_pages, batch, torch.bfloat16, device)
+    cache, allocator = KVCache(config, spec), KVAllocator(config, spec)
+    for pool in (*cache.k.values(), *cache.v.values()):
+        pool.normal_()
+    graphs = DecodeGraphs(model, cache, max_num_seqs=batch, max_model_len=max_model_len)  # tables before handles
+    seqs, handles = [], []
+    for _ in range(batch):
+        pages = allocator.new_sequence()
+        pages.grow(ctx + 1)
+        pages.commit(ctx)  # drops the sliding pages before the window
+        handle = SequenceView(cache, pages.slot)
+        for sliding, update in zip((True, False), pages.take_updates(), strict=True):
+            handle.update(sliding, update)
+        handle.num_tokens = ctx
+        seqs.append(SequenceSlice(ctx, 1, handle.layers))
+        handles.append(handle)
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.unpadded_vocab_size, (batch,), generator=gen).to(device)
+    return ForwardBatch(tokens, seqs), graphs, handles
+
+
+def touched_experts(model: InklingDecoder, fb: ForwardBatch) -> dict[int, int]:
+    """Distinct routed experts per MoE layer in this step's routing (of this rank's: masked routes not counted)."""
+    counts: dict[int, int] = {}
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if isinstance(experts, (Bf16Experts, NVFP4Experts)):
+            hooks.append(experts.register_forward_pre_hook(
+                lambda _m, args, i=i: counts.__setitem__(i, int(args[1][args[1] >= 0].unique().numel()))
+            ))  # fmt: skip
+    with torch.inference_mode():
+        model(fb)
+    for h in hooks:
+        h.remove()
+    return counts
+
+
+def step_bytes(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int]) -> int:
+    config = model.config
+    h, i = config.hidden_size, config.moe_intermediate_size
+    total = 0
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if name == "embed.weight":
+            total += batch * h * t.element_size()
+        elif ".mlp.experts." not in name:
+            total += t.numel() * t.element_size()
+    for layer, n in touched.items():
+        if isinstance(model.layers[layer].mlp.experts, NVFP4Experts):
+            per_expert = 3 * h * i // 2 + 3 * h * i // 16 + 2 * 4  # codes + e4m3 block scales + scale2
+        else:
+            per_expert = 3 * h * i * 2
+        total += n * per_expert
+    for layer in range(config.num_layers):
+        geo = config.layer_geometry(layer)
+        visible = min(ctx + 1, geo.window) if geo.window else ctx + 1
+        total += batch * visible * 2 * geo.kv_width * 2  # K and V, bf16
+        total += batch * 2 * (config.conv_kernel_size - 1) * (2 * geo.kv_width + 2 * h) * 2  # conv in + out
+    total += batch * min(config.unpadded_vocab_size, config.vocab_size) * 4  # fp32 logits (this rank's vocab shard)
+    return total
