@@ -43,44 +43,11 @@ from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.parallel import local_text_config, tp_group
 from tools.make_tiny_checkpoint import raw_config
+from tools.model_shapes import INKLING, INKLING_SMALL
 
 PAGE = 16
-# spec/inkling-text.md 1.6
-SMALL = {
-    "hidden_size": 4096,
-    "num_hidden_layers": 42,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "swa_num_attention_heads": 32,
-    "swa_num_key_value_heads": 8,
-    "swa_head_dim": 128,
-    "sliding_window_size": 512,
-    "d_rel": 16,
-    "rel_extent": 1024,
-    "log_scaling_n_floor": 128000,
-    "local_layer_ids": [i for i in range(42) if (i + 1) % 6],
-    "dense_mlp_idx": 2,
-    "dense_intermediate_size": 16384,
-    "intermediate_size": 2048,
-    "n_routed_experts": 256,
-    "num_experts_per_tok": 6,
-    "n_shared_experts": 2,
-    "logits_mup_width_multiplier": 16.0,
-}
-INKLING = SMALL | {
-    "hidden_size": 6144,
-    "num_hidden_layers": 66,
-    "num_attention_heads": 64,
-    "swa_num_attention_heads": 64,
-    "swa_num_key_value_heads": 16,
-    "local_layer_ids": [i for i in range(66) if (i + 1) % 6],
-    "dense_intermediate_size": 24576,
-    "intermediate_size": 3072,
-    "logits_mup_width_multiplier": 24.0,
-}
 TINY = {"vocab_size": 512, "unpadded_vocab_size": 500, "intermediate_size": 64}  # make-tiny, 6 layers
-MODELS = {"small": SMALL, "inkling": INKLING}
+MODELS = {"small": INKLING_SMALL, "inkling": INKLING}
 
 
 def model_config(name: str, tiny: bool) -> ModelConfig:

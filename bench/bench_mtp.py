@@ -62,9 +62,8 @@ from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.mtp import MTPDrafter
 from tools.make_tiny_checkpoint import raw_config
+from tools.model_shapes import INKLING_MTP
 
-# Inkling-Small's MTP block (spec 1.5): 8 depths, depths 1 and 3 global.
-REAL_MTP = {"num_nextn_predict_layers": 8, "chain_hidden_post_norm": False, "local_layer_ids": [0, 2, 4, 5, 6, 7]}
 # vLLM, Inkling, GSM8K, concurrency 64, greedy: cumulative acceptance of draft position k = 1..8.
 VLLM_RATES = (0.757, 0.601, 0.498, 0.411, 0.354, 0.298, 0.261, 0.223)
 FULL_LAYERS = 42  # Inkling-Small (spec 1.5), for the full-depth estimate
@@ -104,8 +103,8 @@ def copy_gbs(device: str) -> float:
 
 def build(device: str, num_depths: int) -> tuple[InklingDecoder, MTPDrafter]:
     """The trunk (Small-L6 on CUDA, make-tiny on CPU) and `num_depths` random MTP depths of the real block."""
-    mtp_block = dict(REAL_MTP, num_nextn_predict_layers=num_depths)
-    mtp_block["local_layer_ids"] = [i for i in REAL_MTP["local_layer_ids"] if i < num_depths]
+    mtp_block = dict(INKLING_MTP, num_nextn_predict_layers=num_depths)
+    mtp_block["local_layer_ids"] = [i for i in INKLING_MTP["local_layer_ids"] if i < num_depths]
     if device == "cuda":
         parsed = parse_model_config(raw_config(**SMALL_L6, mtp_config=mtp_block))
         trunk = random_proxy(parsed.text, NVFP4_LAYERS, device).with_ops("fast")

@@ -17,28 +17,10 @@ from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.layers import Bf16Experts, NVFP4Experts
 from tools.make_tiny_checkpoint import raw_config
+from tools.model_shapes import INKLING_SMALL
 
-SMALL_L6 = {
-    "hidden_size": 4096,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "swa_num_attention_heads": 32,
-    "swa_num_key_value_heads": 8,
-    "swa_head_dim": 128,
-    "sliding_window_size": 512,
-    "d_rel": 16,
-    "rel_extent": 1024,
-    "log_scaling_n_floor": 128000,
-    "local_layer_ids": [0, 1, 2, 3, 4],
-    "dense_mlp_idx": 2,
-    "dense_intermediate_size": 16384,
-    "intermediate_size": 2048,
-    "n_routed_experts": 256,
-    "num_experts_per_tok": 6,
-    "n_shared_experts": 2,
-}
+# Inkling-Small's layer shapes over 6 layers: 0-1 dense, 2 bf16 experts, 3-5 NVFP4, 5 global
+SMALL_L6 = INKLING_SMALL | {"num_hidden_layers": 6, "local_layer_ids": [0, 1, 2, 3, 4]}
 NVFP4_LAYERS = frozenset({3, 4, 5})
 PAGE = 16
 

@@ -12,42 +12,8 @@ from common.config import parse_model_config
 from common.errors import ConfigError
 from common.memory_plan import GiB, MemoryRequest, plan_fitting, plan_memory, weight_specs
 from tools.make_tiny_checkpoint import raw_config
+from tools.model_shapes import INKLING, INKLING_MTP, INKLING_SMALL
 
-# spec/inkling-text.md 1.6
-SMALL = {
-    "hidden_size": 4096,
-    "num_hidden_layers": 42,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "swa_num_attention_heads": 32,
-    "swa_num_key_value_heads": 8,
-    "swa_head_dim": 128,
-    "sliding_window_size": 512,
-    "d_rel": 16,
-    "rel_extent": 1024,
-    "log_scaling_n_floor": 128000,
-    "local_layer_ids": [i for i in range(42) if (i + 1) % 6],
-    "dense_mlp_idx": 2,
-    "dense_intermediate_size": 16384,
-    "intermediate_size": 2048,
-    "n_routed_experts": 256,
-    "num_experts_per_tok": 6,
-    "n_shared_experts": 2,
-    "logits_mup_width_multiplier": 16.0,
-}
-INKLING = SMALL | {
-    "hidden_size": 6144,
-    "num_hidden_layers": 66,
-    "num_attention_heads": 64,
-    "swa_num_attention_heads": 64,
-    "swa_num_key_value_heads": 16,
-    "local_layer_ids": [i for i in range(66) if (i + 1) % 6],
-    "dense_intermediate_size": 24576,
-    "intermediate_size": 3072,
-    "logits_mup_width_multiplier": 24.0,
-}
-MTP = {"num_nextn_predict_layers": 8, "chain_hidden_post_norm": False, "local_layer_ids": [0, 2, 4, 5, 6, 7]}
 # 64 sequences of 8k context, 8k prefill chunks, 2 GiB of graphs, 4 GiB for activations and the CUDA context
 SERVING = MemoryRequest(
     device_bytes=141 * GiB,
@@ -62,11 +28,11 @@ SERVING = MemoryRequest(
 
 def released(text: dict):
     """A released config and its NVFP4 layers (every MoE layer after the first, bf16 layer 2)."""
-    config = parse_model_config(raw_config(**text, mtp_config=MTP))
+    config = parse_model_config(raw_config(**text, mtp_config=INKLING_MTP))
     return config, [i for i in range(config.text.num_layers) if i > 2]
 
 
-@pytest.mark.parametrize(("text", "gb"), [(SMALL, 170.6), (INKLING, 591.8)])
+@pytest.mark.parametrize(("text", "gb"), [(INKLING_SMALL, 170.6), (INKLING, 591.8)])
 def test_released_weight_bytes(text: dict, gb: float) -> None:
     """The issue's sizes of the released NVFP4 checkpoints (trunk + NVFP4 experts + bf16 layer 2 + MTP)."""
     config, nvfp4 = released(text)
@@ -74,7 +40,7 @@ def test_released_weight_bytes(text: dict, gb: float) -> None:
 
 
 def test_inkling_small_needs_two_gpus() -> None:
-    config, nvfp4 = released(SMALL)
+    config, nvfp4 = released(INKLING_SMALL)
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 would fit") as err:
         plan_fitting(config, SERVING, 1, nvfp4_layers=nvfp4)
     needed = plan_memory(config, SERVING, 1, nvfp4_layers=nvfp4).largest.total
