@@ -144,18 +144,18 @@ class CompletionReply(_Collected):
         }
 
 
-class ChatChunks:
-    """`chat.completion.chunk` objects for one stream: a role chunk, then one per delta with text, a tool call
-    or logprobs, then the finish chunk and, with `include_usage`, a usage chunk with no choices."""
+class _Chunks:
+    """The stream's chunk envelope (id, object kind, model; `usage: null` until the usage chunk when asked for)."""
+
+    OBJECT = ""
 
     def __init__(self, meta: ReplyMeta, include_usage: bool, logprobs: bool, top: int) -> None:
         self.meta, self.include_usage, self.logprobs, self.top = meta, include_usage, logprobs, top
-        self._tool_index = 0
 
     def _chunk(self, choices: list[dict], **extra) -> dict:
         chunk = {
             "id": self.meta.id,
-            "object": "chat.completion.chunk",
+            "object": self.OBJECT,
             "created": self.meta.created,
             "model": self.meta.model,
             "choices": choices,
@@ -164,6 +164,17 @@ class ChatChunks:
             chunk["usage"] = None
         chunk.update(extra)
         return chunk
+
+
+class ChatChunks(_Chunks):
+    """`chat.completion.chunk` objects for one stream: a role chunk, then one per delta with text, a tool call
+    or logprobs, then the finish chunk and, with `include_usage`, a usage chunk with no choices."""
+
+    OBJECT = "chat.completion.chunk"
+
+    def __init__(self, meta: ReplyMeta, include_usage: bool, logprobs: bool, top: int) -> None:
+        super().__init__(meta, include_usage, logprobs, top)
+        self._tool_index = 0
 
     def first(self) -> dict:
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
@@ -188,24 +199,10 @@ class ChatChunks:
         return [self._chunk([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}])]
 
 
-class CompletionChunks:
+class CompletionChunks(_Chunks):
     """`text_completion` chunks: one per delta with text (or logprobs), the finish chunk, an optional usage one."""
 
-    def __init__(self, meta: ReplyMeta, include_usage: bool, logprobs: bool, top: int) -> None:
-        self.meta, self.include_usage, self.logprobs, self.top = meta, include_usage, logprobs, top
-
-    def _chunk(self, choices: list[dict], **extra) -> dict:
-        chunk = {
-            "id": self.meta.id,
-            "object": "text_completion",
-            "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": choices,
-        }
-        if self.include_usage:
-            chunk["usage"] = None
-        chunk.update(extra)
-        return chunk
+    OBJECT = "text_completion"
 
     def first(self) -> None:
         return None
