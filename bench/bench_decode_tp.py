@@ -24,18 +24,15 @@ import gc
 import json
 import math
 import os
-import statistics
 import tempfile
-import time
 import zlib
-from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.floors import Ceilings, measure_ceilings, time_eager_ms
+from bench.floors import Ceilings, measure_ceilings, time_host_ms, time_ms
 from bench.proxy import paged_decode_batch, random_tensor, step_bytes, touched_experts
 from common.config import ModelConfig, parse_model_config
 from common.tensor_parallel import REPLICATED, ROW, RankPlan, plan_rank
@@ -111,24 +108,6 @@ def kv_bytes(model: InklingDecoder, batch: int, ctx: int) -> int:
     return total
 
 
-def timer(device: str) -> Callable[..., float]:
-    """Median ms of a call: CUDA events on a GPU, the host clock on the CPU."""
-    if device.startswith("cuda"):
-        return time_eager_ms
-
-    def host_ms(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-
-    return host_ms
-
-
 def all_reduce_ms(
     shape: tuple[int, ...], group: dist.ProcessGroup | None, device: str, reps: int = 50, warmup: int = 5
 ) -> float:
@@ -139,14 +118,14 @@ def all_reduce_ms(
         for _ in range(10):
             dist.all_reduce(x, group=group)
 
-    return timer(device)(ten, reps=max(1, reps // 10), warmup=warmup) / 10
+    return time_ms(ten, device, reps=max(1, reps // 10), warmup=warmup) / 10
 
 
 def host_ceilings(n_bytes: int = 64 << 20) -> Ceilings:
     """The CPU's copy bandwidth (bytes read + written over time); matmul peak not measured (0)."""
     src = torch.randint(0, 255, (n_bytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
-    ms = timer("cpu")(lambda: dst.copy_(src), reps=5)
+    ms = time_host_ms(lambda: dst.copy_(src), reps=5)
     return Ceilings(copy_gbs=2 * n_bytes / (ms * 1e-3) / 1e9, bf16_tflops=0.0, device="cpu")
 
 
@@ -220,7 +199,6 @@ def _bench(rank: int, args: BenchArgs, device: str, out_path: str | None) -> lis
         flush=True,
     )
     layers = config.text.num_layers
-    time_ms = timer(device)
     rows = []
     max_model_len = max(args.contexts) + 1
     for ctx in args.contexts:
@@ -252,8 +230,8 @@ def _bench(rank: int, args: BenchArgs, device: str, out_path: str | None) -> lis
             touched = touched_experts(model, fb)
             per_gpu = _max_over_ranks(step_bytes(model, b, ctx, touched), None)
             reduce_ms = all_reduce_ms((b, config.text.hidden_size), None, device)
-            eager_ms = time_ms(partial(step, eager), reps=max(3, args.reps // 10), warmup=1)
-            graphs_ms = time_ms(partial(step, graphs), reps=args.reps, warmup=3) if cuda else None
+            eager_ms = time_ms(partial(step, eager), device, reps=max(3, args.reps // 10), warmup=1)
+            graphs_ms = time_ms(partial(step, graphs), device, reps=args.reps, warmup=3) if cuda else None
 
             if rank == 0:
                 bytes_ms = ceil.floor_us(per_gpu) / 1e3

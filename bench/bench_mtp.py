@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from bench.floors import time_host_ms, time_ms
 from bench.proxy import (
     NVFP4_LAYERS,
     PAGE,
@@ -69,22 +68,6 @@ VLLM_RATES = (0.757, 0.601, 0.498, 0.411, 0.354, 0.298, 0.261, 0.223)
 FULL_LAYERS = 42  # Inkling-Small (spec 1.5), for the full-depth estimate
 
 
-def timed_ms(fn: Callable[[], object], device: str, reps: int, warmup: int = 2) -> float:
-    """Median wall time of `fn` in ms (CUDA events around each call on CUDA, perf_counter on CPU)."""
-    if device == "cuda":
-        from bench.floors import time_eager_ms
-
-        return time_eager_ms(fn, reps=reps, warmup=warmup)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def copy_gbs(device: str) -> float:
     """Copy bandwidth (bytes read + written per second, GB/s), measured here like `bench.floors`."""
     if device == "cuda":
@@ -96,7 +79,7 @@ def copy_gbs(device: str) -> float:
     n = 64 << 20
     src = torch.randint(0, 255, (n,), dtype=torch.uint8)
     dst = torch.empty_like(src)
-    gbs = 2 * n / (timed_ms(lambda: dst.copy_(src), "cpu", reps=5) * 1e-3) / 1e9
+    gbs = 2 * n / (time_host_ms(lambda: dst.copy_(src), reps=5) * 1e-3) / 1e9
     print(f"# device cpu: measured copy bandwidth {gbs:.1f} GB/s", flush=True)
     return gbs
 
@@ -215,7 +198,7 @@ def plain_graph_ms(model: InklingDecoder, batch: int, ctx: int, reps: int) -> fl
         with torch.inference_mode():
             return model.logits(graphs.run(tokens, handles))
 
-    return timed_ms(step, "cuda", reps, warmup=3)  # the first run captures B's graph
+    return time_ms(step, "cuda", reps, warmup=3)  # the first run captures B's graph
 
 
 def expected_accepted(depth: int, rates: Sequence[float] = VLLM_RATES) -> float:
@@ -277,7 +260,7 @@ def lm_head_ms(model: InklingDecoder, rows: int, device: str, reps: int) -> floa
         with torch.inference_mode():
             return model.logits(hidden)
 
-    return timed_ms(run, device, reps)
+    return time_ms(run, device, reps)
 
 
 def run(
@@ -301,7 +284,7 @@ def run(
         if b < 1:
             raise ValueError(f"--batches: expected values >= 1, got {b}")
         plain_fb = paged_batch(trunk, b, ctx, 1)
-        plain = timed_ms(trunk_step(trunk, plain_fb), device, reps)
+        plain = time_ms(trunk_step(trunk, plain_fb), device, reps)
         floor = step_bytes(trunk, b, ctx, touched_experts(trunk, plain_fb)) / (gbs * 1e9) * 1e3
         graphed = plain_graph_ms(trunk, b, ctx, reps) if device == "cuda" else None
         lm_plain = lm_head_ms(trunk, b, device, reps)
@@ -313,9 +296,9 @@ def run(
             flush=True,
         )
         for d in depths:
-            verify = timed_ms(trunk_step(trunk, paged_batch(trunk, b, ctx, d + 1)), device, reps)
+            verify = time_ms(trunk_step(trunk, paged_batch(trunk, b, ctx, d + 1)), device, reps)
             rows = 1 + round(expected_accepted(d))
-            chain_ms = timed_ms(chain.step(d, rows), device, reps)
+            chain_ms = time_ms(chain.step(d, rows), device, reps)
             tokens = 1.0 + simulate_accepted(d, b, rounds)
             lm_verify = lm_head_ms(trunk, b * (d + 1), device, reps)
             row = Row(b, d, verify, chain_ms, rows, tokens, plain, floor, graphed, lm_plain, lm_verify)

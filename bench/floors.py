@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,6 +69,24 @@ def time_eager_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 2) -> 
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def time_host_ms(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` on the host clock (CPU benchmarks)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def time_ms(fn: Callable[[], object], device: str, reps: int = 20, warmup: int = 2) -> float:
+    """``time_eager_ms`` on a CUDA device, ``time_host_ms`` elsewhere."""
+    timer = time_eager_ms if str(device).startswith("cuda") else time_host_ms
+    return timer(fn, reps=reps, warmup=warmup)
 
 
 def _copy_gbs(n_bytes: int) -> float:
