@@ -5,8 +5,8 @@ joins one `torch.distributed` world over 127.0.0.1 (NCCL on `cuda`, rank r on GP
 `cpu`), reads only its slices of the checkpoint (`common.checkpoint_shard`), builds its sharded decoder
 (`decode_service.model.parallel`; with `--mtp-depth`, its shard of the MTP depths too) and an `Engine` over it with
 the same settings, so every rank sizes the same number of KV pages (of its local heads) and captures the same
-decode graphs. Rank 0's engine leads
-(`worker/ranks.py`); the others follow with their engine's runner, without sampling.
+decode graphs. Rank 0's engine leads (`worker/ranks.py`); the others follow with their engine's runner, without
+sampling.
 
 Groups: the model's collectives run on a group with the step timeout (a peer that stops answering fails the step
 instead of hanging it); the step messages go over a gloo control group without one (followers wait there while

@@ -334,9 +334,8 @@ class ModelRunner:
             if not request.speculative:
                 continue
             rows = hidden[first : first + n]
-            t = (
-                request.sampling.temperature if self.sampler is not None else 0.0
-            )  # a follower takes the leader's drafts
+            # A follower picks no drafts of its own: the leader's reach it inside the chain (worker/mtp.py).
+            t = request.sampling.temperature if self.sampler is not None else 0.0
             generator = self.sampler.generator(request, hidden.device) if emitted and t > 0 else None
             inputs.append(DraftInput(c.request_id, c.start, rows, request.all_token_ids, bool(emitted), t, generator))
         return self.drafter.extend(inputs) if inputs else {}

@@ -155,3 +155,33 @@ def test_prefix_hit_media_rows_and_abort_equal_mtp_without_tp(single, ranks):
     )
     assert [o.token_ids for o in first] + [final["hit"].token_ids] == [o.token_ids for o in want]
     assert not ranks.runner.runner.requests and not ranks.speculator.states
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL broadcasts of the leader's tokens)")
+def test_nccl_ranks_with_mtp_give_the_tokens_without_mtp(tmp_path):
+    """Unverified on this project's CI (no GPUs): TP=2 on GPUs 0 and 1 with D = 2, the leader's emitted tokens and
+    drafts broadcast over NCCL. fp32 greedy tokens equal the replica without MTP; bf16 with the decode graphs (their
+    captured all-reduces between verify steps) runs every request to its length with drafts verified."""
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", nvfp4=True, seed=6)
+
+    def run(dtype: str, depth: int) -> list:
+        settings = DecodeEngineSettings(
+            device="cuda", dtype=dtype, kv_cache_bytes=64 << 20, max_num_seqs=4, max_num_batched_tokens=64,
+            tensor_parallel_size=2, mtp_depth=depth,
+        )  # fmt: skip
+        engine = build_engine(checkpoint, settings)
+        try:
+            return engine.generate(
+                [Request(f"g{i}", prompt(n, 60 + i), GREEDY) for i, n in enumerate((5, 23, 14))]
+                + [Request("s", prompt(9, 70), dataclasses.replace(SAMPLED, seed=1))]
+            )
+        finally:
+            engine.ranks.close()
+
+    plain, spec = run("float32", 0), run("float32", 2)
+    assert [o.token_ids for o in spec[:3]] == [o.token_ids for o in plain[:3]]
+    assert all(o.num_draft_tokens > 0 for o in spec)
+    graphs = run("bfloat16", 2)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in graphs)
+    assert sum(o.num_accepted_draft_tokens for o in graphs) > 0
