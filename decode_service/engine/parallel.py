@@ -151,6 +151,8 @@ def launch_engine(
     config = load_model_config(checkpoint)
     if settings.mtp_depth and config.mtp is None:
         raise ConfigError(f"--mtp-depth={settings.mtp_depth}: the checkpoint has no MTP drafter (mtp_config)")
+    if config.mtp is not None and settings.mtp_depth > config.mtp.num_layers:
+        raise ConfigError(f"--mtp-depth={settings.mtp_depth}: the checkpoint's drafter has {config.mtp.num_layers}")
     rank_device(settings.device, size - 1)  # every GPU is there before anything starts
     log.info("%s", memory_plan_summary(checkpoint, config, settings, dtype, size, expert_parallel))
     init = f"tcp://127.0.0.1:{_free_port()}"

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from common.errors import ConfigError
 from common.settings import DecodeEngineSettings
 from decode_service.engine.request import MultimodalItem, Request, SamplingParams
 from decode_service.service import build_engine
@@ -78,6 +79,11 @@ def ranks(checkpoint, without_mtp):
     engine = build_engine(checkpoint, settings)
     yield engine
     engine.ranks.close()
+
+
+def test_a_depth_beyond_the_checkpoints_is_refused_before_any_rank_starts(checkpoint):
+    with pytest.raises(ConfigError, match="--mtp-depth=3: the checkpoint's drafter has 2"):
+        build_engine(checkpoint, DecodeEngineSettings(tensor_parallel_size=2, mtp_depth=3, **BASE))
 
 
 def test_greedy_tokens_equal_the_replica_without_mtp_and_mtp_without_tp(single, without_mtp, ranks):
