@@ -334,8 +334,6 @@ class DecodeEngineSettings:
         if self.expert_parallel and self.tensor_parallel_size == 1:
             raise ConfigError("--enable-expert-parallel needs --tensor-parallel-size > 1")
         _positive("--mtp-depth", self.mtp_depth, allow_zero=True)
-        if self.mtp_depth and self.tensor_parallel_size > 1:
-            raise ConfigError("--mtp-depth: MTP speculation does not run under --tensor-parallel-size > 1 yet")
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"--dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         _positive("--kv-budget-mb", self.kv_cache_bytes)

@@ -101,6 +101,7 @@ def sampling_params(s: pb.SamplingParams) -> SamplingParams:
         max_tokens=opt("max_tokens", None),
         ignore_eos=s.ignore_eos,
         min_tokens=opt("min_tokens", 0),
+        speculative=not s.disable_speculation,
     )
 
 

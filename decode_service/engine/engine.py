@@ -38,6 +38,7 @@ from decode_service.engine.worker.redis_tier import RedisPrefixTier
 from decode_service.engine.worker.runner import DecoderModel, ModelRunner, WorkerRequest
 from decode_service.engine.worker.sampler import Sampler
 from decode_service.model import fast_path
+from decode_service.model.collectives import SINGLE
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.mtp import MTPDrafter
 
@@ -181,7 +182,14 @@ class Engine:
             self.speculator.enable_prefix_rows(spec.num_global_pages, spec.page_size)
         decode_graphs = build_decode_graphs(model, self.kv, settings, self.max_model_len)
         self.runner = ModelRunner(
-            model, self.kv, Sampler(settings.seed), settings.device, decode_graphs, self.redis_prefix, self.speculator
+            model,
+            self.kv,
+            Sampler(settings.seed),
+            settings.device,
+            decode_graphs,
+            self.redis_prefix,
+            self.speculator,
+            model.tp if isinstance(model, InklingDecoder) else SINGLE,
         )
         if ranks is not None:
             self.runner = ranks.lead(self.runner)

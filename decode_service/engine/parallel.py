@@ -3,9 +3,10 @@
 Rank 0 is the calling (server) process; ranks 1..N-1 are spawned child processes that exit with it. Every rank
 joins one `torch.distributed` world over 127.0.0.1 (NCCL on `cuda`, rank r on GPU r of the visible ones; gloo on
 `cpu`), reads only its slices of the checkpoint (`common.checkpoint_shard`), builds its sharded decoder
-(`decode_service.model.parallel`) and an `Engine` over it with the same settings, so every rank sizes the same
-number of KV pages (of its local heads) and captures the same decode graphs. Rank 0's engine leads
-(`worker/ranks.py`); the others follow with their engine's runner, without sampling.
+(`decode_service.model.parallel`; with `--mtp-depth`, its shard of the MTP depths too) and an `Engine` over it with
+the same settings, so every rank sizes the same number of KV pages (of its local heads) and captures the same
+decode graphs. Rank 0's engine leads (`worker/ranks.py`); the others follow with their engine's runner, without
+sampling.
 
 Groups: the model's collectives run on a group with the step timeout (a peer that stops answering fails the step
 instead of hanging it); the step messages go over a gloo control group without one (followers wait there while
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import CheckpointFiles, plan_decoder_weights
-from common.checkpoint_shard import load_decoder_shard
+from common.checkpoint_shard import load_decoder_shard, load_mtp_shard
 from common.config import ModelConfig, load_model_config
 from common.errors import ConfigError
 from common.memory_plan import MemoryRequest, plan_fitting, plan_memory
@@ -41,6 +42,7 @@ from decode_service.engine.worker.prefix_store import PrefixStore
 from decode_service.engine.worker.ranks import RankLeader, follow
 from decode_service.engine.worker.runner import ModelRunner
 from decode_service.engine.worker.sharded_tier import FollowerPrefixTier
+from decode_service.model.mtp import MTPDrafter
 from decode_service.model.parallel import build_rank_decoder
 
 log = logging.getLogger(__name__)
@@ -90,14 +92,18 @@ def _rank_engine(
     leader: RankLeader | None,
     prefix_store: PrefixStore | None = None,
 ) -> Engine:
-    """Load the rank's shard, wait for every rank (`sync`: loading times differ, and building the engine
-    captures decode graphs whose warm-up runs the model's collectives), build the engine, `sync` again."""
-    weights, _, plan = load_decoder_shard(
-        CheckpointFiles(checkpoint), config, size, rank, expert_parallel, dtype, settings.device
-    )
+    """Load the rank's shard (and, with `mtp_depth`, its shard of the MTP depths), wait for every rank (`sync`:
+    loading times differ, and building the engine captures decode graphs whose warm-up runs the model's
+    collectives), build the engine, `sync` again."""
+    files = CheckpointFiles(checkpoint)
+    weights, _, plan = load_decoder_shard(files, config, size, rank, expert_parallel, dtype, settings.device)
     model = build_rank_decoder(config.text, weights, plan, model_group, dtype, settings.device)
+    drafter = None
+    if settings.mtp_depth:
+        mtp, _ = load_mtp_shard(files, config, plan, dtype, settings.device)
+        drafter = MTPDrafter.from_weights(mtp, config.mtp, model)  # its depths shard like the trunk's layers
     sync()
-    engine = Engine(model, config, settings, prefix_store, ranks=leader)
+    engine = Engine(model, config, settings, prefix_store, drafter, ranks=leader)
     sync()
     return engine
 
@@ -121,7 +127,7 @@ def memory_plan_summary(
         kv_tokens=0,
         graph_bytes=0,
         dtype=settings.cache_dtype or dtype,
-        include_mtp=False,
+        include_mtp=settings.mtp_depth > 0,
     )
     _, _, report = plan_decoder_weights(CheckpointFiles(checkpoint), config, dtype)
     plan = (plan_fitting if cuda else plan_memory)(config, request, size, expert_parallel, report.nvfp4_layers)
@@ -143,6 +149,10 @@ def launch_engine(
         raise ConfigError("the Redis prefix tier of a tensor-parallel replica needs its store and its connection")
     checkpoint = str(checkpoint)
     config = load_model_config(checkpoint)
+    if settings.mtp_depth and config.mtp is None:
+        raise ConfigError(f"--mtp-depth={settings.mtp_depth}: the checkpoint has no MTP drafter (mtp_config)")
+    if config.mtp is not None and settings.mtp_depth > config.mtp.num_layers:
+        raise ConfigError(f"--mtp-depth={settings.mtp_depth}: the checkpoint's drafter has {config.mtp.num_layers}")
     rank_device(settings.device, size - 1)  # every GPU is there before anything starts
     log.info("%s", memory_plan_summary(checkpoint, config, settings, dtype, size, expert_parallel))
     init = f"tcp://127.0.0.1:{_free_port()}"
@@ -216,7 +226,9 @@ def _follower_main(
     if prefix_connection is not None and engine.prefix_cache is not None:  # as rank 0's engine decides
         store = PrefixStore.connect(*prefix_connection)
         tier = FollowerPrefixTier(engine.kv, engine.prefix_cache.fingerprint, store, rank, size)
-    follower = ModelRunner(runner.model, runner.cache, None, runner.device, runner.decode_graphs, tier)
+    follower = ModelRunner(
+        runner.model, runner.cache, None, runner.device, runner.decode_graphs, tier, runner.drafter, runner.tp
+    )
     follow(follower, control)
     if tier is not None:
         tier.store.close()  # finish this rank's queued prefix writes

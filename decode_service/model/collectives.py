@@ -49,6 +49,13 @@ class TPGroup:
         dist.all_gather(parts, logits.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def from_leader(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (each rank passes a tensor of the same shape): what only the leader
+        decides, such as the tokens it sampled, reaches the followers through the model's own group."""
+        if self.size > 1:
+            dist.broadcast(x, group=self.group, group_src=0)
+        return x
+
     def expert_shape(self, num_experts: int, width: int) -> tuple[int, int]:
         """(routed experts, their intermediate size) this rank holds, from the global count and its local width."""
         held = num_experts if self.experts is None else self.experts[1] - self.experts[0]

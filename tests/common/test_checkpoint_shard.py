@@ -4,15 +4,17 @@ and no rank reads more of a sharded tensor than its slice."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import common.checkpoint_files
 from common.checkpoint import CheckpointFiles, load_decoder_weights, load_mtp_weights, plan_decoder_weights
 from common.checkpoint_shard import load_decoder_shard, load_mtp_shard
 from common.config import load_model_config
-from common.errors import ConfigError
+from common.errors import CheckpointError, ConfigError
 from common.nvfp4 import dequant_nvfp4
 from common.tensor_parallel import Shard, assemble, take
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
@@ -172,3 +174,17 @@ def test_a_size_that_cannot_shard_the_heads_is_named(checkpoints) -> None:
         ConfigError, match=r"tensor_parallel_size=3 does not divide the sliding layers' query heads \(4\)"
     ):
         load_decoder_shard(CheckpointFiles(directory), load_model_config(directory), 3, 0, progress=False)
+
+
+def test_a_missing_mtp_tensor_fails_every_rank_naming_it(checkpoints, tmp_path) -> None:
+    directory = shutil.copytree(checkpoints[False], tmp_path / "no-wo")
+    gone = "model.mtp.layers.1.transformer_block.attn.wo_ud.weight"
+    tensors = load_file(directory / "mtp.safetensors")
+    del tensors[gone]
+    save_file(tensors, directory / "mtp.safetensors")
+    config = load_model_config(directory)
+    for r in range(2):
+        files = CheckpointFiles(directory)
+        _, _, plan = load_decoder_shard(files, config, 2, r, dtype=torch.float32, progress=False)
+        with pytest.raises(CheckpointError, match=gone.removeprefix("model.mtp.")):
+            load_mtp_shard(files, config, plan, torch.float32, progress=False)

@@ -366,19 +366,28 @@ def _engine(checkpoint, mtp_depth: int):
     )
 
 
-async def _serve(engine, prompts: list[pb.GenerateRequest], max_tokens: int):
-    """Greedy generations through a decode server on `engine`; (tokens, usages, metric deltas over the calls)."""
+async def _serve(engine, prompts: list[pb.GenerateRequest], max_tokens: int, opt_out: frozenset[int] = frozenset()):
+    """Greedy generations through a decode server on `engine`, the prompts at `opt_out` with `disable_speculation`;
+    (tokens, usages, metric deltas over the calls)."""
     metrics = DecodeMetrics(new_registry(), MODEL)
     decode = build_server(DecodeService(engine, None), GrpcSettings(port=0), None, metrics)
     await decode.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}")
     try:
         stub = generator_pb2_grpc.GeneratorStub(channel)
-        sampling = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         before = scrape(metrics.registry)
         results = await asyncio.gather(
             *(
-                generate(stub, pb.GenerateRequest(request_id=f"mtp-{i}", sampling=sampling, **prompt))
+                generate(
+                    stub,
+                    pb.GenerateRequest(
+                        request_id=f"mtp-{i}",
+                        sampling=pb.SamplingParams(
+                            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, disable_speculation=i in opt_out
+                        ),
+                        **prompt,
+                    ),
+                )
                 for i, prompt in enumerate(prompts)
             )
         )
@@ -439,6 +448,13 @@ async def test_mtp_depth_2_streams_the_same_greedy_tokens_and_reports_acceptance
     assert buckets[2] == buckets[3] == value(spec_metrics, f"{hist}_count") == rounds
     assert buckets[1] - buckets[0] == per_pos[0] - per_pos[1]  # rounds that accepted exactly one draft
     assert value(spec_metrics, f"{hist}_sum") == accepted
+
+
+async def test_disable_speculation_opts_one_request_out_through_generate(checkpoint):
+    prompts = [{"text": pb.TextPrompt(text="Once upon a time")}] * 2
+    tokens, usage, _ = await _serve(_engine(checkpoint, 2), prompts, max_tokens=8, opt_out=frozenset({1}))
+    assert tokens[0] == tokens[1] and len(tokens[1]) == 8
+    assert usage[0].draft_tokens > 0 and (usage[1].draft_tokens, usage[1].accepted_draft_tokens) == (0, 0)
 
 
 class KnowsTheAnswer:

@@ -145,7 +145,6 @@ def test_decode_flags_build_the_settings_tree():
         (["--redis-prefix"], "--redis-prefix needs a Redis"),
         (["--encoders", "nohost"], "--encoders"),
         (["--metrics-port", "70000"], "--metrics-port"),
-        (["--mtp-depth", "2", "--tensor-parallel-size", "2"], "--mtp-depth: MTP speculation does not run under"),
     ],
 )
 def test_bad_decode_flags_name_the_flag(flags, message, monkeypatch):
@@ -153,6 +152,14 @@ def test_bad_decode_flags_name_the_flag(flags, message, monkeypatch):
     args = build_parser().parse_args(["decode", "--checkpoint", "ck", *flags])
     with pytest.raises(ConfigError, match=message):
         decode_settings(args)
+
+
+def test_mtp_depth_runs_under_tensor_parallelism():
+    args = build_parser().parse_args(
+        ["decode", "--checkpoint", "ck", "--mtp-depth", "2", "--tensor-parallel-size", "2"]
+    )
+    engine = decode_settings(args).engine
+    assert (engine.mtp_depth, engine.tensor_parallel_size) == (2, 2)
 
 
 def test_decode_help_shows_the_defaults(capsys):

@@ -73,6 +73,15 @@ class DraftModel(Protocol):
         ...
 
 
+def _leader_picks(drafter: MTPDrafter, picks: list[int]) -> list[int]:
+    """Tensor parallel: every rank runs the depths on its shard, rank 0's drafts are the drafts of all of them
+    (sampled drafts use the leader's generators; the followers' provisional rows must see the same tokens)."""
+    if drafter.tp.size == 1:
+        return picks
+    ids = torch.tensor(picks, dtype=torch.int64, device=drafter.embed.weight.device)
+    return drafter.tp.from_leader(ids).tolist()
+
+
 def _save(layer: ContiguousLayerCache) -> tuple:
     return layer.k, layer.v, layer.first_position, [c.clone() for c in layer.conv]
 
@@ -203,11 +212,14 @@ class MTPSpeculator:
                     heads.append((rid, incoming[rid][-1], item))
             if heads:
                 logits = self.drafter.logits(torch.stack([h for _, h, _ in heads]))  # [N, Vu]
+                picks = []
                 for (rid, _, item), row, token in zip(heads, logits, logits.argmax(-1).tolist(), strict=True):
                     if item.temperature > 0:  # spec 7.4: the same scaled logits give the draft distribution
                         q = torch.softmax(row / item.temperature, -1)
                         token = int(torch.multinomial(q, 1, generator=item.generator))
                         self.probs.setdefault(rid, []).append(q)
+                    picks.append(token)
+                for (rid, _, _), token in zip(heads, _leader_picks(self.drafter, picks), strict=True):
                     drafts[rid].append(token)
         return {rid: tuple(tokens) for rid, tokens in drafts.items()}
 

@@ -7,6 +7,12 @@ removed since the last step (`WorkerRequest`s without their sampling state: foll
 follower applies the same adds / removes to its own `ModelRunner` (its KV pools hold its local heads) and
 executes the same output, so the model's collectives pair up rank by rank; only rank 0 samples.
 
+MTP speculation (`--mtp-depth`): every rank runs the drafter's depths on its shard, and what only rank 0 decides
+within a step reaches the followers over the model group (`TPGroup.from_leader`) at the point it is needed: the
+tokens it emitted (a follower replays the rows a verify accepted and extends its depths over them) and, per depth,
+its drafts (argmax, or sampled with the request's generator above temperature 0), which the next depth's
+provisional rows take as their tokens (docs/decisions.md).
+
 Failure: the leader's watchdog waits on the follower processes; one that exits marks the replica failed, and the
 next (or the running) step raises `RankFailure`, an `UnavailableError`: the service fails every stream with
 UNAVAILABLE and reports NOT_SERVING. A collective with a dead peer errors (gloo) or times out (the model group's
@@ -50,14 +56,16 @@ class StepMessage:
 
 
 def follower_copy(request: WorkerRequest) -> WorkerRequest:
-    """The request as a follower holds it: prompt, sampling parameters and media rows; no generator or
-    structured-output matcher (those live where sampling happens, on rank 0)."""
+    """The request as a follower holds it: prompt, sampling parameters, media rows and whether it speculates (its
+    depths run on every rank); no generator or structured-output matcher (those live where sampling happens, on
+    rank 0)."""
     return WorkerRequest(
         request.request_id,
         list(request.prompt_token_ids),
         request.sampling,
         request.mm_items,
         list(request.output_token_ids),
+        speculative=request.speculative,
     )
 
 

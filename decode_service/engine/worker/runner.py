@@ -21,6 +21,7 @@ from decode_service.engine.worker.rejection import verify_draft
 from decode_service.engine.worker.sampler import Sampler, SampleResult
 from decode_service.engine.worker.snapshots import SnapshotStore
 from decode_service.model.batch import ForwardBatch, SequenceSlice
+from decode_service.model.collectives import SINGLE, TPGroup
 
 if TYPE_CHECKING:
     from decode_service.engine.worker.redis_tier import RedisPrefixTier
@@ -119,7 +120,8 @@ class ModelRunner:
     `prefix_tier`: executes the plan's loads and saves (None without the shared tier). `sampler` None: a
     follower rank of a tensor-parallel replica (`ranks.py`), which computes the logits (their all-gather is a
     collective) and samples nothing. `drafter`: MTP speculation (chunks with `num_drafts` are verified, the
-    committed rows extend the drafter's state)."""
+    committed rows extend the drafter's state). `tp`: the model's group on a tensor-parallel rank; with a drafter,
+    the tokens rank 0 sampled reach the followers through it within the step (their replay and depths need them)."""
 
     def __init__(
         self,
@@ -130,6 +132,7 @@ class ModelRunner:
         decode_graphs: DecodeGraphs | None = None,
         prefix_tier: RedisPrefixTier | None = None,
         drafter: DraftModel | None = None,
+        tp: TPGroup = SINGLE,
     ):
         self.model = model
         self.cache = cache
@@ -138,6 +141,7 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         self.prefix_tier = prefix_tier
         self.drafter = drafter
+        self.tp = tp
         self.snapshots = SnapshotStore(cache)
         self.requests: dict[str, WorkerRequest] = {}
         self.views: dict[str, SequenceView] = {}
@@ -214,6 +218,8 @@ class ModelRunner:
             hidden = self.model.forward(batch)  # [T, H]
         first_rows = [row - c.num_tokens + 1 for c, row in zip(chunks, last_rows, strict=True)]
         samples = self._sample(chunks, hidden, first_rows)
+        if self.drafter is not None and self.tp.size > 1:
+            samples = self._leader_samples(chunks, samples, hidden.device)
         rejected = [c for c in chunks if c.num_drafts and len(samples[c.request_id]) < c.num_tokens]
         if rejected:
             self._replay(output, rejected, samples, before)
@@ -264,6 +270,29 @@ class ModelRunner:
                     active.append((c, j + 1))
         return samples
 
+    def _leader_samples(
+        self, chunks: tuple[ScheduledChunk, ...], samples: dict[str, list[SampleResult]], device: torch.device
+    ) -> dict[str, list[SampleResult]]:
+        """The tokens rank 0 emitted this step, on every rank of a tensor-parallel replica: a follower replays the
+        rows they accept and extends its depths over them, so it records them as the leader's `_sample` did."""
+        sampled = [c for c in chunks if c.needs_logits]
+        if not sampled:
+            return samples
+        ids = torch.full((len(sampled), 1 + max(c.num_drafts for c in sampled)), -1, dtype=torch.int64)  # [C, 1+D]
+        if self.sampler is not None:
+            for i, c in enumerate(sampled):
+                emitted = [r.token_id for r in samples[c.request_id]]
+                ids[i, : len(emitted)] = torch.tensor(emitted, dtype=torch.int64)
+        rows = self.tp.from_leader(ids.to(device)).tolist()
+        if self.sampler is not None:
+            return samples
+        received = {}
+        for c, row in zip(sampled, rows, strict=True):
+            emitted = [t for t in row if t >= 0]  # -1 past the emitted tokens
+            self.requests[c.request_id].output_token_ids.extend(emitted)
+            received[c.request_id] = [SampleResult(t) for t in emitted]
+        return received
+
     def _draft_probs(self, chunk: ScheduledChunk) -> torch.Tensor | None:
         """The verify chunk's draft distributions `[num_drafts, V]` when its drafts were sampled (temperature > 0)."""
         if self.drafter is None or self.requests[chunk.request_id].sampling.greedy:
@@ -304,7 +333,9 @@ class ModelRunner:
             self.drafter.remember(self.views[c.request_id].tables[False], c.start, hidden[first : first + n])
             if not request.speculative:
                 continue
-            rows, t = hidden[first : first + n], request.sampling.temperature
+            rows = hidden[first : first + n]
+            # A follower picks no drafts of its own: the leader's reach it inside the chain (worker/mtp.py).
+            t = request.sampling.temperature if self.sampler is not None else 0.0
             generator = self.sampler.generator(request, hidden.device) if emitted and t > 0 else None
             inputs.append(DraftInput(c.request_id, c.start, rows, request.all_token_ids, bool(emitted), t, generator))
         return self.drafter.extend(inputs) if inputs else {}

@@ -437,6 +437,28 @@ def test_logprobs_of_accepted_runs_and_abort(fake_model, model_config):
     assert final[0].token_ids == emitted == plain.token_ids[: len(emitted)] and len(emitted) > 3
 
 
+@torch.inference_mode()
+def test_logprobs_of_accepted_sampled_drafts_are_the_targets(fake_model, model_config):
+    """Above temperature 0 (rejection sampling) every emitted token's logprob and top-2 are what a
+    non-speculative run reports at its position: the log-softmax of the trunk's row given the tokens before it."""
+    from decode_service.model.batch import ForwardBatch, SequenceSlice
+    from decode_service.model.state import SequenceState
+
+    p = prompt(6, 21, 90)
+    sampling = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, logprobs=2, seed=1)
+    engine = Engine(fake_model, model_config, settings(mtp_depth=2), drafter=SampledDrafter(torch.ones(90) / 90, 2))
+    request = Request("l", list(p), sampling)
+    out = engine.generate([request])[0]
+    assert out.num_accepted_draft_tokens > 0 and len(request.output_logprobs) == 12
+    tokens = p + out.token_ids
+    state = SequenceState.fresh(model_config.text, conv_dtype=fake_model.dtype)
+    hidden = fake_model.forward(ForwardBatch(torch.tensor(tokens), [SequenceSlice(0, len(tokens), state.layers)]))
+    target = torch.log_softmax(fake_model.logits(hidden[len(p) - 1 : -1]).float(), -1)  # [12, V]
+    for k, (token, got) in enumerate(zip(out.token_ids, request.output_logprobs, strict=True)):
+        assert got.logprob == pytest.approx(float(target[k, token]), abs=1e-5)
+        assert [t for t, _ in got.top] == target[k].topk(2).indices.tolist()
+
+
 def test_prefix_hit_recomputes_the_depths_from_the_cached_rows(tiny):
     """A request that hits the prefix cache drafts what it drafts without the cache: its depths are recomputed
     over the cached prefix from the trunk rows kept with the pages."""

@@ -38,11 +38,12 @@ def connection():
     client.close()
 
 
-def run_replica(checkpoint, connection) -> tuple[list[int], int]:
+def run_replica(checkpoint, connection, mtp_depth: int = 0) -> tuple[list[int], int]:
     """A fresh TP=2 replica (empty GPU prefix cache) runs the prompt: (tokens, prompt tokens from Redis); its
     followers finish their writes when it closes."""
     store = PrefixStore.connect(*connection)
-    engine = build_engine(checkpoint, DecodeEngineSettings(tensor_parallel_size=2, **BASE), store, connection)
+    settings = DecodeEngineSettings(tensor_parallel_size=2, mtp_depth=mtp_depth, **BASE)
+    engine = build_engine(checkpoint, settings, store, connection)
     try:
         engine.redis_prefix.cost = CostModel(redis_bytes_per_s=1e9, redis_latency_s=1e-4, prefill_tokens_per_s=1.0)
         out = engine.generate([Request("p", PROMPT, GREEDY)])[0]
@@ -83,3 +84,15 @@ def test_tp_replicas_share_prefixes_through_per_rank_shards(tmp_path, connection
     assert (again, fetched) == (want.token_ids, 0)
     again, fetched = run_replica(checkpoint, settings)
     assert fetched > 0 and again == want.token_ids
+
+
+def test_a_speculating_replica_fetches_shards_and_drafts_after_them(tmp_path, connection):
+    """With MTP (D = 2) the fetched pages carry no trunk rows: every rank's depths start after them alike, and
+    the tokens stay the single process's."""
+    _, settings = connection
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", nvfp4=False, seed=8)
+    want = build_engine(checkpoint, DecodeEngineSettings(**BASE)).generate([Request("ref", PROMPT, GREEDY)])[0]
+    cold, fetched = run_replica(checkpoint, settings, mtp_depth=2)
+    assert (cold, fetched) == (want.token_ids, 0)
+    warm, fetched = run_replica(checkpoint, settings, mtp_depth=2)
+    assert fetched > 0 and warm == want.token_ids
