@@ -181,7 +181,13 @@ class Engine:
             self.speculator.enable_prefix_rows(spec.num_global_pages, spec.page_size)
         decode_graphs = build_decode_graphs(model, self.kv, settings, self.max_model_len)
         self.runner = ModelRunner(
-            model, self.kv, Sampler(settings.seed), settings.device, decode_graphs, self.redis_prefix, self.speculator
+            model,
+            self.kv,
+            Sampler(settings.seed, settings.max_num_seqs, settings.device),
+            settings.device,
+            decode_graphs,
+            self.redis_prefix,
+            self.speculator,
         )
         if ranks is not None:
             self.runner = ranks.lead(self.runner)
