@@ -1,20 +1,20 @@
-"""Structured outputs per decode step, as the engine pays them: the runner's order of a step (the sampler's
-`prefill_masks` before the forward, the forward, `Sampler.sample`: join, copy, mask kernel, draw, matcher
-advance), at batch 1 and 64, next to the decode step.
+"""Structured outputs per decode step, as the engine pays them: `Engine.step` (scheduler, `ModelRunner`: the
+sampler's `prefill_masks` before the forward, the forward, the logits read, `Sampler.sample`: join, copy, mask
+kernel, draw, matcher advance) on a stand-in decoder of known cost, at batch 1 and 64, next to the decode step.
 
 Every row holds a JSON-schema constraint over the full Inkling vocabulary (200058 logits), walked by a "random
 model": the logits are random and greedy sampling picks the best allowed token, so the matchers pass through
-strings, numbers, enums and object boundaries like a weak model's output would; a finished matcher restarts.
+strings, numbers, enums and object boundaries like a weak model's output would; a finished request is replaced.
 Compilation (cold, then from the cache) is timed once per schema.
 
-The forward is a stand-in of known length: on CUDA a device sleep of the step's HBM floor (bench_engine's
-`decode_step_floor_ms`; a GPU decode step runs at about that floor with CUDA graphs, asynchronously, so the host
-is free meanwhile), then random logits; on CPU nothing (a CPU forward is synchronous: nothing to hide behind).
-Three runs of the same steps: unconstrained rows (the baseline), constrained rows as the engine runs them
-(prefill), and constrained rows without the prefill (the fill serial after the forward, as before the overlap).
-The engine's structured cost is (prefill step - baseline step): the non-hidden part of the fill, the copy and
-mask kernel, the advance; it is the share of the step floor (goal < 5%). The raw host fill is timed alone on the
-same matcher states, with xgrammar's thread counts side by side, and the hidden part is (serial - prefill).
+The stand-in forward keeps the device busy for the step's HBM floor (bench_engine's `decode_step_floor_ms`; a GPU
+decode step runs at about that floor with CUDA graphs, asynchronously, so the host is free meanwhile) with a CUDA
+sleep; on CPU it does nothing (a CPU forward is synchronous: nothing to hide behind). Three engines step in
+turn: unconstrained rows (the baseline), constrained rows (the engine as it is), and constrained rows with the
+runner's prefill call disabled (the fill serial after the forward, as before the overlap). The engine's
+structured cost is (constrained step - baseline step): the fill not hidden by the forward, the copy and mask
+kernel, the advance; its share of the step floor is the figure (goal < 5%). The raw host fill is timed alone on
+the walked matcher states, with xgrammar's thread counts side by side; the hidden part is (serial - constrained).
 
     python -m bench.bench_structured [--batches 1 64] [--steps 50] [--device cuda]
 """
@@ -33,16 +33,21 @@ import torch
 import xgrammar as xgr
 
 from bench.bench_engine import decode_step_floor_ms
+from common.config import ModelConfig, parse_model_config
 from decode_service.chat import MESSAGE_USER
-from decode_service.engine.request import SamplingParams
+from decode_service.engine.engine import Engine, EngineSettings
+from decode_service.engine.request import Request, SamplingParams
 from decode_service.engine.worker.runner import WorkerRequest
 from decode_service.engine.worker.sampler import Sampler
+from decode_service.model.batch import ForwardBatch
 from decode_service.structured.compiler import CompiledConstraint, ConstraintCompiler
 from decode_service.structured.constraint import OutputConstraint
 from decode_service.structured.matcher import ConstraintMatcher, fill_bitmasks, fill_threads
+from tools.make_tiny_checkpoint import raw_config
 
-VOCAB = 200058  # Inkling's unpadded vocabulary: the logits width
-EOS = (200006,)
+CONFIG = parse_model_config(raw_config())  # the tiny text config: its vocabulary is Inkling's
+VOCAB = CONFIG.text.unpadded_vocab_size  # 200058: the logits width
+EOS = CONFIG.eos_token_ids
 PROMPT = [MESSAGE_USER]
 SCHEMAS = [
     {
@@ -65,6 +70,7 @@ SCHEMAS = [
     },
 ]
 FILL_THREADS = (1, 2, 4, 8)  # xgrammar fill threads timed side by side (and its "auto")
+VARIANTS = ("plain", "constrained", "serial")
 
 
 @dataclass
@@ -72,25 +78,27 @@ class BatchRow:
     batch: int
     floor_ms: float  # the decode-step floor the share is of
     forward_ms: float  # the stand-in forward the fill hides behind (0 on CPU)
-    plain_ms: float  # a step of unconstrained rows
-    prefill_ms: float  # a step of constrained rows, as the engine runs it
-    serial_ms: float  # the same without the prefill
+    step_ms: dict[str, float]  # median engine step of each variant
     fill_ms: float  # the host fill alone (the sampler's thread count)
     fill_by_threads: dict[str, float]
 
     @property
     def structured_ms(self) -> float:
         """What the engine pays per step for the constraints."""
-        return max(0.0, self.prefill_ms - self.plain_ms)
+        return max(0.0, self.step_ms["constrained"] - self.step_ms["plain"])
 
     @property
     def hidden_ms(self) -> float:
         """The part of the host fill the forward hid."""
-        return max(0.0, self.serial_ms - self.prefill_ms)
+        return max(0.0, self.step_ms["serial"] - self.step_ms["constrained"])
 
     @property
     def share(self) -> float:
         return self.structured_ms / self.floor_ms
+
+    @property
+    def serial_share(self) -> float:
+        return max(0.0, self.step_ms["serial"] - self.step_ms["plain"]) / self.floor_ms
 
 
 def compile_times(compiler: ConstraintCompiler) -> list[tuple[float, float]]:
@@ -106,7 +114,7 @@ def compile_times(compiler: ConstraintCompiler) -> list[tuple[float, float]]:
 
 
 def device_sleep(device: torch.device) -> Callable[[float], None]:
-    """A stand-in forward: `sleep(ms)` keeps the device busy that long, asynchronously (nothing on CPU)."""
+    """`sleep(ms)` keeps the device busy that long, asynchronously (nothing on CPU)."""
     if device.type != "cuda":
         return lambda ms: None
     cycles = 10_000_000
@@ -120,44 +128,63 @@ def device_sleep(device: torch.device) -> Callable[[float], None]:
     return lambda ms: torch.cuda._sleep(int(ms * per_ms))
 
 
-class Walk:
-    """`batch` requests walking their schemas; `constrained=False`: the same requests without constraints."""
+class StandInDecoder:
+    """The runner's model of known cost: the forward is `sleep(forward_ms)` and zeros `[T, H]`, the logits random
+    scores `[N, V]` on the device."""
 
-    def __init__(self, compiled: Sequence[CompiledConstraint], batch: int, constrained: bool):
-        self.compiled, self.constrained = compiled, constrained
-        self.requests = [self.fresh(i) for i in range(batch)]
+    def __init__(self, config: ModelConfig, device: torch.device, forward_ms: float, sleep: Callable[[float], None]):
+        self.hidden, self.vocab, self.dtype = config.text.hidden_size, config.text.unpadded_vocab_size, torch.float32
+        self.device, self.forward_ms, self.sleep = device, forward_ms, sleep
+        self.generator = torch.Generator(device=device).manual_seed(0)
 
-    def fresh(self, i: int) -> WorkerRequest:
-        matcher = ConstraintMatcher(self.compiled[i % len(self.compiled)], PROMPT, EOS) if self.constrained else None
-        return WorkerRequest(f"r{i}", list(PROMPT), SamplingParams(temperature=0.0), constraint=matcher)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.sleep(self.forward_ms)
+        return torch.zeros(batch.num_tokens, self.hidden, device=self.device)
 
-    def restart_finished(self, finished: Sequence[bool]) -> None:
-        self.requests = [
-            self.fresh(i) if done else r for i, (r, done) in enumerate(zip(self.requests, finished, strict=True))
-        ]
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.randn(hidden.shape[0], self.vocab, generator=self.generator, device=self.device)
 
 
-def run_steps(walk: Walk, sampler: Sampler, steps: int, forward_ms: float, sleep, device, prefill: bool) -> list[float]:
-    """Steps in the runner's order; the wall time of each, from the prefill to the sampled tokens."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+class EngineRun:
+    """An engine on the stand-in decoder keeping `batch` requests running (a finished one is replaced);
+    `compiled` None: unconstrained requests."""
+
+    def __init__(self, batch: int, device: torch.device, forward_ms: float, sleep, compiled=None):
+        settings = EngineSettings(
+            kv_cache_bytes=64 << 20,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(64, batch),
+            enable_prefix_cache=False,
+            device=str(device),
+        )
+        self.engine = Engine(StandInDecoder(CONFIG, device, forward_ms, sleep), CONFIG, settings)
+        self.compiled, self.added = compiled, 0
+        for _ in range(batch):
+            self.add()
+
+    def add(self) -> None:
+        matcher = None
+        if self.compiled is not None:
+            matcher = ConstraintMatcher(self.compiled[self.added % len(self.compiled)], PROMPT, EOS)
+        sampling = SamplingParams(temperature=0.0, max_tokens=512)
+        self.engine.add_request(Request(f"r{self.added}", list(PROMPT), sampling, constraint=matcher))
+        self.added += 1
+
+    def step(self) -> float:
+        """One engine step's wall time, ms, to its sampled tokens on the host."""
         t0 = time.perf_counter()
-        if prefill:
-            sampler.prefill_masks(walk.requests)
-        sleep(forward_ms)
-        logits = torch.randn(len(walk.requests), VOCAB, generator=gen, device=device)  # [B, V]
-        results = sampler.sample(logits, walk.requests)
-        times.append((time.perf_counter() - t0) * 1e3)
-        walk.restart_finished([r.constraint_finished for r in results])
-    return times
+        outputs = self.engine.step()
+        elapsed = (time.perf_counter() - t0) * 1e3
+        for out in outputs:
+            if out.finished:
+                assert out.finish_reason in ("stop", "length"), f"{out.request_id}: {out.finish_reason}"
+                self.add()
+        return elapsed
 
 
-def fill_times(walk: Walk, sampler: Sampler, steps: int, device) -> dict[str, float]:
-    """The host fill alone on the walk's states (advanced by the sampler between fills), by thread count."""
-    scratch = torch.full((len(walk.requests), -(-VOCAB // 32)), -1, dtype=torch.int32)
+def fill_times(compiled: Sequence[CompiledConstraint], batch: int, steps: int, device) -> dict[str, float]:
+    """The host fill alone, by thread count, on `batch` matchers walked by greedy draws over random logits."""
+    scratch = torch.full((batch, -(-VOCAB // 32)), -1, dtype=torch.int32)
     variants: dict[str, Callable[[list[ConstraintMatcher], list[int]], None]] = {
         str(n): (lambda ms, rows, n=n: fill_bitmasks(ms, scratch, rows, n)) for n in FILL_THREADS
     }
@@ -165,41 +192,47 @@ def fill_times(walk: Walk, sampler: Sampler, steps: int, device) -> dict[str, fl
     variants["auto"] = lambda ms, rows: auto.batch_fill_next_token_bitmask(
         [m.grammar_matcher for m in ms], scratch, rows
     )
+
+    def fresh(i: int) -> WorkerRequest:
+        matcher = ConstraintMatcher(compiled[i % len(compiled)], PROMPT, EOS)
+        return WorkerRequest(f"r{i}", list(PROMPT), SamplingParams(temperature=0.0), constraint=matcher)
+
+    requests, sampler = [fresh(i) for i in range(batch)], Sampler(max_rows=batch, device=device)
     times: dict[str, list[float]] = {name: [] for name in variants}
     gen = torch.Generator(device=device).manual_seed(1)
     for _ in range(steps):
-        matchers = [r.constraint for r in walk.requests]
-        rows = list(range(len(matchers)))
+        matchers, rows = [r.constraint for r in requests], list(range(batch))
         for name, fill in variants.items():
             t0 = time.perf_counter()
             fill(matchers, rows)
             times[name].append((time.perf_counter() - t0) * 1e3)
-        logits = torch.randn(len(walk.requests), VOCAB, generator=gen, device=device)
-        walk.restart_finished([r.constraint_finished for r in sampler.sample(logits, walk.requests)])
+        results = sampler.sample(torch.randn(batch, VOCAB, generator=gen, device=device), requests)
+        requests = [
+            fresh(i) if res.constraint_finished else r for i, (r, res) in enumerate(zip(requests, results, strict=True))
+        ]
     return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run_batch(compiled, batch: int, steps: int, device: torch.device, sleep) -> BatchRow:
     floor = decode_step_floor_ms(batch)
     forward = floor if device.type == "cuda" else 0.0
-    sampler = Sampler(max_rows=batch, device=device)
-    warmup = max(2, steps // 10)  # kernel compilation, the buffers' first allocation
-    medians = {}
-    for name, constrained, prefill in (("plain", False, False), ("prefill", True, True), ("serial", True, False)):
-        walk = Walk(compiled, batch, constrained)
-        run_steps(walk, sampler, warmup, forward, sleep, device, prefill)
-        medians[name] = statistics.median(run_steps(walk, sampler, steps, forward, sleep, device, prefill))
-    fills = fill_times(Walk(compiled, batch, True), sampler, steps, device)
-    return BatchRow(
-        batch,
-        floor,
-        forward,
-        medians["plain"],
-        medians["prefill"],
-        medians["serial"],
-        fills[str(fill_threads())],
-        fills,
-    )
+    runs = {
+        "plain": EngineRun(batch, device, forward, sleep),
+        "constrained": EngineRun(batch, device, forward, sleep, compiled),
+        "serial": EngineRun(batch, device, forward, sleep, compiled),
+    }
+    runs["serial"].engine.runner.sampler.prefill_masks = lambda requests: None  # the fill waits for sampling
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for i in range(max(2, steps // 10) + steps):  # first the prefills, kernel compilation, the buffers' allocation
+        for name in VARIANTS:  # in turn, so drifts of clocks and load hit every variant alike
+            elapsed = runs[name].step()
+            if i >= max(2, steps // 10):
+                times[name].append(elapsed)
+    masks = runs["constrained"].engine.runner.sampler.masks
+    assert masks.late_rows == 0 and masks.prefilled_rows > 0, "the constrained engine's masks were not prefilled"
+    fills = fill_times(compiled, batch, steps, device)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return BatchRow(batch, floor, forward, medians, fills[str(fill_threads())], fills)
 
 
 def main(argv: Sequence[str] | None = None) -> list[BatchRow]:
@@ -224,8 +257,8 @@ def main(argv: Sequence[str] | None = None) -> list[BatchRow]:
     rows = [run_batch(compiled, batch, args.steps, device, sleep) for batch in args.batches]
     print()
     print(
-        "| B | step floor ms | forward ms (stand-in) | host fill ms | fill hidden ms | step ms: plain / prefill / "
-        "serial | structured ms (not hidden) | share of floor | serial share |"
+        "| B | step floor ms | forward ms (stand-in) | host fill ms | fill hidden ms | engine step ms: plain / "
+        "constrained / serial fill | structured ms (not hidden) | share of floor | serial share |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -234,10 +267,10 @@ def main(argv: Sequence[str] | None = None) -> list[BatchRow]:
             f"{r.forward_ms:.2f}",
             f"{r.fill_ms:.3f}",
             f"{r.hidden_ms:.3f}",
-            f"{r.plain_ms:.3f} / {r.prefill_ms:.3f} / {r.serial_ms:.3f}",
+            " / ".join(f"{r.step_ms[name]:.3f}" for name in VARIANTS),
             f"{r.structured_ms:.3f}",
             f"{r.share:.1%}",
-            f"{max(0.0, r.serial_ms - r.plain_ms) / r.floor_ms:.1%}",
+            f"{r.serial_share:.1%}",
         ]
         print(f"| {r.batch} | " + " | ".join(cells) + " |")
     print()
