@@ -78,8 +78,9 @@ def fill_bitmasks(
 
 
 def fill_threads() -> int:
-    """Half the CPUs this process may run on, at most 8. Not xgrammar's "auto" (half of
-    `std::thread::hardware_concurrency`): that counts the host's CPUs, not the container's."""
+    """Half the CPUs this process may run on, at most 8 (xgrammar's "auto" is half of
+    `std::thread::hardware_concurrency()`, uncapped, and the threads start on every call). On the H200 host
+    (16 CPUs) 64 JSON rows fill in 0.6-0.7 ms on 4-8 threads, 1.4 ms on one."""
     return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
