@@ -184,7 +184,7 @@ class Engine:
         self.runner = ModelRunner(
             model,
             self.kv,
-            Sampler(settings.seed),
+            Sampler(settings.seed, settings.max_num_seqs, settings.device),
             settings.device,
             decode_graphs,
             self.redis_prefix,

@@ -208,6 +208,8 @@ class ModelRunner:
         chunks, requests = output.chunks, self.requests
         # Verify chunks: conv states before the forward, restored if a draft is rejected (decisions.md).
         before = {c.request_id: self.cache.snapshot_conv(c.slot) for c in chunks if c.num_drafts}
+        if self.sampler is not None:  # grammar masks of the first sampled rows fill on the host during the forward
+            self.sampler.prefill_masks([requests[c.request_id] for c in chunks if c.needs_logits])
         if self.decode_graphs is not None and is_uniform_decode(output, requests):
             hidden = self.decode_graphs.run(
                 [c.token_ids[0] for c in chunks], [self.views[c.request_id] for c in chunks]

@@ -5,6 +5,10 @@ argmax or temperature -> min-p -> top-k -> top-p -> a draw with the request's ow
 sampling: `argmax(p / q)`, `q ~ Exp(1)`), so a seeded request gives the same tokens whatever it is batched
 with. Logprobs are those of the raw model distribution. Logits arrive already sliced to the unpadded
 vocabulary. Stop checks are the control plane's (`core/stop.py`); stop strings the output parser's.
+
+Structured outputs (`decode_service.structured.sampling.GrammarMasks`): the runner calls `prefill_masks` before
+the forward so the host fill overlaps it; `sample` and `target_probs` mask the logits they are given in place
+(the runner hands over rows of its own), on a copy only when a row asks for logprobs, which stay raw.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 
 from decode_service.engine.request import SamplingParams, TokenLogprobs
 from decode_service.structured.matcher import ConstraintMatcher
-from decode_service.structured.sampling import advance_matchers, mask_logits
+from decode_service.structured.sampling import GrammarMasks
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,15 @@ class SamplingState(Protocol):
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    """`max_rows`: the most rows one call samples (the engine's `max_num_seqs`); `device`: the logits'."""
+
+    def __init__(self, seed: int = 0, max_rows: int = 256, device: torch.device | str = "cpu"):
         self._seeder = torch.Generator().manual_seed(seed)  # seeds requests that bring no seed of their own
+        self.masks = GrammarMasks(max_rows, device)
+
+    def prefill_masks(self, requests: Sequence[SamplingState]) -> None:
+        """The grammar masks of these requests' next tokens start filling on the host (before the forward)."""
+        self.masks.prefill(requests)
 
     def generator(self, request: SamplingState, device: torch.device) -> torch.Generator:
         if request.generator is None:
@@ -52,11 +63,11 @@ class Sampler:
         return request.generator
 
     def sample(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> list[SampleResult]:
-        """logits `[N, V]` (one row per request) -> one token per request."""
+        """logits `[N, V]` (one row per request; the grammar masks may overwrite them) -> one token per request."""
         assert logits.shape[0] == len(requests)
         logits = logits.float()
         params = [r.sampling for r in requests]
-        x = mask_logits(apply_penalties(logits, requests), requests)
+        x = self._masked(logits, requests)
         greedy = torch.tensor([p.greedy for p in params], device=x.device)
         tokens = x.argmax(-1)
         if not bool(greedy.all()):
@@ -76,9 +87,18 @@ class Sampler:
         """The distribution `sample` draws each row from, normalised `[N, V]` (penalties, mask, temperature,
         filters); speculative verification compares drafts against it. Non-greedy requests only."""
         assert not any(r.sampling.greedy for r in requests), "greedy rows have no distribution to verify against"
-        x = mask_logits(apply_penalties(logits.float(), requests), requests)
+        x = self._masked(logits.float(), requests)
         probs = filtered_probs(x, [r.sampling for r in requests])
         return probs / probs.sum(-1, keepdim=True)
+
+    def _masked(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
+        """Penalties and grammar masks; `logits` itself is overwritten unless a row wants (raw) logprobs."""
+        x = apply_penalties(logits, requests)
+        constrained = any(r.constraint is not None for r in requests)
+        if x is logits and constrained and any(r.sampling.logprobs is not None for r in requests):
+            x = logits.clone()
+        self.masks.apply(x, requests)
+        return x
 
     def emit(
         self, logits: torch.Tensor, requests: Sequence[SamplingState], token_list: list[int]
@@ -87,7 +107,7 @@ class Sampler:
         logits = logits.float()
         params = [r.sampling for r in requests]
         results = []
-        advance_matchers(requests, token_list)
+        self.masks.advance(requests, token_list)
         want = [p.logprobs for p in params]
         raw = torch.log_softmax(logits, -1) if any(n is not None for n in want) else None
         for row, (token, n) in enumerate(zip(token_list, want, strict=True)):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
 import pytest
 import torch
 
@@ -21,10 +20,12 @@ from decode_service.chat import (
     encode_text,
 )
 from decode_service.engine.request import Request, SamplingParams
+from decode_service.engine.worker.runner import WorkerRequest
+from decode_service.engine.worker.sampler import Sampler
 from decode_service.output_parser import OutputParser
 from decode_service.structured.constraint import ForcedToolCall, OutputConstraint
 from decode_service.structured.matcher import ConstraintMatcher
-from decode_service.structured.sampling import mask_logits
+from decode_service.structured.sampling import GrammarMasks
 
 PROMPT = [MESSAGE_USER, CONTENT_TEXT, *encode_text("Give me JSON"), END_MESSAGE]
 MAX_TOKENS = 160
@@ -117,6 +118,19 @@ def constrained(compiler, engine, rid, constraint, sampling=None, tools=(), prom
     return Request(rid, list(prompt), sampling, constraint=matcher)
 
 
+def validate(document, schema) -> None:
+    import jsonschema  # a dev dependency the GPU hosts lack: only the CPU tests validate
+
+    jsonschema.validate(document, schema)
+
+
+def mask_logits(logits, requests):
+    """A masked copy of `logits` (one row per request)."""
+    masked = logits.clone()
+    GrammarMasks(len(requests)).apply(masked, requests)
+    return masked
+
+
 def parse(token_ids):
     parser = OutputParser()
     deltas = [d for t in token_ids for d in parser.feed(t)]
@@ -131,7 +145,12 @@ def test_json_schemas_give_valid_json_that_stops(compiler, engine):
         constrained(compiler, engine, f"schema-{name}", OutputConstraint("json_schema", json.dumps(schema)))
         for name, schema in SCHEMAS.items()
     ]
-    for out in engine.generate(requests):
+    masks = engine.runner.sampler.masks
+    before = (masks.prefilled_rows, masks.late_rows)
+    outs = engine.generate(requests)
+    # The runner prefilled every row's mask before its forward: no fill waited for the sampler.
+    assert (masks.prefilled_rows - before[0], masks.late_rows) == (sum(len(o.token_ids) for o in outs), before[1])
+    for out in outs:
         name = out.request_id.removeprefix("schema-")
         assert out.finish_reason == "stop", (name, out.token_ids)
         assert len(out.token_ids) < MAX_TOKENS // 2
@@ -141,7 +160,7 @@ def test_json_schemas_give_valid_json_that_stops(compiler, engine):
         ]
         content, calls, _ = parse(out.token_ids)
         assert not calls
-        jsonschema.validate(json.loads(content), SCHEMAS[name])
+        validate(json.loads(content), SCHEMAS[name])
         assert content == json.dumps(
             json.loads(content), separators=(",", ":"), ensure_ascii=False
         )  # compact by default
@@ -214,7 +233,7 @@ def test_forced_tool_calls_parse_with_schema_valid_arguments(compiler, engine, f
     for call in calls:
         assert function is None or call.name == function
         schema = {t.name: t.parameters for t in TOOLS}[call.name]
-        jsonschema.validate(json.loads(call.arguments), schema)
+        validate(json.loads(call.arguments), schema)
 
 
 def test_seeded_sampling_is_constrained_and_reproducible(compiler, engine):
@@ -228,7 +247,7 @@ def test_seeded_sampling_is_constrained_and_reproducible(compiler, engine):
     assert outs[0].token_ids == outs[1].token_ids
     for out in outs:
         assert out.finish_reason == "stop"
-        jsonschema.validate(json.loads(parse(out.token_ids)[0]), SCHEMAS["nested"])
+        validate(json.loads(parse(out.token_ids)[0]), SCHEMAS["nested"])
 
 
 def test_unmet_constraint_finishes_with_length(compiler, engine):
@@ -258,15 +277,17 @@ def test_stop_token_ids_are_allowed_once_the_grammar_is_complete(compiler, engin
     assert out.token_ids[-1] in (stop_id, MODEL_END_SAMPLING) and request.constraint.is_terminated
 
 
-def test_mask_keeps_unconstrained_rows_and_raw_logits(compiler, engine):
+def test_mask_keeps_unconstrained_rows(compiler, engine):
     a = constrained(compiler, engine, "a", OutputConstraint("regex", "(yes|no)"))
     b = Request("b", list(PROMPT))
     logits = torch.randn(2, engine.config.text.unpadded_vocab_size)
-    masked = mask_logits(logits, [a, b])
-    assert masked is not logits and torch.equal(masked[1], logits[1])
+    masked = logits.clone()
+    masks = GrammarMasks(2)
+    assert masks.apply(masked, [a, b])
+    assert torch.equal(masked[1], logits[1])
     allowed = torch.isfinite(masked[0]).nonzero().flatten().tolist()
     assert allowed == [MESSAGE_MODEL]
-    assert mask_logits(logits, [b, b]) is logits
+    assert not masks.apply(masked, [b, b])
 
 
 def test_matchers_survive_preemption(compiler, checkpoint):
@@ -286,7 +307,7 @@ def test_matchers_survive_preemption(compiler, checkpoint):
     assert sum(r.num_preemptions for r in requests) > 0
     for name, out in zip(names, outs, strict=True):
         assert out.finish_reason == "stop"
-        jsonschema.validate(json.loads(parse(out.token_ids)[0]), SCHEMAS[name])
+        validate(json.loads(parse(out.token_ids)[0]), SCHEMAS[name])
 
 
 @pytest.mark.parametrize(
@@ -304,3 +325,147 @@ def test_required_allows_more_calls_named_exactly_one(compiler, engine, function
         request.constraint.accept(token)
     logits = torch.zeros(1, engine.config.text.unpadded_vocab_size)
     assert set(torch.isfinite(mask_logits(logits, [request])[0]).nonzero().flatten().tolist()) == after_call
+
+
+def mixed_batch(compiler, engine):
+    """Six constrained rows (two schemas; greedy, and temperature > 0 with seeds) between three plain ones."""
+    schemas = [OutputConstraint("json_schema", json.dumps(SCHEMAS[n])) for n in ("nested", "array_bounds")]
+    requests = []
+    for i in range(9):
+        sampling = SamplingParams(temperature=0.0 if i % 3 == 1 else 0.9, seed=i, top_p=0.95)
+        if i % 3 == 2:
+            requests.append(WorkerRequest(f"plain-{i}", list(PROMPT), sampling))
+            continue
+        compiled = compiler.compile_sync(schemas[i % 2])
+        matcher = ConstraintMatcher(compiled, PROMPT, engine.config.eos_token_ids)
+        requests.append(WorkerRequest(f"c-{i}", list(PROMPT), sampling, constraint=matcher))
+    return requests
+
+
+def sample_steps(sampler, requests, vocab, device, prefill, steps=6):
+    """Decode steps in the runner's order; each step also samples a second row for the first three requests
+    after their first token (a verify chunk's later row: its mask depends on that token). -> the tokens, and
+    how many constrained rows the first and the second calls masked."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, counts = [], [0, 0]
+    for _ in range(steps):
+        logits = (torch.randn(len(requests) + 3, vocab, generator=gen) * 4).to(device)  # [N + 3, V]
+        if prefill:
+            sampler.prefill_masks(requests)
+        calls = [(requests, logits[: len(requests)]), (requests[:3], logits[len(requests) :])]
+        for k, (batch, rows) in enumerate(calls):
+            counts[k] += sum(r.constraint is not None for r in batch)
+            results = sampler.sample(rows, batch)
+            tokens.append([r.token_id for r in results])
+            for request, result in zip(batch, results, strict=True):
+                request.output_token_ids.append(result.token_id)
+                if result.constraint_finished:
+                    request.constraint = None  # done: the row samples unconstrained from now on
+    return tokens, counts
+
+
+def test_prefilled_masks_sample_the_tokens_of_serial_fills(compiler, engine):
+    check_prefill_equals_serial(compiler, engine, "cpu")
+
+
+@pytest.mark.gpu
+def test_prefilled_masks_sample_the_tokens_of_serial_fills_gpu(compiler, engine, cuda_device):
+    """Pinned buffers, device copies and the Triton kernel."""
+    check_prefill_equals_serial(compiler, engine, cuda_device)
+
+
+def check_prefill_equals_serial(compiler, engine, device):
+    vocab = engine.config.text.unpadded_vocab_size
+    runs, samplers = {}, {}
+    for prefill in (True, False):
+        samplers[prefill] = sampler = Sampler(max_rows=9, device=device)
+        runs[prefill] = sample_steps(sampler, mixed_batch(compiler, engine), vocab, device, prefill)
+    assert runs[True] == runs[False]
+    tokens, (first, later) = runs[True]
+    assert len({t for step in tokens for t in step}) > 20  # really sampling
+    assert first > 0 and later > 0
+    with_prefill, serial = samplers[True].masks, samplers[False].masks
+    assert (with_prefill.prefilled_rows, with_prefill.late_rows) == (first, later)
+    assert (serial.prefilled_rows, serial.late_rows) == (0, first + later)
+
+
+def test_the_mask_buffers_are_allocated_once(compiler, engine):
+    vocab = engine.config.text.unpadded_vocab_size
+    sampler = Sampler(max_rows=9)
+    requests = mixed_batch(compiler, engine)
+    sample_steps(sampler, requests, vocab, "cpu", prefill=True, steps=1)
+    host = sampler.masks.host
+    assert host.shape == (2 * 9, -(-vocab // 32))
+    pointer = host.data_ptr()
+    sample_steps(sampler, requests, vocab, "cpu", prefill=True, steps=3)
+    assert sampler.masks.host is host and host.data_ptr() == pointer
+
+
+def test_a_matcher_moved_after_the_prefill_is_masked_at_its_new_state(compiler, engine):
+    """Accepted (a verify chunk's earlier row) or rolled back: the prefilled row is stale and not used."""
+    vocab = engine.config.text.unpadded_vocab_size
+    request = constrained(
+        compiler, engine, "moved", OutputConstraint("regex", "(yes|no)"), prompt=[*PROMPT, MESSAGE_MODEL]
+    )
+    masks = GrammarMasks(1)
+    masks.prefill([request])
+    masks.advance([request], [CONTENT_TEXT])
+    after = torch.zeros(1, vocab)
+    masks.apply(after, [request])
+    allowed = set(torch.isfinite(after[0]).nonzero().flatten().tolist())
+    assert torch.equal(after, mask_logits(torch.zeros(1, vocab), [request]))  # a fresh fill of the new state
+    assert CONTENT_TEXT not in allowed and encode_text("yes")[0] in allowed
+    masks.prefill([request])
+    masks.advance([request], [encode_text("yes")[0]])
+    request.constraint.rollback(1)
+    again = torch.zeros(1, vocab)
+    masks.apply(again, [request])
+    assert torch.equal(again, after)
+    assert masks.prefilled_rows == 0 and masks.late_rows == 2
+
+
+def test_masks_apply_in_place_unless_logprobs_are_asked(compiler, engine):
+    vocab = engine.config.text.unpadded_vocab_size
+    constraint = OutputConstraint("regex", "(yes|no)")
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3))
+    raw = logits.clone()
+    wants = constrained(compiler, engine, "lp", constraint, SamplingParams(temperature=0.0, logprobs=2))
+    result = Sampler(max_rows=1).sample(logits, [wants])[0]
+    assert result.token_id == MESSAGE_MODEL and torch.equal(logits, raw)
+    assert result.logprobs.logprob == pytest.approx(float(torch.log_softmax(raw[0], -1)[MESSAGE_MODEL]))
+    plain = constrained(compiler, engine, "no-lp", constraint)
+    assert Sampler(max_rows=1).sample(logits, [plain])[0].token_id == MESSAGE_MODEL
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [MESSAGE_MODEL]  # masked in place: no copy
+
+
+@pytest.mark.gpu
+def test_json_schemas_on_cuda_graphs(compiler, checkpoint, cuda_device):
+    """The engine on CUDA, decode steps replayed from CUDA graphs with the masks prefilled behind them: JSON objects
+    with the required keys that stop, every constrained row from the prefill, and the tokens of the eager step."""
+    from common.settings import DecodeEngineSettings
+    from decode_service.service import build_engine
+
+    tokens = {}
+    for graphs in (True, False):
+        settings = DecodeEngineSettings(
+            device="cuda",
+            kv_cache_bytes=16 << 20,
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            enable_prefix_cache=False,
+            cuda_graphs=graphs,
+        )
+        gpu = build_engine(checkpoint, settings)
+        requests = [
+            constrained(compiler, gpu, name, OutputConstraint("json_schema", json.dumps(schema)))
+            for name, schema in SCHEMAS.items()
+        ]
+        outs = gpu.generate(requests)
+        for out in outs:
+            assert out.finish_reason == "stop", (out.request_id, out.token_ids)
+            document = json.loads(parse(out.token_ids)[0])
+            assert set(SCHEMAS[out.request_id]["required"]) <= set(document)
+        masks = gpu.runner.sampler.masks
+        assert masks.prefilled_rows == sum(len(o.token_ids) for o in outs) and masks.late_rows == 0
+        tokens[graphs] = [o.token_ids for o in outs]
+    assert tokens[True] == tokens[False]
