@@ -284,6 +284,7 @@ def moe_w2_kernel(
     stride_se,
     stride_sn,
     stride_om,
+    stride_os,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -300,6 +301,7 @@ def moe_w2_kernel(
     else:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)  # slice [pid_s * K, (pid_s + 1) * K) of the reduction, its own partial
     expert, pairs, valid = _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M, IDENTITY)
     if expert < 0:
         return
@@ -311,7 +313,8 @@ def moe_w2_kernel(
     xh_ptrs = X + pairs.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
     ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
     acc = tl.zeros(ACC, dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = tl.multiple_of(pid_s * K, BLOCK_K)  # K is a multiple of BLOCK_K
+    for k0 in range(k_lo, k_lo + K, BLOCK_K):
         if FP4:
             s_off = expert.to(tl.int64) * stride_se
             if PRESPLIT:  # the w13 kernel stored this K block as [even columns | odd columns]
@@ -335,21 +338,23 @@ def moe_w2_kernel(
         if ASM:
             scale = scale * _ASM_UNSCALE
     acc = acc * scale[:, None]
-    o_ptrs = Out + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    o_ptrs = Out + pid_s.to(tl.int64) * stride_os + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, acc, mask=valid[:, None])
 
 
 @triton.jit
-def moe_sum_kernel(Part, TopkIds, Out, N, TOPK: tl.constexpr, BLOCK: tl.constexpr):
-    """``Out[t, :] = sum_i Part[t * TOPK + i, :]`` over the slots whose id is not masked (< 0: no expert wrote
-    their rows), an fp32 sum with one rounding to Out's dtype."""
+def moe_sum_kernel(Part, TopkIds, Out, N, stride_ps, TOPK: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """``Out[t, :] = sum_s sum_i Part[s, t * TOPK + i, :]`` over the slots whose id is not masked (< 0: no expert
+    wrote their rows) and the SPLITS partials of the down projection, an fp32 sum with one rounding to Out's dtype."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in range(TOPK):
         routed = (offs * 0 + tl.load(TopkIds + t * TOPK + i)) >= 0
-        acc += tl.load(Part + (t * TOPK + i).to(tl.int64) * N + offs, mask=mask & routed, other=0.0)
+        row = Part + (t * TOPK + i).to(tl.int64) * N + offs
+        for s in range(SPLITS):
+            acc += tl.load(row + s * stride_ps, mask=mask & routed, other=0.0)
     tl.store(Out + t.to(tl.int64) * N + offs, acc.to(Out.dtype.element_ty), mask=mask)
 
 

@@ -153,9 +153,10 @@ def test_nvfp4_moe_matches_reference(cpu_interpreter, t, k, sorted_min_pairs, dt
     [
         {"swap_ab": False, "presplit": False},
         {"swap_ab": True, "presplit": False, "split_acc": True},
-        {"swap_ab": False, "presplit": True, "n_fast": True},
+        {"swap_ab": False, "presplit": True, "n_fast13": True, "n_fast2": False},
+        {"swap_ab": True, "presplit": True, "n_fast13": False, "n_fast2": True, "split_k2": 2, "block_k2": 16},
         {"swap_ab": True, "presplit": True, "block_m": 4, "identity_block_m": 16},
-        {"swap_ab": True, "presplit": True, "block_n13": 32, "block_k13": 64, "block_k2": 32, "num_warps": 2},
+        {"swap_ab": True, "presplit": True, "block_n13": 32, "block_k13": 64, "block_k2": 32, "num_warps13": 2},
         {"swap_ab": False, "block_m": 64},  # the prefill tiles: several experts' rows padded in 64-row blocks
     ],
 )
