@@ -61,7 +61,17 @@ W2_VARIANTS = {
     "stages4": {"num_stages": 4},
     "reg128": {"maxnreg": 128},
 }
-SORTED_ONLY = {"b16": {"block_m": 16}, "b4": {"block_m": 4}}  # row-block sizes (both kernels' variants)
+SORTED_ONLY = {  # row-block sizes (both kernels' variants); 2 warps keep 16-row blocks on mma.sync
+    "b16": {"block_m": 16},
+    "b16n32w2": {"block_m": 16, "block_n13": 32, "block_n2": 32, "num_warps13": 2, "num_warps2": 2},
+    "b4": {"block_m": 4},
+}
+IDENTITY_ONLY = {  # split-K of the gate/up kernel (its partials are per row block: few blocks only)
+    "split2": {"split_k13": 2},
+    "split4": {"split_k13": 4},
+    "n64w4s2": {"block_n13": 64, "num_warps13": 4, "split_k13": 2},
+    "n64w2s4": {"block_n13": 64, "num_warps13": 2, "split_k13": 4},
+}
 MODES = {1: ["identity"], 8: ["identity", "sorted"], 64: ["sorted"], 256: ["sorted"]}
 
 
@@ -219,9 +229,10 @@ def kernels_table(ceil: Ceilings, batches: list[int], weights, gen: torch.Genera
 def sweep_configs() -> list:
     """(kernels, name, T -> MoeConfig or None) of every distinct per-kernel variant with each routing of ``MODES``."""
     configs, seen = [], set()
-    for kind, variants in (("w13", W13_VARIANTS), ("w2", W2_VARIANTS)):
+    for kind, variants in (("w13", {**W13_VARIANTS, **IDENTITY_ONLY}), ("w2", W2_VARIANTS)):
         for name, over in {**variants, **SORTED_ONLY}.items():
-            for mode in ("sorted",) if name in SORTED_ONLY else ("identity", "sorted"):
+            only = "sorted" if name in SORTED_ONLY else "identity" if name in IDENTITY_ONLY else None
+            for mode in (only,) if only else ("identity", "sorted"):
                 if (kind, variant(over, mode)) in seen:
                     continue
                 seen.add((kind, variant(over, mode)))

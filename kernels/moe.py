@@ -24,7 +24,11 @@ the block's <= 8 rows as its N (``swap_ab``: no padded token rows through shared
 Masked routes: a (token, slot) pair whose id is ``MASKED_ROUTE`` (-1; expert parallelism marks the routes to
 other ranks' experts so) reaches no expert: ``moe_align`` leaves it out of every block, its identity block exits at
 once, and the slot sum skips it (it adds exactly 0). Ids must otherwise lie in [0, E).
-Excluded from this slice: fp8 activations, split-K, fusing the slot sum / shared experts into the w2 epilogue.
+Split-K (few pairs, to put more warps on the SMs): the down kernel's slices are separate fp32 partials that the
+slot sum adds; the gate/up kernel's slices store fp32 partials and the last slice of a tile to finish (an atomic
+count) adds them in slice order and runs the SwiGLU epilogue, so both sums are independent of the arrival order.
+The stages are public (``moe_routing``, ``moe_w13``, ``moe_w2``, ``moe_sum``) for bench_moe to time each alone.
+Excluded from this slice: fp8 activations, fusing the slot sum / shared experts into the w2 epilogue.
 """
 
 from __future__ import annotations
@@ -59,9 +63,8 @@ class MoeConfig:
     identity_block_m: int = 1  # rows of an identity-routing block (one pair; more rows only pad the MMA)
     n_fast13: bool = True  # grid order: the N tiles of one row block adjacent (else the row blocks of one N tile)
     n_fast2: bool = True
-    split_k2: int = (
-        1  # the down kernel's K (= I) in this many slices, each its own fp32 partial; the slot sum adds them
-    )
+    split_k13: int = 1  # gate/up: H in this many programs per tile, the last to finish adds their partials
+    split_k2: int = 1  # down: I in this many slices, each its own fp32 partial, added by the slot sum
     swap_ab: bool = True  # weights as the MMA's M operand, the block's rows as its N (keep the rows <= 8)
     presplit: bool = True  # NVFP4: w13 stores each block_k2 slice of the intermediate as [even | odd] columns
     split_acc: bool = False  # w13: separate accumulators for the even and the odd columns of a K block
@@ -221,7 +224,7 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
     h = x.shape[1]
     for name, dim, blk in (
         ("I", i, cfg.block_n13),
-        ("H", h, cfg.block_k13),
+        ("H", h, cfg.block_k13 * cfg.split_k13),
         ("H", h, cfg.block_n2),
         ("I", i, cfg.block_k2 * cfg.split_k2),
     ):
@@ -268,14 +271,20 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
     r = routing
     i = w13.shape[1] // 2
     inter = torch.empty((r.ids.numel(), i), dtype=x.dtype, device=x.device)
-    grid, n_fast = _grid(cfg.n_fast13, r.n_blocks, i // cfg.block_n13)
+    n_tiles, splits = i // cfg.block_n13, cfg.split_k13
+    grid, n_fast = _grid(cfg.n_fast13, r.n_blocks, n_tiles, splits)
+    if splits > 1:  # per tile: each slice's fp32 gate and up partials, and the count of slices done
+        partial = torch.empty((r.n_blocks * n_tiles, splits, 2, cfg.block_n13 * r.block_m), device=x.device)
+        count = torch.zeros((r.n_blocks * n_tiles,), dtype=torch.int32, device=x.device)
+    else:
+        partial, count = inter, r.ids  # unused
     tk.moe_w13_kernel[grid](
-        x, r.ids, r.sorted_pairs, r.block_expert, w13, s13, s13b, inter,
-        r.ids.numel(), i, x.shape[1], x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        inter.stride(0),
+        x, r.ids, r.sorted_pairs, r.block_expert, w13, s13, s13b, inter, partial, count,
+        r.ids.numel(), i, x.shape[1] // splits, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        s13.stride(1), inter.stride(0),
         TOPK=r.topk, BLOCK_M=r.block_m, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k13, IDENTITY=r.identity, FP4=fp4,
         ASM=asm, N_FAST=n_fast, SPLIT_ACC=cfg.split_acc, PRESPLIT_K=cfg.block_k2 if fp4 and cfg.presplit else 0,
-        SWAP=cfg.swap_ab, **_launch_opts(cfg, cfg.num_warps13),
+        SWAP=cfg.swap_ab, SPLIT_K=splits, **_launch_opts(cfg, cfg.num_warps13),
     )  # fmt: skip
     return inter
 
