@@ -137,7 +137,7 @@ def w2_bytes(ids: torch.Tensor) -> int:
     return torch.unique(ids).numel() * (H * I // 2 + H * I // 16 + 4) + ids.numel() * (I * 2 + H * 4)
 
 
-def bench_nvfp4(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> None:
+def bench_nvfp4(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> tuple:
     dev = "cuda"
     weights = (*make_nvfp4(E, 2 * I, H, dev), *make_nvfp4(E, H, I, dev))
     print("# correctness vs fp32 moe_reference (bf16 activations): rel = |out-ref|/|ref|, max_abs")
