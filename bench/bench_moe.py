@@ -25,6 +25,7 @@ from kernels.moe import MoeConfig, bf16_moe, default_config, moe_reference, moe_
 H, I, E, TOPK = 4096, 2048, 256, 6
 SETS = 8
 WIDTHS = [5, 10, 10, 8, 10, 10, 7, 8]
+WIDTHS2 = [5, 7, 12, 9, 8, 9, 8, 6, 8]
 # round 1's choice (issue 17 before this sweep): the few-pairs tiles below 64 pairs, the class defaults above
 ROUND1_FEW = MoeConfig(block_n13=32, block_n2=32, num_warps13=2, num_warps2=2, n_fast13=False, n_fast2=False,
                        split_acc=True)  # fmt: skip
@@ -45,6 +46,7 @@ W13_VARIANTS = {
     "reg128": {"maxnreg": 128},
     "k128": {"block_k13": 128},
     "acc2": {"split_acc": True},
+    "scale3": {"scale_path": 3},
 }
 W2_VARIANTS = {
     "base": {},
@@ -60,6 +62,7 @@ W2_VARIANTS = {
     "n64w2s2": {"block_n2": 64, "num_warps2": 2, "split_k2": 2},
     "stages4": {"num_stages": 4},
     "reg128": {"maxnreg": 128},
+    "scale3": {"scale_path": 3},
 }
 SORTED_ONLY = {  # row-block sizes (both kernels' variants); 2 warps keep 16-row blocks on mma.sync
     "b16": {"block_m": 16},
@@ -178,28 +181,33 @@ def bench_nvfp4(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> tup
     return weights
 
 
-def time_kernel(kind: str, cfg: MoeConfig, sets, weights, reps: int) -> float:
-    """us per routing of the gate/up ("w13") or the down ("w2") kernel alone, in a CUDA graph over the sets."""
+def time_kernel(kind: str, cfg: MoeConfig, sets, weights, reps: int) -> tuple[float, torch.Tensor]:
+    """us per routing of the gate/up ("w13") or the down ("w2") kernel alone, in a CUDA graph over the sets, and
+    its result for the first set (the intermediate, or the down partials summed over the K slices)."""
     w13, s13, s13b, w2, s2, s2b = weights
     routes = [moe_routing(ids, wts, E, cfg) for _, ids, wts in sets]
+    inters = [moe_w13(x, r, w13, (s13, s13b), cfg) for (x, _, _), r in zip(sets, routes, strict=True)]
     if kind == "w13":
 
         def run():
             return [moe_w13(x, r, w13, (s13, s13b), cfg) for (x, _, _), r in zip(sets, routes, strict=True)]
+
+        first = inters[0]
     else:
-        inters = [moe_w13(x, r, w13, (s13, s13b), cfg) for (x, _, _), r in zip(sets, routes, strict=True)]
 
         def run():
             return [moe_w2(h, r, w2, (s2, s2b), cfg) for h, r in zip(inters, routes, strict=True)]
 
-    return 1e3 * time_graph_ms(run, reps=reps) / SETS
+        first = moe_w2(inters[0], routes[0], w2, (s2, s2b), cfg).sum(0)
+    return 1e3 * time_graph_ms(run, reps=reps) / SETS, first.float()
 
 
 def kernels_table(ceil: Ceilings, batches: list[int], weights, gen: torch.Generator, configs: list) -> None:
     """Each kernel alone per config (``configs``: (kernels, name, T -> MoeConfig or None)), against its own byte
     floor; then the fastest config per kernel and batch."""
     print(f"# each kernel alone, CUDA graph over {SETS} routings; floor = its must-move bytes / copy bandwidth")
-    print(row(["T", "kernel", "config", "routing", "MB", "time_us", "floor", "ratio"], [5, 7, 12, 9, 8, 9, 8, 6]))
+    print("# rel: |result - default config's result| / |default's| on the first routing (accumulation order only)")
+    print(row(["T", "kernel", "config", "routing", "MB", "time_us", "floor", "ratio", "rel"], WIDTHS2))
     best: dict[tuple[int, str], tuple[float, str]] = {}
     reps = 50 if len(configs) < 4 else 15
     for t in batches:
@@ -207,19 +215,21 @@ def kernels_table(ceil: Ceilings, batches: list[int], weights, gen: torch.Genera
         for kind, nbytes in (("w13", w13_bytes), ("w2", w2_bytes)):
             mb = sum(nbytes(ids) for _, ids, _ in sets) / SETS
             floor = ceil.floor_us(mb)
+            ref = time_kernel(kind, default_config(t * TOPK), sets[:1], weights, 1)[1]
             for kinds, name, pick in configs:
                 cfg = pick(t)
                 if cfg is None or kind not in kinds:
                     continue
                 mode = "identity" if t * TOPK < cfg.sorted_min_pairs else "sorted"
                 try:
-                    us = time_kernel(kind, cfg, sets, weights, reps)
+                    us, first = time_kernel(kind, cfg, sets, weights, reps)
                 except Exception as exc:  # a variant that does not compile on this Triton: report, go on
                     print(f"T={t} {kind} {name} {mode}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue
+                rel = ((first - ref).norm() / ref.norm()).item()
                 cells = [str(t), kind, name, mode, f"{mb / 1e6:.1f}", f"{us:.1f}", f"{floor:.1f}", f"{us / floor:.2f}"]
-                print(row(cells, [5, 7, 12, 9, 8, 9, 8, 6]), flush=True)
-                if us < best.get((t, kind), (float("inf"), ""))[0]:
+                print(row([*cells, f"{rel:.1e}"], WIDTHS2), flush=True)
+                if rel < 1e-2 and us < best.get((t, kind), (float("inf"), ""))[0]:
                     best[(t, kind)] = (us, f"{name}/{mode}, floor {floor:.1f} us, {100 * floor / us:.0f}% of it")
     print("# best per kernel and batch")
     for (t, kind), (us, what) in best.items():

@@ -116,7 +116,8 @@ def _fp4_tile(
 ):
     """Dequantise rows ``offs_n`` x columns [k0, k0 + BLOCK_K) -> (even cols, odd cols), each [BN, BK/2].
 
-    ``ASM`` (GPU, bf16 only): packed-bf16 inline PTX (1: fp32 scale decode, 2: e4m3 convert for the scales);
+    ``ASM`` (GPU, bf16 only): packed-bf16 inline PTX, the scales decoded by 1: fp32 bit arithmetic, 2: the e4m3
+    convert and bit moves in PTX, 3: Triton's e4m3 -> fp32 convert and an exact multiply (no integer ops);
     otherwise portable Triton arithmetic (interpreter).
     """
     BN: tl.constexpr = offs_n.shape[0]
@@ -128,7 +129,10 @@ def _fp4_tile(
     s_ptrs = S + s_row_off + offs_n[:, None] * stride_sn + (k0 // 16 + offs_g[None, :])
     packed = tl.reshape(tl.load(w_ptrs), [BN, G, 8])
     if ASM:
-        if ASM == 2:
+        if ASM == 3:
+            scale = tl.load(s_ptrs).to(tl.float8e4nv, bitcast=True).to(tl.float32) * 6.646139978924579e35  # 2^119
+            scale = scale.to(tl.bfloat16)
+        elif ASM == 2:
             scale = tl.inline_asm_elementwise(
                 _E4M3_ASM, "=r,h", [tl.load(s_ptrs)], dtype=tl.bfloat16, is_pure=True, pack=2
             )

@@ -68,6 +68,7 @@ class MoeConfig:
     swap_ab: bool = True  # weights as the MMA's M operand, the block's rows as its N (keep the rows <= 8)
     presplit: bool = True  # NVFP4: w13 stores each block_k2 slice of the intermediate as [even | odd] columns
     split_acc: bool = False  # w13: separate accumulators for the even and the odd columns of a K block
+    scale_path: int = 2  # NVFP4 + bf16 on the GPU, the block scales' decode: 2 inline PTX, 3 e4m3 -> fp32 convert
 
 
 MASKED_ROUTE = -1  # a route id that no expert computes and that contributes 0 to its token
@@ -238,15 +239,15 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
     return moe_sum(moe_w2(inter, routing, w2, s2, cfg), routing, x.dtype)
 
 
-_SCALE_ASM = 2  # 2: block scales through the native e4m3 convert, 1: through fp32 bit arithmetic
-
-
-def _fp4_args(w: torch.Tensor, scales, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, bool, int]:
-    """(block scales, scale2, FP4, ASM) kernel arguments; scales ``(None, None)``: plain weights (unused args)."""
+def _fp4_args(w: torch.Tensor, scales, act_dtype: torch.dtype, cfg: MoeConfig):
+    """(block scales, scale2, FP4, ASM) kernel arguments; scales ``(None, None)``: plain weights (unused args).
+    ASM (bf16 activations on the GPU): the inline-PTX e2m1 unpack, its block scales decoded by ``cfg.scale_path``
+    (2: the e4m3 -> f16 convert and bit moves in PTX, 3: Triton's e4m3 -> fp32 convert and an exact fp32 multiply);
+    0: portable Triton (interpreter, fp16/fp32 activations)."""
     if scales[0] is None:
         return w, w, False, 0
     s, s2 = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in scales)
-    asm = _SCALE_ASM if act_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1" else 0
+    asm = cfg.scale_path if act_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1" else 0
     return s, s2, True, asm
 
 
@@ -267,7 +268,7 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
     w13_scale2), or (None, None) for weights in x's dtype."""
     from kernels import _triton_moe as tk
 
-    s13, s13b, fp4, asm = _fp4_args(w13, scales, x.dtype)
+    s13, s13b, fp4, asm = _fp4_args(w13, scales, x.dtype, cfg)
     r = routing
     i = w13.shape[1] // 2
     inter = torch.empty((r.ids.numel(), i), dtype=x.dtype, device=x.device)
@@ -294,7 +295,7 @@ def moe_w2(inter: torch.Tensor, routing: MoeRouting, w2: torch.Tensor, scales, c
     per slice of I. ``scales``: (w2_scale, w2_scale2), or (None, None) for weights in the activations' dtype."""
     from kernels import _triton_moe as tk
 
-    s2, s2b, fp4, asm = _fp4_args(w2, scales, inter.dtype)
+    s2, s2b, fp4, asm = _fp4_args(w2, scales, inter.dtype, cfg)
     r = routing
     h = w2.shape[1]
     part = torch.empty((cfg.split_k2, r.ids.numel(), h), dtype=torch.float32, device=inter.device)

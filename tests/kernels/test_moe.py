@@ -271,10 +271,12 @@ def test_nvfp4_moe_gpu_full_width(cuda_device, t, sorted_min_pairs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 8])
-def test_nvfp4_moe_gpu_split_k(cuda_device, t):
-    """Both kernels split along K at full widths (identity routing): the gate/up slices' last-to-finish sum and the
-    down slices' partials in the slot sum give the reference result."""
+@pytest.mark.parametrize(
+    "t,variant", [(1, {"split_k13": 4, "split_k2": 2}), (8, {"split_k13": 4}), (8, {"scale_path": 3})]
+)
+def test_nvfp4_moe_gpu_code_paths(cuda_device, t, variant):
+    """Full widths, identity routing: both kernels split along K (the gate/up slices' last-to-finish sum, the down
+    slices' partials in the slot sum) and the fp32 decode of the block scales give the reference result."""
     gen = torch.Generator().manual_seed(t + 7)
     e, h, i, k = 16, 4096, 2048, 6
     w13 = nvfp4_stack(e, 2 * i, h, gen, cuda_device)
@@ -283,10 +285,10 @@ def test_nvfp4_moe_gpu_split_k(cuda_device, t):
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
     ids, wts = routing(t, e, k, gen, cuda_device)
     few = MoeConfig(block_n13=32, block_n2=32, num_warps13=2, num_warps2=2, n_fast13=False, n_fast2=False)
-    cfg = MoeConfig(**{**few.__dict__, "split_acc": True, "split_k13": 4, "split_k2": 2})
+    cfg = MoeConfig(**{**few.__dict__, "split_acc": True, **variant})
     out = nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg)
     err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
-    print(f"nvfp4_moe split-K T={t}: rel {err:.2e}")
+    print(f"nvfp4_moe T={t} {variant}: rel {err:.2e}")
     assert err < 1e-2
 
 
