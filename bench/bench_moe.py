@@ -46,7 +46,6 @@ W13_VARIANTS = {
     "reg128": {"maxnreg": 128},
     "k128": {"block_k13": 128},
     "acc2": {"split_acc": True},
-    "scale3": {"scale_path": 3},
 }
 W2_VARIANTS = {
     "base": {},
@@ -57,12 +56,8 @@ W2_VARIANTS = {
     "n64w4": {"block_n2": 64, "num_warps2": 4},
     "n32w2": {"block_n2": 32, "num_warps2": 2},
     "n16w1": {"block_n2": 16, "num_warps2": 1},
-    "split2": {"split_k2": 2},
-    "split4": {"split_k2": 4},
-    "n64w2s2": {"block_n2": 64, "num_warps2": 2, "split_k2": 2},
     "stages4": {"num_stages": 4},
     "reg128": {"maxnreg": 128},
-    "scale3": {"scale_path": 3},
 }
 SORTED_ONLY = {  # row-block sizes (both kernels' variants); 2 warps keep 16-row blocks on mma.sync
     "b16": {"block_m": 16},
@@ -183,7 +178,7 @@ def bench_nvfp4(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> tup
 
 def time_kernel(kind: str, cfg: MoeConfig, sets, weights, reps: int) -> tuple[float, torch.Tensor]:
     """us per routing of the gate/up ("w13") or the down ("w2") kernel alone, in a CUDA graph over the sets, and
-    its result for the first set (the intermediate, or the down partials summed over the K slices)."""
+    its result for the first set (the intermediate, or the down projection's fp32 rows)."""
     w13, s13, s13b, w2, s2, s2b = weights
     routes = [moe_routing(ids, wts, E, cfg) for _, ids, wts in sets]
     inters = [moe_w13(x, r, w13, (s13, s13b), cfg) for (x, _, _), r in zip(sets, routes, strict=True)]
@@ -198,7 +193,7 @@ def time_kernel(kind: str, cfg: MoeConfig, sets, weights, reps: int) -> tuple[fl
         def run():
             return [moe_w2(h, r, w2, (s2, s2b), cfg) for h, r in zip(inters, routes, strict=True)]
 
-        first = moe_w2(inters[0], routes[0], w2, (s2, s2b), cfg).sum(0)
+        first = moe_w2(inters[0], routes[0], w2, (s2, s2b), cfg)
     return 1e3 * time_graph_ms(run, reps=reps) / SETS, first.float()
 
 

@@ -5,9 +5,9 @@ Three launches per MoE call:
      then ``silu(g) * u`` into an intermediate ``[n_pairs, I]`` (one row per (token, slot) pair); with
      ``PRESPLIT_K`` each PRESPLIT_K-wide column block is stored as [even columns | odd columns]. ``SPLIT_K``
      slices: fp32 partials in ``Partial``, the tile's last slice (``Count``) adds them and runs the epilogue.
-  2. ``moe_w2_kernel``: per (row block, tile of H, slice of I): the down projection, times the pair's routing
-     weight, into ``[slices, n_pairs, H]`` fp32 (``PRESPLIT``: reads the split intermediate as two halves).
-  3. ``moe_sum_kernel``: the fp32 sum of each token's k slots and the slices, one rounding to the output dtype.
+  2. ``moe_w2_kernel``: per (row block, tile of H): the down projection over I, times the pair's routing
+     weight, into ``[n_pairs, H]`` fp32 (``PRESPLIT``: reads the split intermediate as two halves).
+  3. ``moe_sum_kernel``: the fp32 sum of each token's k slots, one rounding to the output dtype.
 
 ``SWAP``: the MMA computes ``W_tile @ x^T`` (weights as its M operand, the block's rows as its N, padded
 to 8) instead of ``x @ W_tile^T`` (rows as M, padded to 16): the dequantised weights feed the MMA without
@@ -116,8 +116,7 @@ def _fp4_tile(
 ):
     """Dequantise rows ``offs_n`` x columns [k0, k0 + BLOCK_K) -> (even cols, odd cols), each [BN, BK/2].
 
-    ``ASM`` (GPU, bf16 only): packed-bf16 inline PTX, the scales decoded by 1: fp32 bit arithmetic, 2: the e4m3
-    convert and bit moves in PTX, 3: Triton's e4m3 -> fp32 convert and an exact multiply (no integer ops);
+    ``ASM`` (GPU, bf16 only): packed-bf16 inline PTX (1: fp32 scale decode, 2: e4m3 convert for the scales);
     otherwise portable Triton arithmetic (interpreter).
     """
     BN: tl.constexpr = offs_n.shape[0]
@@ -129,10 +128,7 @@ def _fp4_tile(
     s_ptrs = S + s_row_off + offs_n[:, None] * stride_sn + (k0 // 16 + offs_g[None, :])
     packed = tl.reshape(tl.load(w_ptrs), [BN, G, 8])
     if ASM:
-        if ASM == 3:
-            scale = tl.load(s_ptrs).to(tl.float8e4nv, bitcast=True).to(tl.float32) * 6.646139978924579e35  # 2^119
-            scale = scale.to(tl.bfloat16)
-        elif ASM == 2:
+        if ASM == 2:
             scale = tl.inline_asm_elementwise(
                 _E4M3_ASM, "=r,h", [tl.load(s_ptrs)], dtype=tl.bfloat16, is_pure=True, pack=2
             )
@@ -311,7 +307,6 @@ def moe_w2_kernel(
     stride_se,
     stride_sn,
     stride_om,
-    stride_os,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -328,7 +323,6 @@ def moe_w2_kernel(
     else:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)  # slice [pid_s * K, (pid_s + 1) * K) of the reduction, its own partial
     expert, pairs, valid = _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M, IDENTITY)
     if expert < 0:
         return
@@ -340,8 +334,7 @@ def moe_w2_kernel(
     xh_ptrs = X + pairs.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
     ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
     acc = tl.zeros(ACC, dtype=tl.float32)
-    k_lo = tl.multiple_of(pid_s * K, BLOCK_K)  # K is a multiple of BLOCK_K
-    for k0 in range(k_lo, k_lo + K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if FP4:
             s_off = expert.to(tl.int64) * stride_se
             if PRESPLIT:  # the w13 kernel stored this K block as [even columns | odd columns]
@@ -365,23 +358,21 @@ def moe_w2_kernel(
         if ASM:
             scale = scale * _ASM_UNSCALE
     acc = acc * scale[:, None]
-    o_ptrs = Out + pid_s.to(tl.int64) * stride_os + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    o_ptrs = Out + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, acc, mask=valid[:, None])
 
 
 @triton.jit
-def moe_sum_kernel(Part, TopkIds, Out, N, stride_ps, TOPK: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """``Out[t, :] = sum_s sum_i Part[s, t * TOPK + i, :]`` over the slots whose id is not masked (< 0: no expert
-    wrote their rows) and the SPLITS partials of the down projection, an fp32 sum with one rounding to Out's dtype."""
+def moe_sum_kernel(Part, TopkIds, Out, N, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """``Out[t, :] = sum_i Part[t * TOPK + i, :]`` over the slots whose id is not masked (< 0: no expert wrote
+    their rows), an fp32 sum with one rounding to Out's dtype."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in range(TOPK):
         routed = (offs * 0 + tl.load(TopkIds + t * TOPK + i)) >= 0
-        row = Part + (t * TOPK + i).to(tl.int64) * N + offs
-        for s in range(SPLITS):
-            acc += tl.load(row + s * stride_ps, mask=mask & routed, other=0.0)
+        acc += tl.load(Part + (t * TOPK + i).to(tl.int64) * N + offs, mask=mask & routed, other=0.0)
     tl.store(Out + t.to(tl.int64) * N + offs, acc.to(Out.dtype.element_ty), mask=mask)
 
 

@@ -24,9 +24,9 @@ the block's <= 8 rows as its N (``swap_ab``: no padded token rows through shared
 Masked routes: a (token, slot) pair whose id is ``MASKED_ROUTE`` (-1; expert parallelism marks the routes to
 other ranks' experts so) reaches no expert: ``moe_align`` leaves it out of every block, its identity block exits at
 once, and the slot sum skips it (it adds exactly 0). Ids must otherwise lie in [0, E).
-Split-K (few pairs, to put more warps on the SMs): the down kernel's slices are separate fp32 partials that the
-slot sum adds; the gate/up kernel's slices store fp32 partials and the last slice of a tile to finish (an atomic
-count) adds them in slice order and runs the SwiGLU epilogue, so both sums are independent of the arrival order.
+Split-K of the gate/up kernel (a handful of pairs, to put more warps on the SMs): its slices store fp32 partials
+and the last slice of a tile to finish (an atomic count) adds them in slice order and runs the SwiGLU epilogue,
+so the sum does not depend on the arrival order.
 The stages are public (``moe_routing``, ``moe_w13``, ``moe_w2``, ``moe_sum``) for bench_moe to time each alone.
 Excluded from this slice: fp8 activations, fusing the slot sum / shared experts into the w2 epilogue.
 """
@@ -46,8 +46,8 @@ from common.nvfp4 import dequant_nvfp4
 class MoeConfig:
     """Tiles and code-shape choices of one MoE launch pair (``13``: the gate/up kernel, ``2``: the down kernel).
 
-    The defaults are the best measured on an H200 for Inkling-Small shapes with many (token, slot) pairs
-    (sorted routing); ``default_config`` picks the measured best for a handful of pairs (identity routing).
+    The defaults are the best measured on an H200 for Inkling-Small shapes from 768 (token, slot) pairs on
+    (sorted routing); ``default_config`` picks the measured best for fewer pairs and for prefill.
     """
 
     block_m: int = 8  # rows (pairs of one expert) per block of the sorted routing
@@ -64,30 +64,42 @@ class MoeConfig:
     n_fast13: bool = True  # grid order: the N tiles of one row block adjacent (else the row blocks of one N tile)
     n_fast2: bool = True
     split_k13: int = 1  # gate/up: H in this many programs per tile, the last to finish adds their partials
-    split_k2: int = 1  # down: I in this many slices, each its own fp32 partial, added by the slot sum
     swap_ab: bool = True  # weights as the MMA's M operand, the block's rows as its N (keep the rows <= 8)
     presplit: bool = True  # NVFP4: w13 stores each block_k2 slice of the intermediate as [even | odd] columns
     split_acc: bool = False  # w13: separate accumulators for the even and the odd columns of a K block
-    scale_path: int = 2  # NVFP4 + bf16 on the GPU, the block scales' decode: 2 inline PTX, 3 e4m3 -> fp32 convert
 
 
 MASKED_ROUTE = -1  # a route id that no expert computes and that contributes 0 to its token
 
 PREFILL_MIN_PAIRS = 8192  # from here on prefill-sized tiles (~32+ pairs per expert at E = 256)
+SPLIT_K13_MAX_PAIRS = 16  # up to here (T <= 2 at k = 6) the identity gate/up kernel splits H in two
+NARROW_WARPS_MAX_PAIRS = 767  # sorted decode below T = 128 at k = 6: 2-warp tiles (32 weight rows per warp)
 
 
 def default_config(n_pairs: int) -> MoeConfig:
-    """Measured choice (H200, H=4096, I=2048, bench_moe): below ``sorted_min_pairs`` pairs (identity routing,
-    one block per pair) narrow N tiles of 2 warps, so that a batch-1 call still has ~6 CTAs per SM; then the
-    class defaults (sorted routing, 8-row blocks, 64-row tiles of 4 warps); from ``PREFILL_MIN_PAIRS`` on 64-row
-    blocks of pairs as the MMA's M operand, so each expert's weights are dequantised once per 64 pairs (T=2048:
-    3.40 ms against 7.18 ms with the decode tiles, 182 TFLOP/s)."""
+    """Measured choice (H200, H=4096, I=2048, E=256, k=6; ``bench_moe --sweep``, each kernel alone, 2026-12-01):
+
+    * below ``sorted_min_pairs`` (identity routing, one block per pair): 32-row tiles of 2 warps, so a batch-1 call
+      still has ~6 CTAs per SM; up to ``SPLIT_K13_MAX_PAIRS`` the gate/up kernel's H in two slices (T=1: 23.6 us
+      against 26.4; T=8: 133 against 129, so not there); splitting the down kernel was slower at T=1 and 8;
+    * sorted 8-row blocks up to ``NARROW_WARPS_MAX_PAIRS``: 64-row tiles of 2 warps for both kernels (T=64: gate/up
+      551 us against 566 with 4 warps, down 283 against 300); beyond, the class defaults' 4 warps (T=256: down
+      423-445 us against 460 with 2 warps, gate/up even);
+    * from ``PREFILL_MIN_PAIRS`` on 64-row blocks of pairs as the MMA's M operand, so each expert's weights are
+      dequantised once per 64 pairs (T=2048: 3.40 ms against 7.18 ms with the decode tiles, 182 TFLOP/s).
+
+    Measured and not taken: 16-row blocks (T=256: gate/up 968-1568 us against 858; the 16-wide MMA operand costs
+    more than the 15% of blocks it saves), 4-row blocks, 128-row tiles of 8 warps, 128-wide K tiles, 2 or 4
+    pipeline stages, a 128-register cap, the e4m3 scales through an fp32 convert."""
     base = MoeConfig()
     if n_pairs < base.sorted_min_pairs:
-        return MoeConfig(block_n13=32, block_n2=32, num_warps13=2, num_warps2=2, n_fast13=False, n_fast2=False,
-                         split_acc=True)  # fmt: skip
+        few = MoeConfig(block_n13=32, block_n2=32, num_warps13=2, num_warps2=2, n_fast13=False, n_fast2=False,
+                        split_acc=True)  # fmt: skip
+        return replace(few, split_k13=2) if n_pairs <= SPLIT_K13_MAX_PAIRS else few
     if n_pairs >= PREFILL_MIN_PAIRS:
         return MoeConfig(block_m=64, swap_ab=False, block_k13=128, block_k2=128)
+    if n_pairs <= NARROW_WARPS_MAX_PAIRS:
+        return replace(base, num_warps13=2, num_warps2=2)
     return base
 
 
@@ -227,7 +239,7 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
         ("I", i, cfg.block_n13),
         ("H", h, cfg.block_k13 * cfg.split_k13),
         ("H", h, cfg.block_n2),
-        ("I", i, cfg.block_k2 * cfg.split_k2),
+        ("I", i, cfg.block_k2),
     ):
         if dim % blk:
             raise ValueError(f"{name}={dim} is not a multiple of the tile {blk}")
@@ -239,15 +251,16 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
     return moe_sum(moe_w2(inter, routing, w2, s2, cfg), routing, x.dtype)
 
 
-def _fp4_args(w: torch.Tensor, scales, act_dtype: torch.dtype, cfg: MoeConfig):
+_SCALE_ASM = 2  # 2: block scales through the native e4m3 convert, 1: through fp32 bit arithmetic
+
+
+def _fp4_args(w: torch.Tensor, scales, act_dtype: torch.dtype):
     """(block scales, scale2, FP4, ASM) kernel arguments; scales ``(None, None)``: plain weights (unused args).
-    ASM (bf16 activations on the GPU): the inline-PTX e2m1 unpack, its block scales decoded by ``cfg.scale_path``
-    (2: the e4m3 -> f16 convert and bit moves in PTX, 3: Triton's e4m3 -> fp32 convert and an exact fp32 multiply);
-    0: portable Triton (interpreter, fp16/fp32 activations)."""
+    ASM: the inline-PTX unpack for bf16 activations on the GPU, else 0 (portable Triton: interpreter, fp16/fp32)."""
     if scales[0] is None:
         return w, w, False, 0
     s, s2 = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in scales)
-    asm = cfg.scale_path if act_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1" else 0
+    asm = _SCALE_ASM if act_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1" else 0
     return s, s2, True, asm
 
 
@@ -268,7 +281,7 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
     w13_scale2), or (None, None) for weights in x's dtype."""
     from kernels import _triton_moe as tk
 
-    s13, s13b, fp4, asm = _fp4_args(w13, scales, x.dtype, cfg)
+    s13, s13b, fp4, asm = _fp4_args(w13, scales, x.dtype)
     r = routing
     i = w13.shape[1] // 2
     inter = torch.empty((r.ids.numel(), i), dtype=x.dtype, device=x.device)
@@ -291,19 +304,19 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
 
 
 def moe_w2(inter: torch.Tensor, routing: MoeRouting, w2: torch.Tensor, scales, cfg: MoeConfig) -> torch.Tensor:
-    """Down projection of every routed pair times its routing weight: fp32 ``[split_k2, n_pairs, H]``, one partial
-    per slice of I. ``scales``: (w2_scale, w2_scale2), or (None, None) for weights in the activations' dtype."""
+    """Down projection of every routed pair times its routing weight: fp32 ``[n_pairs, H]``. ``scales``:
+    (w2_scale, w2_scale2), or (None, None) for weights in the activations' dtype."""
     from kernels import _triton_moe as tk
 
-    s2, s2b, fp4, asm = _fp4_args(w2, scales, inter.dtype, cfg)
+    s2, s2b, fp4, asm = _fp4_args(w2, scales, inter.dtype)
     r = routing
     h = w2.shape[1]
-    part = torch.empty((cfg.split_k2, r.ids.numel(), h), dtype=torch.float32, device=inter.device)
-    grid, n_fast = _grid(cfg.n_fast2, r.n_blocks, h // cfg.block_n2, cfg.split_k2)
+    part = torch.empty((r.ids.numel(), h), dtype=torch.float32, device=inter.device)
+    grid, n_fast = _grid(cfg.n_fast2, r.n_blocks, h // cfg.block_n2)
     tk.moe_w2_kernel[grid](
         inter, r.ids, r.weights, r.sorted_pairs, r.block_expert, w2, s2, s2b, part,
-        r.ids.numel(), inter.shape[1] // cfg.split_k2, inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
-        s2.stride(1), part.stride(1), part.stride(0),
+        r.ids.numel(), inter.shape[1], inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        part.stride(0),
         BLOCK_M=r.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, IDENTITY=r.identity, FP4=fp4, ASM=asm,
         N_FAST=n_fast, PRESPLIT=fp4 and cfg.presplit, SWAP=cfg.swap_ab, **_launch_opts(cfg, cfg.num_warps2),
     )  # fmt: skip
@@ -311,18 +324,18 @@ def moe_w2(inter: torch.Tensor, routing: MoeRouting, w2: torch.Tensor, scales, c
 
 
 def moe_sum(part: torch.Tensor, routing: MoeRouting, dtype: torch.dtype) -> torch.Tensor:
-    """``out[t] = sum over its k slots and the split partials of part`` ``[S, n_pairs, H]`` -> ``[T, H]`` in
-    ``dtype`` (one rounding); masked slots add exactly 0."""
+    """``out[t] = sum over its k slots of part`` ``[n_pairs, H]`` -> ``[T, H]`` in ``dtype`` (one rounding);
+    masked slots add exactly 0."""
     import triton
 
     from kernels import _triton_moe as tk
 
-    splits, n_pairs, h = part.shape
+    n_pairs, h = part.shape
     t = n_pairs // routing.topk
     out = torch.empty((t, h), dtype=dtype, device=part.device)
     block = min(1024, triton.next_power_of_2(h))
     tk.moe_sum_kernel[(t, triton.cdiv(h, block))](
-        part, routing.ids, out, h, part.stride(0), TOPK=routing.topk, SPLITS=splits, BLOCK=block, num_warps=4
+        part, routing.ids, out, h, TOPK=routing.topk, BLOCK=block, num_warps=4
     )
     return out
 
