@@ -3,9 +3,11 @@
 Floor = bytes that must move / measured copy bandwidth, bytes = unique experts touched x (packed weights +
 block scales + scale2 of w13 and w2) + activations in and out. Each timing is a CUDA graph replaying the op
 over ``SETS`` independent routings (different experts, so weights do not sit in the 60 MB L2), divided by
-SETS. Also times the torch baseline (per touched expert: dequantise to bf16, then bf16 matmuls; eager).
-``--sweep`` times the gate/up and the down kernel alone for each tile variant (``W13_VARIANTS``, ``W2_VARIANTS``)
-against its own byte floor; ``--jobs N`` compiles the variants in N processes first (Triton's disk cache).
+SETS. The full op runs with ``default_config`` and with round 1's tiles (``round1``) side by side, then each
+kernel alone with the default; also the torch baseline (per touched expert: dequantise to bf16, then bf16
+matmuls; eager). ``--sweep`` times the gate/up and the down kernel alone for each tile variant
+(``W13_VARIANTS``, ``W2_VARIANTS``, ...) against its own byte floor; ``--jobs N`` compiles the configs in N
+processes first (Triton's disk cache).
 
     python3 -m bench.bench_moe [--quick] [--sweep] [--jobs N]
 """
@@ -310,7 +312,7 @@ def profile(t: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="one config, fewer shapes")
+    ap.add_argument("--quick", action="store_true", help="T = 1 and 64 only")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16-weight variant")
     ap.add_argument("--profile", type=int, default=0, help="T: just run the op 3 times (for ncu), no timing")
     ap.add_argument("--sweep", action="store_true", help="time each kernel's tile variants alone")
