@@ -72,7 +72,9 @@ class MoeConfig:
 MASKED_ROUTE = -1  # a route id that no expert computes and that contributes 0 to its token
 
 PREFILL_MIN_PAIRS = 8192  # from here on prefill-sized tiles (~32+ pairs per expert at E = 256)
-SPLIT_K13_MAX_PAIRS = 16  # up to here (T <= 2 at k = 6) the identity gate/up kernel splits H in two
+# up to here (T = 1 at k = 6) the identity gate/up kernel splits H in two: 2 * 64 tiles per pair of 2-warp CTAs
+# (144 registers: 7 per SM) stay within one wave of the 132 SMs
+SPLIT_K13_MAX_PAIRS = 8
 NARROW_WARPS_MAX_PAIRS = 767  # sorted decode below T = 128 at k = 6: 2-warp tiles (32 weight rows per warp)
 
 
@@ -81,7 +83,7 @@ def default_config(n_pairs: int) -> MoeConfig:
 
     * below ``sorted_min_pairs`` (identity routing, one block per pair): 32-row tiles of 2 warps, so a batch-1 call
       still has ~6 CTAs per SM; up to ``SPLIT_K13_MAX_PAIRS`` the gate/up kernel's H in two slices (T=1: 23.6 us
-      against 26.4; T=8: 133 against 129, so not there); splitting the down kernel was slower at T=1 and 8;
+      against 26.4; T=8, two waves: 133 against 129); splitting the down kernel was slower at T=1 and 8;
     * sorted 8-row blocks up to ``NARROW_WARPS_MAX_PAIRS``: 64-row tiles of 2 warps for both kernels (T=64: gate/up
       551 us against 566 with 4 warps, down 283 against 300); beyond, the class defaults' 4 warps (T=256: down
       423-445 us against 460 with 2 warps, gate/up even);
