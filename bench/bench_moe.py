@@ -3,34 +3,86 @@
 Floor = bytes that must move / measured copy bandwidth, bytes = unique experts touched x (packed weights +
 block scales + scale2 of w13 and w2) + activations in and out. Each timing is a CUDA graph replaying the op
 over ``SETS`` independent routings (different experts, so weights do not sit in the 60 MB L2), divided by
-SETS. Also times the torch baseline (per touched expert: dequantise to bf16, then bf16 matmuls; eager).
+SETS. The full op runs with ``default_config`` and with round 1's tiles (``round1``) side by side, then each
+kernel alone with the default; also the torch baseline (per touched expert: dequantise to bf16, then bf16
+matmuls; eager). ``--sweep`` times the gate/up and the down kernel alone for each tile variant
+(``W13_VARIANTS``, ``W2_VARIANTS``, ...) against its own byte floor; ``--jobs N`` compiles the configs in N
+processes first (Triton's disk cache).
 
-    python3 -m bench.bench_moe [--quick]
+    python3 -m bench.bench_moe [--quick] [--sweep] [--jobs N]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 
 import torch
 import torch.nn.functional as F
 
 from bench.floors import Ceilings, measure_ceilings, row, time_eager_ms, time_graph_ms
 from common.nvfp4 import dequant_nvfp4
-from kernels.moe import MoeConfig, bf16_moe, default_config, moe_reference, nvfp4_moe
+from kernels.moe import MoeConfig, bf16_moe, default_config, moe_reference, moe_routing, moe_w2, moe_w13, nvfp4_moe
 
 H, I, E, TOPK = 4096, 2048, 256, 6
 SETS = 8
 WIDTHS = [5, 10, 10, 8, 10, 10, 7, 8]
-CONFIGS = {
-    "b8n64w4": MoeConfig(),  # the many-pairs default: 8-row blocks, swapped MMA, split intermediate
-    "n32w2": default_config(1),  # the few-pairs default
-    "b8mfast": MoeConfig(n_fast=False),  # row blocks of one N tile adjacent (T=64 vs n_fast: w13 -6%, w2 +18% time)
-    "b4n64w4": MoeConfig(block_m=4),
-    "n128w8": MoeConfig(block_n13=128, block_n2=128, num_warps=8),
-    # the previous default: 16-row blocks, tokens as the MMA's M, 128-wide K tiles (64 B of each weight row)
-    "old": MoeConfig(block_m=16, block_k13=128, block_k2=128, identity_block_m=16, swap_ab=False, presplit=False),
+WIDTHS2 = [5, 7, 12, 9, 8, 9, 8, 6, 8]
+# round 1's choice (issue 17 before this sweep): the few-pairs tiles below 64 pairs, the class defaults above
+ROUND1_FEW = MoeConfig(block_n13=32, block_n2=32, num_warps13=2, num_warps2=2, n_fast13=False, n_fast2=False,
+                       split_acc=True)  # fmt: skip
+ROUND1_MANY = MoeConfig(block_m=8, block_n13=64, block_n2=64, num_warps13=4, num_warps2=4, n_fast13=True, n_fast2=True)
+# per-kernel tile variants, overrides of the ROUND1 tiles of the routing they run with (`--sweep`)
+W13_VARIANTS = {
+    "base": {},
+    "m_fast": {"n_fast13": False},
+    "n_fast": {"n_fast13": True},
+    "n128w4": {"block_n13": 128, "num_warps13": 4},
+    "n64w2": {"block_n13": 64, "num_warps13": 2},
+    "n64w4": {"block_n13": 64, "num_warps13": 4},
+    "n128w8": {"block_n13": 128, "num_warps13": 8},
+    "n32w2": {"block_n13": 32, "num_warps13": 2},
+    "n16w1": {"block_n13": 16, "num_warps13": 1},
+    "stages2": {"num_stages": 2},
+    "stages4": {"num_stages": 4},
+    "reg128": {"maxnreg": 128},
+    "k128": {"block_k13": 128},
+    "acc2": {"split_acc": True},
 }
+W2_VARIANTS = {
+    "base": {},
+    "m_fast": {"n_fast2": False},
+    "n_fast": {"n_fast2": True},
+    "n128w4": {"block_n2": 128, "num_warps2": 4},
+    "n64w2": {"block_n2": 64, "num_warps2": 2},
+    "n64w4": {"block_n2": 64, "num_warps2": 4},
+    "n32w2": {"block_n2": 32, "num_warps2": 2},
+    "n16w1": {"block_n2": 16, "num_warps2": 1},
+    "stages4": {"num_stages": 4},
+    "reg128": {"maxnreg": 128},
+}
+SORTED_ONLY = {  # row-block sizes (both kernels' variants); 2 warps keep 16-row blocks on mma.sync
+    "b16": {"block_m": 16},
+    "b16n32w2": {"block_m": 16, "block_n13": 32, "block_n2": 32, "num_warps13": 2, "num_warps2": 2},
+    "b4": {"block_m": 4},
+}
+IDENTITY_ONLY = {  # split-K of the gate/up kernel (its partials are per row block: few blocks only)
+    "split2": {"split_k13": 2},
+    "split4": {"split_k13": 4},
+    "n64w4s2": {"block_n13": 64, "num_warps13": 4, "split_k13": 2},
+    "n64w2s4": {"block_n13": 64, "num_warps13": 2, "split_k13": 4},
+}
+MODES = {1: ["identity"], 8: ["identity", "sorted"], 64: ["sorted"], 256: ["sorted"]}
+
+
+def round1(n_pairs: int) -> MoeConfig:
+    return ROUND1_FEW if n_pairs < ROUND1_FEW.sorted_min_pairs else ROUND1_MANY
+
+
+def variant(overrides: dict, mode: str) -> MoeConfig:
+    """A sweep config: ``overrides`` on round 1's tiles of ``mode`` ("identity" or "sorted") routing."""
+    base = ROUND1_FEW if mode == "identity" else ROUND1_MANY
+    return MoeConfig(**{**base.__dict__, **overrides, "sorted_min_pairs": 1 << 30 if mode == "identity" else 1})
 
 
 def make_nvfp4(e: int, rows: int, cols: int, dev: str):
@@ -73,15 +125,27 @@ def baseline(x, ids, wts, w13, s13, s13b, w2, s2, s2b):
     return out.to(x.dtype)
 
 
-def bench_nvfp4(ceil: Ceilings, batches: list[int], configs: dict[str, MoeConfig], gen: torch.Generator) -> None:
+def w13_bytes(ids: torch.Tensor) -> int:
+    """Must-move bytes of the gate/up kernel: touched experts' w13 (+ scales), x in, the intermediate out."""
+    return (
+        torch.unique(ids).numel() * (2 * I * H // 2 + 2 * I * H // 16 + 4) + ids.shape[0] * H * 2 + ids.numel() * I * 2
+    )
+
+
+def w2_bytes(ids: torch.Tensor) -> int:
+    """Must-move bytes of the down kernel: touched experts' w2 (+ scales), the intermediate in, fp32 partials out."""
+    return torch.unique(ids).numel() * (H * I // 2 + H * I // 16 + 4) + ids.numel() * (I * 2 + H * 4)
+
+
+def bench_nvfp4(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> tuple:
     dev = "cuda"
     weights = (*make_nvfp4(E, 2 * I, H, dev), *make_nvfp4(E, H, I, dev))
     print("# correctness vs fp32 moe_reference (bf16 activations): rel = |out-ref|/|ref|, max_abs")
     for t in batches:
         x, ids, wts = routings(t, dev, gen)[0]
         ref = moe_reference(x, ids, wts, *weights).float()
-        for mode, thr in (("identity", 1 << 30), ("sorted", 1)):
-            out = nvfp4_moe(x, ids, wts, *weights, config=MoeConfig(sorted_min_pairs=thr)).float()
+        for mode, cfg in (("default", None), *((m, variant({}, m)) for m in MODES.get(t, ["sorted"]))):
+            out = nvfp4_moe(x, ids, wts, *weights, config=cfg).float()
             rel = ((out - ref).norm() / ref.norm()).item()
             print(
                 f"T={t:4d} {mode:8s} rel={rel:.2e} max_abs={(out - ref).abs().max().item():.3e} "
@@ -91,43 +155,129 @@ def bench_nvfp4(ceil: Ceilings, batches: list[int], configs: dict[str, MoeConfig
 
     print(f"# NVFP4 MoE (w13+SwiGLU+w2+slot sum), CUDA graph, L2 rotated over {SETS} routings")
     print(row(["T", "config", "routing", "experts", "MB", "time_us", "floor", "ratio"], WIDTHS))
-    results: dict[tuple[int, str, str], float] = {}
-    floors: dict[int, float] = {}
     for t in batches:
         sets = routings(t, dev, gen)
         mb = sum(must_bytes(ids, True) for _, ids, _ in sets) / SETS
         n_exp = sum(torch.unique(ids).numel() for _, ids, _ in sets) / SETS
-        floor = floors[t] = ceil.floor_us(mb)
-        modes = ["identity", "sorted"] if t * TOPK <= 256 else ["sorted"]
-        for name, base in {"default": None, **configs}.items():
-            for mode in ["auto"] if base is None else modes:
-                thr = 1 << 30 if mode == "identity" else 1
-                cfg = None if base is None else MoeConfig(**{**base.__dict__, "sorted_min_pairs": thr})
+        floor = ceil.floor_us(mb)
+        for name, cfg in (("default", default_config(t * TOPK)), ("round1", round1(t * TOPK))):
 
-                def run(cfg=cfg, sets=sets):
-                    return [nvfp4_moe(x, ids, wts, *weights, config=cfg) for x, ids, wts in sets]
+            def run(cfg=cfg, sets=sets):
+                return [nvfp4_moe(x, ids, wts, *weights, config=cfg) for x, ids, wts in sets]
 
-                try:
-                    us = 1e3 * time_graph_ms(run) / SETS
-                except Exception as exc:  # a config that does not compile on this Triton: report, go on
-                    print(f"T={t} {name} {mode}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                    continue
-                results[(t, name, mode)] = us
-                cells = [str(t), name, mode, f"{n_exp:.1f}", f"{mb / 1e6:.1f}", f"{us:.1f}", f"{floor:.1f}"]
-                print(row([*cells, f"{us / floor:.2f}"], WIDTHS), flush=True)
+            us = 1e3 * time_graph_ms(run) / SETS
+            mode = "identity" if t * TOPK < cfg.sorted_min_pairs else "sorted"
+            cells = [str(t), name, mode, f"{n_exp:.1f}", f"{mb / 1e6:.1f}", f"{us:.1f}", f"{floor:.1f}"]
+            print(row([*cells, f"{us / floor:.2f}"], WIDTHS), flush=True)
         x, ids, wts = sets[0]
         mb0 = must_bytes(ids, True)
         us_base = 1e3 * time_eager_ms(lambda x=x, ids=ids, wts=wts: baseline(x, ids, wts, *weights), reps=5)
         f0 = ceil.floor_us(mb0)
         cells = [str(t), "torch", "dequant+mm", str(torch.unique(ids).numel()), f"{mb0 / 1e6:.1f}"]
         print(row([*cells, f"{us_base:.1f}", f"{f0:.1f}", f"{us_base / f0:.2f}"], WIDTHS), flush=True)
+    return weights
 
-    print("# summary: best NVFP4 config per batch")
+
+def time_kernel(kind: str, cfg: MoeConfig, sets, weights, reps: int) -> tuple[float, torch.Tensor]:
+    """us per routing of the gate/up ("w13") or the down ("w2") kernel alone, in a CUDA graph over the sets, and
+    its result for the first set (the intermediate, or the down projection's fp32 rows)."""
+    w13, s13, s13b, w2, s2, s2b = weights
+    routes = [moe_routing(ids, wts, E, cfg) for _, ids, wts in sets]
+    inters = [moe_w13(x, r, w13, (s13, s13b), cfg) for (x, _, _), r in zip(sets, routes, strict=True)]
+    if kind == "w13":
+
+        def run():
+            return [moe_w13(x, r, w13, (s13, s13b), cfg) for (x, _, _), r in zip(sets, routes, strict=True)]
+
+        first = inters[0]
+    else:
+
+        def run():
+            return [moe_w2(h, r, w2, (s2, s2b), cfg) for h, r in zip(inters, routes, strict=True)]
+
+        first = moe_w2(inters[0], routes[0], w2, (s2, s2b), cfg)
+    return 1e3 * time_graph_ms(run, reps=reps) / SETS, first.float()
+
+
+def kernels_table(ceil: Ceilings, batches: list[int], weights, gen: torch.Generator, configs: list) -> None:
+    """Each kernel alone per config (``configs``: (kernels, name, T -> MoeConfig or None)), against its own byte
+    floor; then the fastest config per kernel and batch."""
+    print(f"# each kernel alone, CUDA graph over {SETS} routings; floor = its must-move bytes / copy bandwidth")
+    print("# rel: |result - default config's result| / |default's| on the first routing (accumulation order only)")
+    print(row(["T", "kernel", "config", "routing", "MB", "time_us", "floor", "ratio", "rel"], WIDTHS2))
+    best: dict[tuple[int, str], tuple[float, str]] = {}
+    reps = 50 if len(configs) < 4 else 15
     for t in batches:
-        cands = {key: v for key, v in results.items() if key[0] == t}
-        if cands:
-            (_, name, mode), us = min(cands.items(), key=lambda kv: kv[1])
-            print(f"T={t:4d} best {name}/{mode}: {us:.1f} us, floor {floors[t]:.1f} us, ratio {us / floors[t]:.2f}")
+        sets = routings(t, "cuda", gen)
+        for kind, nbytes in (("w13", w13_bytes), ("w2", w2_bytes)):
+            mb = sum(nbytes(ids) for _, ids, _ in sets) / SETS
+            floor = ceil.floor_us(mb)
+            ref = time_kernel(kind, default_config(t * TOPK), sets[:1], weights, 1)[1]
+            for kinds, name, pick in configs:
+                cfg = pick(t)
+                if cfg is None or kind not in kinds:
+                    continue
+                mode = "identity" if t * TOPK < cfg.sorted_min_pairs else "sorted"
+                try:
+                    us, first = time_kernel(kind, cfg, sets, weights, reps)
+                except Exception as exc:  # a variant that does not compile on this Triton: report, go on
+                    print(f"T={t} {kind} {name} {mode}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                rel = ((first - ref).norm() / ref.norm()).item()
+                cells = [str(t), kind, name, mode, f"{mb / 1e6:.1f}", f"{us:.1f}", f"{floor:.1f}", f"{us / floor:.2f}"]
+                print(row([*cells, f"{rel:.1e}"], WIDTHS2), flush=True)
+                if rel < 1e-2 and us < best.get((t, kind), (float("inf"), ""))[0]:
+                    best[(t, kind)] = (us, f"{name}/{mode}, floor {floor:.1f} us, {100 * floor / us:.0f}% of it")
+    print("# best per kernel and batch")
+    for (t, kind), (us, what) in best.items():
+        print(f"T={t:4d} {kind:3s} {us:7.1f} us  {what}")
+
+
+def sweep_configs() -> list:
+    """(kernels, name, T -> MoeConfig or None) of every distinct per-kernel variant with each routing of ``MODES``."""
+    configs, seen = [], set()
+    for kind, variants in (("w13", {**W13_VARIANTS, **IDENTITY_ONLY}), ("w2", W2_VARIANTS)):
+        for name, over in {**variants, **SORTED_ONLY}.items():
+            only = "sorted" if name in SORTED_ONLY else "identity" if name in IDENTITY_ONLY else None
+            for mode in (only,) if only else ("identity", "sorted"):
+                if (kind, variant(over, mode)) in seen:
+                    continue
+                seen.add((kind, variant(over, mode)))
+
+                def pick(t, over=over, mode=mode):
+                    return variant(over, mode) if mode in MODES.get(t, ["sorted"]) else None
+
+                configs.append(((kind,), name, pick))
+    return configs
+
+
+def _compile_one(job) -> str:
+    """Worker of ``precompile``: one MoE call with this config on a small expert stack (fills the disk cache)."""
+    cfg, t = job
+    gen = torch.Generator().manual_seed(0)
+    e = 8
+    weights = (*make_nvfp4(e, 2 * I, H, "cuda"), *make_nvfp4(e, H, I, "cuda"))
+    ids = torch.argsort(torch.rand(t, e, generator=gen), dim=1)[:, :TOPK].to(torch.int32).cuda()
+    wts = torch.softmax(torch.randn(t, TOPK, generator=gen), dim=-1).cuda()
+    x = torch.randn(t, H, generator=gen).to(torch.bfloat16).cuda()
+    try:
+        nvfp4_moe(x, ids, wts, *weights, config=cfg)
+        torch.cuda.synchronize()
+    except Exception as exc:  # reported; the timing run reports it again
+        return f"{cfg}: {type(exc).__name__}"
+    return ""
+
+
+def precompile(configs: list, batches: list[int], jobs: int) -> None:
+    """Compile every config the run will time in ``jobs`` processes (Triton caches the binaries on disk)."""
+    work = []
+    for _, _, pick in configs:
+        t = next((t for t in batches if pick(t) is not None), None)
+        if t is not None:
+            work.append((pick(t), t))
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        failed = [f for f in pool.map(_compile_one, work, chunksize=1) if f]
+    print(f"# precompiled {len(work)} configs in {jobs} processes" + (f"; failed: {failed}" if failed else ""))
 
 
 def bench_bf16(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> None:
@@ -162,9 +312,11 @@ def profile(t: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="one config, fewer shapes")
+    ap.add_argument("--quick", action="store_true", help="T = 1 and 64 only")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16-weight variant")
     ap.add_argument("--profile", type=int, default=0, help="T: just run the op 3 times (for ncu), no timing")
+    ap.add_argument("--sweep", action="store_true", help="time each kernel's tile variants alone")
+    ap.add_argument("--jobs", type=int, default=1, help="compile the configs in this many processes first")
     args = ap.parse_args()
     if args.profile:
         profile(args.profile)
@@ -174,8 +326,14 @@ def main() -> None:
     ceil = measure_ceilings()
     print(ceil.line(), flush=True)
     batches = [1, 8, 64, 256] if not args.quick else [1, 64]
-    configs = CONFIGS if not args.quick else {k: CONFIGS[k] for k in ("b8n64w4", "old")}
-    bench_nvfp4(ceil, batches, configs, gen)
+    configs = [(("w13", "w2"), "default", lambda t: default_config(t * TOPK))]
+    if args.sweep:
+        configs += sweep_configs()
+    if args.jobs > 1:
+        precompile([*configs, ((), "round1", lambda t: round1(t * TOPK))], batches, args.jobs)
+    weights = bench_nvfp4(ceil, batches, gen)
+    kernels_table(ceil, batches, weights, gen, configs)
+    del weights
     torch.cuda.empty_cache()
     if not args.no_bf16:
         bench_bf16(ceil, [1, 8], gen)

@@ -1,9 +1,10 @@
 """Triton code for the routed-expert MoE (weight-only NVFP4 or bf16 weights). Public entry: kernels/moe.py.
 
 Three launches per MoE call:
-  1. ``moe_w13_kernel``: per (row block of one expert, tile of I): gate and up accumulators over H, then
-     ``silu(g) * u`` into an intermediate ``[n_pairs, I]`` (one row per (token, slot) pair); with
-     ``PRESPLIT_K`` each PRESPLIT_K-wide column block is stored as [even columns | odd columns].
+  1. ``moe_w13_kernel``: per (row block of one expert, tile of I[, slice of H]): gate and up accumulators over H,
+     then ``silu(g) * u`` into an intermediate ``[n_pairs, I]`` (one row per (token, slot) pair); with
+     ``PRESPLIT_K`` each PRESPLIT_K-wide column block is stored as [even columns | odd columns]. ``SPLIT_K``
+     slices: fp32 partials in ``Partial``, the tile's last slice (``Count``) adds them and runs the epilogue.
   2. ``moe_w2_kernel``: per (row block, tile of H): the down projection over I, times the pair's routing
      weight, into ``[n_pairs, H]`` fp32 (``PRESPLIT``: reads the split intermediate as two halves).
   3. ``moe_sum_kernel``: the fp32 sum of each token's k slots, one rounding to the output dtype.
@@ -179,6 +180,8 @@ def moe_w13_kernel(
     S,
     S2,
     Out,
+    Partial,
+    Count,
     n_pairs,
     N_HALF,
     K,
@@ -199,6 +202,7 @@ def moe_w13_kernel(
     SPLIT_ACC: tl.constexpr = False,
     PRESPLIT_K: tl.constexpr = 0,
     SWAP: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
     if N_FAST:
         pid_m = tl.program_id(1)
@@ -206,6 +210,7 @@ def moe_w13_kernel(
     else:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)  # slice [pid_s * K, (pid_s + 1) * K) of the reduction
     expert, pairs, valid = _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M, IDENTITY)
     if expert < 0:
         return
@@ -221,7 +226,8 @@ def moe_w13_kernel(
     acc_u = tl.zeros(ACC, dtype=tl.float32)
     acc_g2 = tl.zeros(ACC, dtype=tl.float32)
     acc_u2 = tl.zeros(ACC, dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = tl.multiple_of(pid_s * K, BLOCK_K)  # K is a multiple of BLOCK_K
+    for k0 in range(k_lo, k_lo + K, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
         if FP4:
             s_off = expert.to(tl.int64) * stride_se
@@ -246,6 +252,23 @@ def moe_w13_kernel(
     if SPLIT_ACC:
         acc_g += acc_g2
         acc_u += acc_u2
+    if SPLIT_K > 1:
+        # Each slice stores its fp32 partials; the last of the tile's SPLIT_K programs to arrive adds them all in
+        # slice order (the same sum whatever the arrival order) and goes on to the epilogue; the others stop.
+        tile = pid_m * (N_HALF // BLOCK_N) + pid_n
+        offs_acc = tl.arange(0, ACC[0])[:, None] * ACC[1] + tl.arange(0, ACC[1])[None, :]
+        SIZE: tl.constexpr = ACC[0] * ACC[1]
+        tile_part = Partial + tile.to(tl.int64) * (SPLIT_K * 2 * SIZE)
+        tl.store(tile_part + pid_s * (2 * SIZE) + offs_acc, acc_g)
+        tl.store(tile_part + pid_s * (2 * SIZE) + SIZE + offs_acc, acc_u)
+        tl.debug_barrier()  # every thread's partials are stored before the arrival is counted (release below)
+        if tl.atomic_add(Count + tile, 1, sem="acq_rel") < SPLIT_K - 1:
+            return
+        acc_g = tl.zeros(ACC, dtype=tl.float32)
+        acc_u = tl.zeros(ACC, dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc_g += tl.load(tile_part + s * (2 * SIZE) + offs_acc, cache_modifier=".cg")
+            acc_u += tl.load(tile_part + s * (2 * SIZE) + SIZE + offs_acc, cache_modifier=".cg")
     if FP4:
         s2 = tl.load(S2 + expert)
         if ASM:

@@ -24,7 +24,11 @@ the block's <= 8 rows as its N (``swap_ab``: no padded token rows through shared
 Masked routes: a (token, slot) pair whose id is ``MASKED_ROUTE`` (-1; expert parallelism marks the routes to
 other ranks' experts so) reaches no expert: ``moe_align`` leaves it out of every block, its identity block exits at
 once, and the slot sum skips it (it adds exactly 0). Ids must otherwise lie in [0, E).
-Excluded from this slice: fp8 activations, split-K, fusing the slot sum / shared experts into the w2 epilogue.
+Split-K of the gate/up kernel (a handful of pairs, to put more warps on the SMs): its slices store fp32 partials
+and the last slice of a tile to finish (an atomic count) adds them in slice order and runs the SwiGLU epilogue,
+so the sum does not depend on the arrival order.
+The stages are public (``moe_routing``, ``moe_w13``, ``moe_w2``, ``moe_sum``) for bench_moe to time each alone.
+Excluded from this slice: fp8 activations, fusing the slot sum / shared experts into the w2 epilogue.
 """
 
 from __future__ import annotations
@@ -40,10 +44,10 @@ from common.nvfp4 import dequant_nvfp4
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Tiles and code-shape choices of one MoE launch pair.
+    """Tiles and code-shape choices of one MoE launch pair (``13``: the gate/up kernel, ``2``: the down kernel).
 
-    The defaults are the best measured on an H200 for Inkling-Small shapes with many (token, slot) pairs
-    (sorted routing); ``default_config`` picks the measured best for a handful of pairs (identity routing).
+    The defaults are the best measured on an H200 for Inkling-Small shapes from 768 (token, slot) pairs on
+    (sorted routing); ``default_config`` picks the measured best for fewer pairs and for prefill.
     """
 
     block_m: int = 8  # rows (pairs of one expert) per block of the sorted routing
@@ -51,12 +55,15 @@ class MoeConfig:
     block_k13: int = 256
     block_n2: int = 64
     block_k2: int = 256
-    num_warps: int = 4
+    num_warps13: int = 4
+    num_warps2: int = 4
     num_stages: int = 3
     sorted_min_pairs: int = 64  # use the sorted routing from this many (token, slot) pairs on
     maxnreg: int | None = None  # register cap per thread (more CTAs per SM), None = compiler's choice
     identity_block_m: int = 1  # rows of an identity-routing block (one pair; more rows only pad the MMA)
-    n_fast: bool = True  # grid order: the N tiles of one row block adjacent (else the row blocks of one N tile)
+    n_fast13: bool = True  # grid order: the N tiles of one row block adjacent (else the row blocks of one N tile)
+    n_fast2: bool = True
+    split_k13: int = 1  # gate/up: H in this many programs per tile, the last to finish adds their partials
     swap_ab: bool = True  # weights as the MMA's M operand, the block's rows as its N (keep the rows <= 8)
     presplit: bool = True  # NVFP4: w13 stores each block_k2 slice of the intermediate as [even | odd] columns
     split_acc: bool = False  # w13: separate accumulators for the even and the odd columns of a K block
@@ -65,19 +72,36 @@ class MoeConfig:
 MASKED_ROUTE = -1  # a route id that no expert computes and that contributes 0 to its token
 
 PREFILL_MIN_PAIRS = 8192  # from here on prefill-sized tiles (~32+ pairs per expert at E = 256)
+# up to here (T = 1 at k = 6) the identity gate/up kernel splits H in two: 2 * 64 tiles per pair of 2-warp CTAs
+# (144 registers: 7 per SM) stay within one wave of the 132 SMs
+SPLIT_K13_MAX_PAIRS = 8
+NARROW_WARPS_MAX_PAIRS = 767  # sorted decode below T = 128 at k = 6: 2-warp tiles (32 weight rows per warp)
 
 
 def default_config(n_pairs: int) -> MoeConfig:
-    """Measured choice (H200, H=4096, I=2048, bench_moe): below ``sorted_min_pairs`` pairs (identity routing,
-    one block per pair) narrow N tiles of 2 warps, so that a batch-1 call still has ~6 CTAs per SM; then the
-    class defaults (sorted routing, 8-row blocks, 64-row tiles of 4 warps); from ``PREFILL_MIN_PAIRS`` on 64-row
-    blocks of pairs as the MMA's M operand, so each expert's weights are dequantised once per 64 pairs (T=2048:
-    3.40 ms against 7.18 ms with the decode tiles, 182 TFLOP/s)."""
+    """Measured choice (H200, H=4096, I=2048, E=256, k=6; ``bench_moe --sweep``, each kernel alone, 2026-12-01):
+
+    * below ``sorted_min_pairs`` (identity routing, one block per pair): 32-row tiles of 2 warps, so a batch-1 call
+      still has ~6 CTAs per SM; up to ``SPLIT_K13_MAX_PAIRS`` the gate/up kernel's H in two slices (T=1: 23.6 us
+      against 26.4; T=8, two waves: 133 against 129); splitting the down kernel was slower at T=1 and 8;
+    * sorted 8-row blocks up to ``NARROW_WARPS_MAX_PAIRS``: 64-row tiles of 2 warps for both kernels (T=64: gate/up
+      551 us against 566 with 4 warps, down 283 against 300); beyond, the class defaults' 4 warps (T=256: down
+      423-445 us against 460 with 2 warps, gate/up even);
+    * from ``PREFILL_MIN_PAIRS`` on 64-row blocks of pairs as the MMA's M operand, so each expert's weights are
+      dequantised once per 64 pairs (T=2048: 3.40 ms against 7.18 ms with the decode tiles, 182 TFLOP/s).
+
+    Measured and not taken: 16-row blocks (T=256: gate/up 968-1568 us against 858; the 16-wide MMA operand costs
+    more than the 15% of blocks it saves), 4-row blocks, 128-row tiles of 8 warps, 128-wide K tiles, 2 or 4
+    pipeline stages, a 128-register cap, the e4m3 scales through an fp32 convert."""
     base = MoeConfig()
     if n_pairs < base.sorted_min_pairs:
-        return MoeConfig(block_n13=32, block_n2=32, num_warps=2, n_fast=False, split_acc=True)
+        few = MoeConfig(block_n13=32, block_n2=32, num_warps13=2, num_warps2=2, n_fast13=False, n_fast2=False,
+                        split_acc=True)  # fmt: skip
+        return replace(few, split_k13=2) if n_pairs <= SPLIT_K13_MAX_PAIRS else few
     if n_pairs >= PREFILL_MIN_PAIRS:
         return MoeConfig(block_m=64, swap_ab=False, block_k13=128, block_k2=128)
+    if n_pairs <= NARROW_WARPS_MAX_PAIRS:
+        return replace(base, num_warps13=2, num_warps2=2)
     return base
 
 
@@ -179,142 +203,143 @@ def _check(x, topk_ids, topk_weights, w13, w2, fp4, scales):
     return e, i
 
 
+@dataclass(frozen=True)
+class MoeRouting:
+    """Row blocks of one MoE call (``moe_routing``): ``identity`` blocks are one pair each (``ids``' order),
+    sorted ones ``block_m`` pairs of one expert listed in ``sorted_pairs`` / ``block_expert`` (``moe_align``)."""
+
+    ids: torch.Tensor  # int32/int64 [n_pairs], expert of pair t * k + i
+    weights: torch.Tensor  # [n_pairs] routing weights
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    identity: bool
+    block_m: int
+    n_blocks: int
+    topk: int
+
+
+def moe_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, cfg: MoeConfig) -> MoeRouting:
+    """Row blocks for ``topk_ids`` [T, k]: identity below ``cfg.sorted_min_pairs`` pairs, else ``moe_align``'s."""
+    n_pairs = topk_ids.numel()
+    ids = topk_ids.reshape(-1).contiguous()
+    wts = topk_weights.reshape(-1).contiguous()
+    if n_pairs >= cfg.sorted_min_pairs:
+        sorted_pairs, block_expert = moe_align(ids, num_experts, cfg.block_m)
+        return MoeRouting(
+            ids, wts, sorted_pairs, block_expert, False, cfg.block_m, block_expert.numel(), topk_ids.shape[1]
+        )
+    return MoeRouting(ids, wts, ids, ids, True, cfg.identity_block_m, n_pairs, topk_ids.shape[1])
+
+
 def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: MoeConfig | None):
-    import triton
-
-    from kernels import _triton_moe as tk
-
     cfg = config or default_config(topk_ids.numel())
     e, i = _check(x, topk_ids, topk_weights, w13, w2, fp4, scales)
     if not fp4 and x.element_size() > 2:  # fp32 weight tiles: keep the pipeline within shared memory
         cfg = replace(cfg, block_k13=min(cfg.block_k13, 128), block_k2=min(cfg.block_k2, 128))
-    t, k = topk_ids.shape
     h = x.shape[1]
     for name, dim, blk in (
         ("I", i, cfg.block_n13),
-        ("H", h, cfg.block_k13),
+        ("H", h, cfg.block_k13 * cfg.split_k13),
         ("H", h, cfg.block_n2),
         ("I", i, cfg.block_k2),
     ):
         if dim % blk:
             raise ValueError(f"{name}={dim} is not a multiple of the tile {blk}")
-    n_pairs = t * k
-    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
-    if n_pairs == 0:
-        return out
-    ids = topk_ids.reshape(-1).contiguous()
-    wts = topk_weights.reshape(-1).contiguous()
-    if n_pairs >= cfg.sorted_min_pairs:
-        sorted_pairs, block_expert = moe_align(ids, e, cfg.block_m)
-        identity, block_m, n_blocks = False, cfg.block_m, block_expert.numel()
-    else:
-        sorted_pairs, block_expert = ids, ids  # unused
-        identity, block_m, n_blocks = True, cfg.identity_block_m, n_pairs
-    if fp4:
-        s13, s13b, s2, s2b = (s.view(torch.uint8) if s.dtype == torch.float8_e4m3fn else s for s in scales)
-    else:
-        s13, s13b, s2, s2b = w13, w13, w2, w2  # unused
-    asm = _SCALE_ASM if fp4 and x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1" else 0
-    routing = (ids, wts, sorted_pairs, block_expert, identity, block_m, n_blocks)
-    inter = torch.empty((n_pairs, i), dtype=x.dtype, device=x.device)
-    _launch_w13(x, routing, w13, s13, s13b, inter, cfg, fp4, asm)
-    part = torch.empty((n_pairs, h), dtype=torch.float32, device=x.device)
-    _launch_w2(inter, routing, w2, s2, s2b, part, cfg, fp4, asm)
-    block = min(1024, triton.next_power_of_2(h))
-    tk.moe_sum_kernel[(t, triton.cdiv(h, block))](part, ids, out, h, TOPK=k, BLOCK=block, num_warps=4)
-    return out
+    if topk_ids.numel() == 0:
+        return torch.empty_like(x)
+    routing = moe_routing(topk_ids, topk_weights, e, cfg)
+    s13, s2 = ((scales[0], scales[1]), (scales[2], scales[3])) if fp4 else ((None, None), (None, None))
+    inter = moe_w13(x, routing, w13, s13, cfg)
+    return moe_sum(moe_w2(inter, routing, w2, s2, cfg), routing, x.dtype)
 
 
 _SCALE_ASM = 2  # 2: block scales through the native e4m3 convert, 1: through fp32 bit arithmetic
 
 
-def _grid(cfg: MoeConfig, n_blocks: int, n_tiles: int) -> tuple[tuple[int, int], bool]:
+def _fp4_args(w: torch.Tensor, scales, act_dtype: torch.dtype):
+    """(block scales, scale2, FP4, ASM) kernel arguments; scales ``(None, None)``: plain weights (unused args).
+    ASM: the inline-PTX unpack for bf16 activations on the GPU, else 0 (portable Triton: interpreter, fp16/fp32)."""
+    if scales[0] is None:
+        return w, w, False, 0
+    s, s2 = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in scales)
+    asm = _SCALE_ASM if act_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1" else 0
+    return s, s2, True, asm
+
+
+def _grid(n_fast: bool, n_blocks: int, n_tiles: int, *rest: int) -> tuple[tuple[int, ...], bool]:
     """Launch grid and N_FAST (the row blocks go to grid dim 1 only while they fit its 65535 limit)."""
-    n_fast = cfg.n_fast and n_blocks < 65536
-    return ((n_tiles, n_blocks) if n_fast else (n_blocks, n_tiles)), n_fast
+    n_fast = n_fast and n_blocks < 65536
+    return ((n_tiles, n_blocks, *rest) if n_fast else (n_blocks, n_tiles, *rest)), n_fast
 
 
-def _launch_opts(cfg: MoeConfig) -> dict:
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+def _launch_opts(cfg: MoeConfig, num_warps: int) -> dict:
+    opts = {"num_warps": num_warps, "num_stages": cfg.num_stages}
     return opts if cfg.maxnreg is None else {**opts, "maxnreg": cfg.maxnreg}
 
 
-def _launch_w13(x, routing, w13, s13, s13b, inter, cfg: MoeConfig, fp4: bool, asm: int) -> None:
-    """Gate/up projection + SwiGLU of every routed pair into ``inter`` ``[n_pairs, I]``."""
+def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg: MoeConfig) -> torch.Tensor:
+    """Gate/up projection + SwiGLU of every routed pair: ``[n_pairs, I]`` in x's dtype (``presplit`` NVFP4: each
+    ``block_k2`` slice stored as [even | odd] columns, the order ``moe_w2`` reads). ``scales``: (w13_scale,
+    w13_scale2), or (None, None) for weights in x's dtype."""
     from kernels import _triton_moe as tk
 
-    ids, _, sorted_pairs, block_expert, identity, block_m, n_blocks = routing
-    i = inter.shape[1]
-    grid, n_fast = _grid(cfg, n_blocks, i // cfg.block_n13)
+    s13, s13b, fp4, asm = _fp4_args(w13, scales, x.dtype)
+    r = routing
+    i = w13.shape[1] // 2
+    inter = torch.empty((r.ids.numel(), i), dtype=x.dtype, device=x.device)
+    n_tiles, splits = i // cfg.block_n13, cfg.split_k13
+    grid, n_fast = _grid(cfg.n_fast13, r.n_blocks, n_tiles, splits)
+    if splits > 1:  # per tile: each slice's fp32 gate and up partials, and the count of slices done
+        partial = torch.empty((r.n_blocks * n_tiles, splits, 2, cfg.block_n13 * r.block_m), device=x.device)
+        count = torch.zeros((r.n_blocks * n_tiles,), dtype=torch.int32, device=x.device)
+    else:
+        partial, count = inter, r.ids  # unused
     tk.moe_w13_kernel[grid](
-        x,
-        ids,
-        sorted_pairs,
-        block_expert,
-        w13,
-        s13,
-        s13b,
-        inter,
-        ids.numel(),
-        i,
-        x.shape[1],
-        x.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        s13.stride(0),
-        s13.stride(1),
-        inter.stride(0),
-        TOPK=ids.numel() // x.shape[0],
-        BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n13,
-        BLOCK_K=cfg.block_k13,
-        IDENTITY=identity,
-        FP4=fp4,
-        ASM=asm,
-        N_FAST=n_fast,
-        SPLIT_ACC=cfg.split_acc,
-        PRESPLIT_K=cfg.block_k2 if fp4 and cfg.presplit else 0,
-        SWAP=cfg.swap_ab,
-        **_launch_opts(cfg),
-    )
+        x, r.ids, r.sorted_pairs, r.block_expert, w13, s13, s13b, inter, partial, count,
+        r.ids.numel(), i, x.shape[1] // splits, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        s13.stride(1), inter.stride(0),
+        TOPK=r.topk, BLOCK_M=r.block_m, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k13, IDENTITY=r.identity, FP4=fp4,
+        ASM=asm, N_FAST=n_fast, SPLIT_ACC=cfg.split_acc, PRESPLIT_K=cfg.block_k2 if fp4 and cfg.presplit else 0,
+        SWAP=cfg.swap_ab, SPLIT_K=splits, **_launch_opts(cfg, cfg.num_warps13),
+    )  # fmt: skip
+    return inter
 
 
-def _launch_w2(inter, routing, w2, s2, s2b, part, cfg: MoeConfig, fp4: bool, asm: int) -> None:
-    """Down projection of every routed pair, times its routing weight, into fp32 ``part`` ``[n_pairs, H]``."""
+def moe_w2(inter: torch.Tensor, routing: MoeRouting, w2: torch.Tensor, scales, cfg: MoeConfig) -> torch.Tensor:
+    """Down projection of every routed pair times its routing weight: fp32 ``[n_pairs, H]``. ``scales``:
+    (w2_scale, w2_scale2), or (None, None) for weights in the activations' dtype."""
     from kernels import _triton_moe as tk
 
-    ids, wts, sorted_pairs, block_expert, identity, block_m, n_blocks = routing
-    h = part.shape[1]
-    grid, n_fast = _grid(cfg, n_blocks, h // cfg.block_n2)
+    s2, s2b, fp4, asm = _fp4_args(w2, scales, inter.dtype)
+    r = routing
+    h = w2.shape[1]
+    part = torch.empty((r.ids.numel(), h), dtype=torch.float32, device=inter.device)
+    grid, n_fast = _grid(cfg.n_fast2, r.n_blocks, h // cfg.block_n2)
     tk.moe_w2_kernel[grid](
-        inter,
-        ids,
-        wts,
-        sorted_pairs,
-        block_expert,
-        w2,
-        s2,
-        s2b,
-        part,
-        ids.numel(),
-        inter.shape[1],
-        inter.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        s2.stride(0),
-        s2.stride(1),
+        inter, r.ids, r.weights, r.sorted_pairs, r.block_expert, w2, s2, s2b, part,
+        r.ids.numel(), inter.shape[1], inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         part.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n2,
-        BLOCK_K=cfg.block_k2,
-        IDENTITY=identity,
-        FP4=fp4,
-        ASM=asm,
-        N_FAST=n_fast,
-        PRESPLIT=fp4 and cfg.presplit,
-        SWAP=cfg.swap_ab,
-        **_launch_opts(cfg),
+        BLOCK_M=r.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, IDENTITY=r.identity, FP4=fp4, ASM=asm,
+        N_FAST=n_fast, PRESPLIT=fp4 and cfg.presplit, SWAP=cfg.swap_ab, **_launch_opts(cfg, cfg.num_warps2),
+    )  # fmt: skip
+    return part
+
+
+def moe_sum(part: torch.Tensor, routing: MoeRouting, dtype: torch.dtype) -> torch.Tensor:
+    """``out[t] = sum over its k slots of part`` ``[n_pairs, H]`` -> ``[T, H]`` in ``dtype`` (one rounding);
+    masked slots add exactly 0."""
+    import triton
+
+    from kernels import _triton_moe as tk
+
+    n_pairs, h = part.shape
+    t = n_pairs // routing.topk
+    out = torch.empty((t, h), dtype=dtype, device=part.device)
+    block = min(1024, triton.next_power_of_2(h))
+    tk.moe_sum_kernel[(t, triton.cdiv(h, block))](
+        part, routing.ids, out, h, TOPK=routing.topk, BLOCK=block, num_warps=4
     )
+    return out
 
 
 def nvfp4_moe(

@@ -63,7 +63,8 @@ def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False):
     }
     if None in tiles.values():
         return None
-    return MoeConfig(**{**base.__dict__, **tiles})
+    split_k13 = base.split_k13 if hidden % (tiles["block_k13"] * base.split_k13) == 0 else 1
+    return MoeConfig(**{**base.__dict__, **tiles, "split_k13": split_k13})
 
 
 def _bf16_moe(

@@ -153,9 +153,12 @@ def test_nvfp4_moe_matches_reference(cpu_interpreter, t, k, sorted_min_pairs, dt
     [
         {"swap_ab": False, "presplit": False},
         {"swap_ab": True, "presplit": False, "split_acc": True},
-        {"swap_ab": False, "presplit": True, "n_fast": True},
+        {"swap_ab": False, "presplit": True, "n_fast13": True, "n_fast2": False},
+        {"swap_ab": True, "presplit": True, "n_fast13": False, "n_fast2": True},
+        {"swap_ab": True, "split_k13": 2, "split_acc": True, "block_m": 4},
+        {"swap_ab": False, "split_k13": 2, "n_fast13": True},
         {"swap_ab": True, "presplit": True, "block_m": 4, "identity_block_m": 16},
-        {"swap_ab": True, "presplit": True, "block_n13": 32, "block_k13": 64, "block_k2": 32, "num_warps": 2},
+        {"swap_ab": True, "presplit": True, "block_n13": 32, "block_k13": 64, "block_k2": 32, "num_warps13": 2},
         {"swap_ab": False, "block_m": 64},  # the prefill tiles: several experts' rows padded in 64-row blocks
     ],
 )
@@ -214,7 +217,8 @@ def test_default_config_tiles_fit_inkling_small():
     for t in (1, 8, 10, 11, 64, 256, 2048):
         cfg = default_config(t * k)
         assert (t * k >= cfg.sorted_min_pairs) == (t >= 11)
-        assert i % cfg.block_n13 == 0 and h % cfg.block_k13 == 0 and h % cfg.block_n2 == 0 and i % cfg.block_k2 == 0
+        assert i % cfg.block_n13 == 0 and h % cfg.block_n2 == 0 and i % cfg.block_k2 == 0
+        assert h % (cfg.block_k13 * cfg.split_k13) == 0
         if cfg.swap_ab:  # the swapped MMA keeps a block's rows as its N <= 8
             assert (cfg.block_m if t * k >= cfg.sorted_min_pairs else cfg.identity_block_m) <= 8
 
@@ -264,6 +268,26 @@ def test_nvfp4_moe_gpu_full_width(cuda_device, t, sorted_min_pairs):
         f"nvfp4_moe T={t} sorted_min_pairs={sorted_min_pairs}: rel {err:.2e}, "
         f"max_abs {(out.float() - ref.float()).abs().max().item():.3e}"
     )
+    assert err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,variant", [(1, {"split_k13": 2}), (8, {"split_k13": 4})])
+def test_nvfp4_moe_gpu_code_paths(cuda_device, t, variant):
+    """Full widths, identity routing: the gate/up kernel split along K (the slices' fp32 partials added by the last
+    slice to finish) gives the reference result."""
+    gen = torch.Generator().manual_seed(t + 7)
+    e, h, i, k = 16, 4096, 2048, 6
+    w13 = nvfp4_stack(e, 2 * i, h, gen, cuda_device)
+    w2 = nvfp4_stack(e, h, i, gen, cuda_device)
+    w13, w2 = (w13[0], w13[1], w13[2] * 1e-3), (w2[0], w2[1], w2[2] * 1e-3)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
+    ids, wts = routing(t, e, k, gen, cuda_device)
+    few = MoeConfig(block_n13=32, block_n2=32, num_warps13=2, num_warps2=2, n_fast13=False, n_fast2=False)
+    cfg = MoeConfig(**{**few.__dict__, "split_acc": True, **variant})
+    out = nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg)
+    err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
+    print(f"nvfp4_moe T={t} {variant}: rel {err:.2e}")
     assert err < 1e-2
 
 
