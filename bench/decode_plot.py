@@ -1,5 +1,5 @@
 """The decode benchmark's PNG: step time / byte floor against batch (one line per context) and prefill tokens/s
-against chunk size. Needs matplotlib (the `dev` extra); drawn with the Agg backend, no display."""
+against chunk size. Needs matplotlib (the `test` extra); drawn with the Agg backend, no display."""
 
 from __future__ import annotations
 

@@ -53,9 +53,9 @@ def build(raw_text: dict, device: str = "cuda"):
 
 
 def step_bytes_needed(cfg, batch: int, ctx: int) -> int:
-    """Device bytes a decode step at (B, ctx) needs beyond the weights: the repeated cache (every layer's K/V in
-    bf16, windowed for sliding layers, twice while the copy is made) + the largest layer's transient: K/V repeated to
-    the query heads, the fp32 position bias and the float mask."""
+    """Device bytes a decode step at (B, ctx) needs beyond the weights: the B-row cache (every layer's K/V in bf16,
+    windowed for sliding layers) + the largest layer's transient: its K/V again (`DynamicCache` concatenates the new
+    token), K/V repeated to the query heads (sdpa does when given a float bias mask) and the fp32 bias mask."""
     total, transient = 0, 0
     for layer_type in cfg.layer_types:
         sliding = layer_type == "hybrid_sliding"
@@ -63,9 +63,10 @@ def step_bytes_needed(cfg, batch: int, ctx: int) -> int:
         heads = cfg.swa_num_attention_heads if sliding else cfg.num_attention_heads
         head_dim = cfg.swa_head_dim if sliding else cfg.head_dim
         keys = min(ctx + 1, cfg.sliding_window_size) if sliding else ctx + 1
-        total += 2 * batch * keys * kv_heads * head_dim * 2
-        transient = max(transient, 2 * batch * keys * heads * head_dim * 2 + 2 * batch * heads * keys * 4)
-    return 2 * total + transient
+        kv = 2 * batch * keys * kv_heads * head_dim * 2
+        total += kv
+        transient = max(transient, kv + 2 * batch * keys * heads * head_dim * 2 + batch * heads * keys * 4)
+    return total + transient
 
 
 @torch.inference_mode()
