@@ -18,9 +18,9 @@ MLP, shared experts, router, lm_head; B embedding rows) + the routed experts thi
 codes + block scales for NVFP4) + every visible K/V + conv states read and written + fp32 logits written.
 Kernel launches are counted with the torch profiler (kernels, plus memcpy/memset, per step).
 
-`--hf` then times transformers' Inkling at the same (B, ctx) grid (`bench.hf_decode`: bf16, sdpa, grouped_mm
-experts, its own random init): the speedup column is its decode step over our graphs step; rows it cannot fit
-say so.
+`--hf` then times transformers' Inkling at the same (B, ctx) grid (`bench.hf_decode`: bf16, sdpa, its own random
+init) with each of its experts backends (grouped_mm, batched_mm, eager; `--hf-experts`): the table shows the
+fastest, named, and the speedup column is that step over our graphs step; rows it cannot fit say so.
 
 `--prefill N` (default 8192) prefills one N-token prompt in each of `--prefill-chunks` (512 1024 2048 4096) and
 compares tokens/s with the FLOP floor at the measured bf16 peak. `--plot PATH` writes a PNG: graphs / floor
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -49,7 +50,7 @@ import torch
 
 from bench import hf_decode
 from bench.decode_plot import write_plot
-from bench.floors import Ceilings, measure_ceilings, time_eager_ms, time_ms
+from bench.floors import Ceilings, count_launches, measure_ceilings, time_eager_ms, time_ms
 from bench.hf_decode import HFResult
 from bench.proxy import (
     layer_mix,
@@ -67,24 +68,6 @@ from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
 from tools.make_tiny_checkpoint import raw_config
-
-
-def count_launches(fn) -> tuple[int, int, float, list[tuple[str, int, float]]]:
-    """(kernels, memcpy/memset, ms the GPU spent in them, [(kernel, launches, us)] by time) during one call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    copies = sum(1 for e in events if e.name.startswith(("Memcpy", "Memset")))
-    busy_ms = sum(e.time_range.elapsed_us() for e in events) / 1e3
-    by_name: dict[str, tuple[int, float]] = {}
-    for e in events:
-        n, us = by_name.get(e.name, (0, 0.0))
-        by_name[e.name] = (n + 1, us + e.time_range.elapsed_us())
-    top = sorted(((name, n, us) for name, (n, us) in by_name.items()), key=lambda row: -row[2])
-    return len(events) - copies, copies, busy_ms, top
 
 
 def greedy_logits(model: InklingDecoder, prompts: list[list[int]], steps: int, ops: str) -> list[torch.Tensor]:
@@ -348,6 +331,20 @@ def print_table(rows: list[Row], hf: dict[tuple[int, int], HFResult], layers: in
         )
 
 
+SPEEDUP_GOALS = {1: 15.0, 16: 10.0}  # issue 17: transformers' step / ours at B=1 and B=16 on the same proxy
+
+
+def print_goals(rows: list[Row], hf: dict[tuple[int, int], HFResult]) -> None:
+    """The speedup goals at every ctx where both sides were timed at that B."""
+    for r in rows:
+        goal, theirs = SPEEDUP_GOALS.get(r.batch), hf.get((r.ctx, r.batch))
+        if goal is None or theirs is None or theirs.ms is None:
+            continue
+        speedup = theirs.ms / r.graphs_ms
+        verdict = "met" if speedup >= goal else f"missed: ours {r.graphs_ms:.2f} ms = {r.ratio:.2f}x floor"
+        print(f"# goal ctx={r.ctx} B={r.batch}: speedup {speedup:.1f}x vs >= {goal:.0f}x: {verdict}")
+
+
 def main() -> None:
     from bench import bench_decode_tp
 
@@ -360,6 +357,8 @@ def main() -> None:
     parser.add_argument("--check-steps", type=int, default=16)
     parser.add_argument("--check-fp32", action="store_true", help="then repeat the check in fp32 and stop")
     parser.add_argument("--hf", action="store_true", help="also time transformers' Inkling at the same shapes")
+    parser.add_argument("--hf-experts", nargs="+", choices=hf_decode.EXPERTS, default=list(hf_decode.EXPERTS),
+                        help="transformers' experts implementations to time (the table takes the fastest)")  # fmt: skip
     parser.add_argument("--ref-max-batch", type=int, default=8, help="skip the reference path above this B")
     parser.add_argument("--prefill", type=int, default=8192, help="prefill this many tokens (0: skip)")
     parser.add_argument("--prefill-chunks", type=int, nargs="+", default=[512, 1024, 2048, 4096])
@@ -370,6 +369,7 @@ def main() -> None:
         bench_decode_tp.launch(bench_decode_tp.from_namespace(args, batches, contexts), args.json)
         return
 
+    started = time.perf_counter()
     ceil = measure_ceilings()
     print(ceil.line(), flush=True)
     config, nvfp4 = proxy_config(args.layers), proxy_nvfp4_layers(args.layers)
@@ -399,14 +399,16 @@ def main() -> None:
     if args.hf:
         del model, reference
         hf_decode.release()
-        hf = hf_decode.time_grid(proxy_raw_text(args.layers), args.batches, args.contexts)
+        hf = hf_decode.time_grid(proxy_raw_text(args.layers), args.batches, args.contexts, tuple(args.hf_experts))
 
     print(f"\n# {name}: {layer_mix(config, nvfp4)}")
     print_table(rows, hf, config.num_layers, ceil)
+    print_goals(rows, hf)
     if args.plot:
         ratios = {ctx: [(r.batch, r.ratio) for r in rows if r.ctx == ctx] for ctx in args.contexts}
         write_plot(args.plot, ratios, rates, args.prefill, f"{name} on {ceil.device}")
         print(f"# plot written to {args.plot}")
+    print(f"# bench_decode took {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
