@@ -28,7 +28,7 @@ EXPERTS = ("grouped_mm", "batched_mm", "eager")
 PREFILL_CHUNK = 2048
 
 
-@dataclass(frozen=True)
+@dataclass
 class HFResult:
     times: dict[str, float] = field(default_factory=dict)  # median decode-step ms by experts implementation
     skipped: dict[str, str] = field(default_factory=dict)  # why not timed, by experts implementation
@@ -142,7 +142,7 @@ def time_row(
     rows = copy.deepcopy(cache)
     rows.reorder_cache(torch.zeros(batch, dtype=torch.long, device=model.device))
     for name in (n for n in implementations if fits[n]):
-        if any(why == "out of memory" for why in result.skipped.values()):
+        if "out of memory" in result.skipped.values():
             result.skipped[name] = "not timed: an OOM mid-step left the cache rows uneven"
             continue
         use_experts(model, name)
@@ -151,7 +151,8 @@ def time_row(
         except torch.OutOfMemoryError:
             result.skipped[name] = "out of memory"
         release()
-    if profile and result.best and device.startswith("cuda"):
+    uneven = "out of memory" in result.skipped.values()
+    if profile and result.best and device.startswith("cuda") and not uneven:
         name, ms = result.best
         use_experts(model, name)
         kernels, copies, busy, top = count_launches(decode_step(model, rows, batch))
