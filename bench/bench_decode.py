@@ -1,31 +1,37 @@
 """Decode step of a depth-reduced Inkling-Small against its byte floor: reference path, fast path, transformers.
 
-Model "Small-L6": exact Inkling-Small layer shapes (H=4096, 32 query / 8 KV heads of 128, d_rel 16, window 512,
-rel_extent 1024, 256 routed experts of I=2048, top-6, 2 shared, full 201024 vocabulary) over 6 layers: 0-1 dense
-(Id=16384), 2 bf16 routed experts, 3-5 NVFP4 routed experts, 5 global. Random weights are generated on the GPU,
-the NVFP4 stacks directly in their packed form.
+Model "Small-L6" (`--layers 6`, the default) is the first 6 layers of Inkling-Small with its exact layer shapes
+(H=4096, 32 query / 8 KV heads of 128, d_rel 16, window 512, rel_extent 1024, 256 routed experts of I=2048, top-6,
+2 shared, full 201024 vocabulary): 0-1 dense (Id=16384), 2 bf16 routed experts, 3-5 NVFP4 routed experts, 5 global.
+`--layers 8` is "Small-L8", the first 8 layers: 0-1 dense, 2 bf16, 3-7 NVFP4, 5 global (Inkling-Small's rule: every
+6th layer global, only layer 2's experts bf16). Random weights are generated on the GPU, the NVFP4 stacks directly
+in their packed form.
 
 A step is what the runner does for B decoding sequences: the decoder forward (one new token each, at context
 `ctx`, through the engine's paged KV cache holding random history) and the lm_head of the B rows, timed three ways:
-the packed reference path, the packed path with the fast kernels, and the engine's batched step replayed from its
-CUDA graph (`DecodeGraphs`, wall time including the metadata fill); kernels per step and GPU time by kernel come
-from the same batched step run eagerly. Floor = bytes
+the packed reference path (B <= `--ref-max-batch` only), the packed path with the fast kernels, and the engine's
+batched step replayed from its CUDA graph (`DecodeGraphs`, wall time including the metadata fill); kernels per
+step and GPU time by kernel come from the same batched step run eagerly. The table covers B 1/8/64/256 x ctx
+1k/8k/32k unless `--batches`/`--contexts` say otherwise, each row with its own cache sized for it. Floor = bytes
 that must move / copy bandwidth measured in the same run, bytes = every non-routed weight once (attention, dense
 MLP, shared experts, router, lm_head; B embedding rows) + the routed experts this step's routing touches (packed
 codes + block scales for NVFP4) + every visible K/V + conv states read and written + fp32 logits written.
 Kernel launches are counted with the torch profiler (kernels, plus memcpy/memset, per step).
 
-transformers' Inkling (bf16 everywhere, sdpa, its own random init, same shapes) runs last: prefill `ctx` tokens,
-then the median of timed decode steps through its cache.
+`--hf` then times transformers' Inkling at the same (B, ctx) grid (`bench.hf_decode`: bf16, sdpa, its own random
+init) with each of its experts backends (grouped_mm, batched_mm, eager; `--hf-experts`): the table shows the
+fastest, named, and the speedup column is that step over our graphs step; rows it cannot fit say so.
 
-`--prefill N` (default 8192) prefills one N-token prompt in `--prefill-chunk` steps and compares tokens/s with the
-FLOP floor at the measured bf16 peak. `--check` first runs the engine on the proxy (graph replay must give the
-eager step's tokens), then compares the two paths module by module on identical inputs (attention of every layer, routed
-experts at T=2 and 600) and over greedy decode runs, next to a control: the reference path against itself with
-2^-8 noise on embed_norm. On random weights that control already moves the logits by O(1) (router top-k flips),
-so only the per-module figures measure the kernels.
+`--prefill N` (default 8192) prefills one N-token prompt in each of `--prefill-chunks` (512 1024 2048 4096) and
+compares tokens/s with the FLOP floor at the measured bf16 peak. `--plot PATH` writes a PNG: graphs / floor
+against B (one line per ctx) and prefill tokens/s against chunk size. `--check` first runs the engine on the proxy
+(graph replay must give the eager step's tokens), then compares the two paths module by module on identical inputs
+(attention of every layer, routed experts at T=2 and 600) and over greedy decode runs, next to a control: the
+reference path against itself with 2^-8 noise on embed_norm. On random weights that control already moves the
+logits by O(1) (router top-k flips), so only the per-module figures measure the kernels.
 
-    python3 -m bench.bench_decode [--batches 1 8 64] [--contexts 1024 8192] [--check] [--check-fp32] [--hf]
+    python3 -m bench.bench_decode [--layers 8] [--batches 1 8 64 256] [--contexts 1024 8192 32768] [--hf]
+        [--plot decode.png] [--check] [--check-fp32]
 
 `--tensor-parallel-size N` (or `--tiny --device cpu`) runs `bench.bench_decode_tp` instead: full-depth
 Inkling-Small (`--model small`) or Inkling (`--model inkling`) shapes over N ranks, B 1/8/64/256 at ctx 8k/32k
@@ -35,19 +41,24 @@ unless given, eager vs graphs, the per-GPU byte floor plus the measured all-redu
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
+import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from bench.floors import measure_ceilings, time_eager_ms
+from bench import hf_decode
+from bench.decode_plot import write_plot
+from bench.floors import Ceilings, count_launches, measure_ceilings, time_eager_ms, time_ms
+from bench.hf_decode import HFResult
 from bench.proxy import (
-    NVFP4_LAYERS,
-    SMALL_L6,
+    layer_mix,
     paged_decode_batch,
     proxy_config,
+    proxy_nvfp4_layers,
     proxy_raw_text,
+    proxy_shapes,
     random_proxy,
     step_bytes,
     touched_experts,
@@ -57,24 +68,6 @@ from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
 from tools.make_tiny_checkpoint import raw_config
-
-
-def count_launches(fn) -> tuple[int, int, float, list[tuple[str, int, float]]]:
-    """(kernels, memcpy/memset, ms the GPU spent in them, [(kernel, launches, us)] by time) during one call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    copies = sum(1 for e in events if e.name.startswith(("Memcpy", "Memset")))
-    busy_ms = sum(e.time_range.elapsed_us() for e in events) / 1e3
-    by_name: dict[str, tuple[int, float]] = {}
-    for e in events:
-        n, us = by_name.get(e.name, (0, 0.0))
-        by_name[e.name] = (n + 1, us + e.time_range.elapsed_us())
-    top = sorted(((name, n, us) for name, (n, us) in by_name.items()), key=lambda row: -row[2])
-    return len(events) - copies, copies, busy_ms, top
 
 
 def greedy_logits(model: InklingDecoder, prompts: list[list[int]], steps: int, ops: str) -> list[torch.Tensor]:
@@ -199,7 +192,7 @@ def prefill_rate(model: InklingDecoder, tokens: int, chunk: int) -> float:
                 hidden = model(ForwardBatch(ids[start : start + n], [SequenceSlice(start, n, state.layers)]))
             model.logits(hidden[-1:])
 
-    ms = time_eager_ms(run, reps=2, warmup=1)
+    ms = time_ms(run, str(dev), reps=2, warmup=1)
     return tokens / ms * 1e3
 
 
@@ -212,7 +205,7 @@ def engine_check(model: InklingDecoder, steps: int = 64) -> None:
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 200000, (n,), generator=gen).tolist() for n in (600, 37, 5)]
     greedy = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
-    config = parse_model_config(raw_config(**SMALL_L6))
+    config = parse_model_config(raw_config(**proxy_shapes(model.config.num_layers)))
     tokens = {}
     for name, ops, graphs in (("graphs", "auto", True), ("eager", "auto", False), ("reference", "reference", False)):
         settings = EngineSettings(kv_cache_bytes=4 << 30, max_num_seqs=4, device="cuda", cuda_graphs=graphs,
@@ -243,72 +236,147 @@ def prefill_chunk(model: InklingDecoder, tokens: int) -> None:
         model(ForwardBatch(ids, [SequenceSlice(0, tokens, state.layers)]))
 
 
-def hf_decode_ms(raw_text: dict, batches: list[int], ctx: int, reps: int = 5) -> dict[int, str]:
-    """transformers' InklingForCausalLM, bf16, random init: median decode-step ms after a ctx-token prefill."""
-    import transformers
-    from transformers import InklingForCausalLM, InklingTextConfig
+@dataclass(frozen=True)
+class Row:
+    ctx: int
+    batch: int
+    experts: str  # distinct routed experts touched per MoE layer, "a/b/c"
+    floor_ms: float
+    reference: str  # ms, or why not timed
+    fast_ms: float
+    graphs_ms: float
+    kernels: int
+    copies: int
+    busy_ms: float
 
-    cfg = InklingTextConfig(**raw_text)
-    cfg._attn_implementation = "sdpa"
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = InklingForCausalLM(cfg).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    print(f"# transformers {transformers.__version__} InklingForCausalLM built (sdpa, bf16)", flush=True)
-    results = {}
-    for b in batches:
-        try:
-            with torch.inference_mode():
-                ids = torch.randint(0, 200000, (b, ctx), device="cuda")
-                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-                cache = out.past_key_values
-                nxt = out.logits[:, -1:].argmax(-1)
-                times = []
-                for _ in range(reps + 1):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
-                    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            results[b] = f"{statistics.median(times[1:]):.2f}"
-        except Exception as exc:  # report, keep the table
-            results[b] = f"failed ({type(exc).__name__})"
-            print(f"# transformers B={b}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(f"# transformers B={b} ctx={ctx}: {results[b]} ms", flush=True)
-    return results
+    @property
+    def ratio(self) -> float:
+        return self.graphs_ms / self.floor_ms
+
+
+def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx: int, max_model_len: int,
+               ceil: Ceilings, ref_max_batch: int, breakdown: bool) -> Row:  # fmt: skip
+    """One (B, ctx) decode step timed on the packed reference path, the packed fast path and the engine's graphs."""
+    fb, graphs, handles = paged_decode_batch(model, batch, ctx, max_model_len)
+    tokens = fb.token_ids.tolist()
+    eager = DecodeGraphs(model, graphs.cache, max_num_seqs=batch, max_model_len=max_model_len, use_graphs=False)
+
+    def packed(built: InklingDecoder = model) -> torch.Tensor:
+        with torch.inference_mode():
+            return built.logits(built(fb))
+
+    def batched(runner: DecodeGraphs = graphs) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.logits(runner.run(tokens, handles))
+
+    touched = touched_experts(model, fb)
+    floor = ceil.floor_us(step_bytes(model, batch, ctx, touched)) / 1e3
+    fast = time_eager_ms(packed, reps=3, warmup=1)
+    graphed = time_eager_ms(batched, reps=30, warmup=3)  # the first run captures B's graph
+    kernels, copies, busy, top = count_launches(partial(batched, runner=eager))
+    ref = f"skipped (B > --ref-max-batch {ref_max_batch})"
+    if batch <= ref_max_batch:
+        ref = f"{time_eager_ms(partial(packed, built=reference), reps=3, warmup=1):.2f}"
+    row = Row(ctx, batch, "/".join(str(touched[i]) for i in sorted(touched)), floor, ref, fast, graphed,
+              kernels, copies, busy)  # fmt: skip
+    if breakdown:
+        by_kernel = "; ".join(f"{name[:60]} x{n} {us:.0f}" for name, n, us in top[:14])
+        print(f"# ctx={ctx} B={batch} GPU time by kernel (launches, us): {by_kernel}", flush=True)
+    print(
+        f"# ctx={ctx} B={batch}: experts {row.experts}, floor {floor:.2f} ms, reference {ref} ms, packed fast "
+        f"{fast:.2f} ms, graphs {graphed:.2f} ms ({row.ratio:.2f}x floor), kernels {kernels} + {copies} copies per "
+        f"step, GPU busy {busy:.2f} ms",
+        flush=True,
+    )
+    return row
+
+
+def prefill_rates(model: InklingDecoder, tokens: int, chunks: list[int], ceil: Ceilings) -> list[tuple[int, float]]:
+    """[(chunk, tokens/s)] of one `tokens`-token prefill per chunk size, next to the FLOP floor; the kernel
+    breakdown of one chunk of the largest size."""
+    floor = prefill_flops(model, tokens) / (ceil.bf16_tflops * 1e12)
+    rates = []
+    for chunk in chunks:
+        rate = prefill_rate(model, tokens, chunk)
+        rates.append((chunk, rate))
+        print(
+            f"# prefill {tokens} tokens in {chunk}-token chunks (packed path, fast kernels): {rate:.0f} tokens/s = "
+            f"{tokens / rate * 1e3:.1f} ms vs FLOP floor {floor * 1e3:.1f} ms at the measured bf16 peak "
+            f"({floor / (tokens / rate):.0%} of peak in model FLOPs)",
+            flush=True,
+        )
+    chunk = min(tokens, max(chunks))
+    _, _, busy, top = count_launches(lambda: prefill_chunk(model, chunk))
+    kernels = "; ".join(f"{name[:50]} x{n} {us:.0f}" for name, n, us in top[:12])
+    print(f"# prefill of one {chunk}-token chunk, {busy:.1f} ms GPU busy; by kernel (launches, us): {kernels}")
+    return rates
+
+
+def print_table(rows: list[Row], hf: dict[tuple[int, int], HFResult], layers: int, ceil: Ceilings) -> None:
+    print()
+    print(ceil.line())
+    print(
+        "| ctx | B | experts touched per MoE layer | floor ms | reference ms | packed fast ms | graphs ms |"
+        " graphs / floor | kernels + copies / step (per layer) | GPU busy ms | transformers ms | speedup |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        theirs = hf.get((r.ctx, r.batch))
+        hf_cell = theirs.cell() if theirs is not None else "not run (no --hf)"
+        speedup = f"{theirs.ms / r.graphs_ms:.1f}x" if theirs is not None and theirs.ms is not None else "-"
+        print(
+            f"| {r.ctx} | {r.batch} | {r.experts} | {r.floor_ms:.2f} | {r.reference} | {r.fast_ms:.2f} | "
+            f"{r.graphs_ms:.2f} | {r.ratio:.2f}x | {r.kernels} + {r.copies} ({r.kernels / layers:.0f}) | "
+            f"{r.busy_ms:.2f} | {hf_cell} | {speedup} |"
+        )
+
+
+SPEEDUP_GOALS = {1: 15.0, 16: 10.0}  # issue 17: transformers' step / ours at B=1 and B=16 on the same proxy
+
+
+def print_goals(rows: list[Row], hf: dict[tuple[int, int], HFResult]) -> None:
+    """The speedup goals at every ctx where both sides were timed at that B."""
+    for r in rows:
+        goal, theirs = SPEEDUP_GOALS.get(r.batch), hf.get((r.ctx, r.batch))
+        if goal is None or theirs is None or theirs.ms is None:
+            continue
+        speedup = theirs.ms / r.graphs_ms
+        verdict = "met" if speedup >= goal else f"missed: ours {r.graphs_ms:.2f} ms = {r.ratio:.2f}x floor"
+        print(f"# goal ctx={r.ctx} B={r.batch}: speedup {speedup:.1f}x vs >= {goal:.0f}x: {verdict}")
 
 
 def main() -> None:
     from bench import bench_decode_tp
 
+    batches, contexts = [1, 8, 64, 256], [1024, 8192, 32768]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--batches", type=int, nargs="+", default=batches)
+    parser.add_argument("--contexts", type=int, nargs="+", default=contexts)
+    parser.add_argument("--layers", type=int, default=6, help="the first N layers of Inkling-Small (6 or 8)")
     parser.add_argument("--check", action="store_true", help="fast vs reference logits on the proxy first")
     parser.add_argument("--check-steps", type=int, default=16)
     parser.add_argument("--check-fp32", action="store_true", help="then repeat the check in fp32 and stop")
-    parser.add_argument("--hf", action="store_true", help="also time transformers' Inkling (bf16, ctx = first)")
-    parser.add_argument("--ref-max-batch", type=int, default=64, help="skip the reference path above this B")
+    parser.add_argument("--hf", action="store_true", help="also time transformers' Inkling at the same shapes")
+    parser.add_argument("--hf-experts", nargs="+", choices=hf_decode.EXPERTS, default=list(hf_decode.EXPERTS),
+                        help="transformers' experts implementations to time (the table takes the fastest)")  # fmt: skip
+    parser.add_argument("--ref-max-batch", type=int, default=8, help="skip the reference path above this B")
     parser.add_argument("--prefill", type=int, default=8192, help="prefill this many tokens (0: skip)")
-    parser.add_argument("--prefill-chunk", type=int, default=2048)
+    parser.add_argument("--prefill-chunks", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--plot", default=None, help="write the PNG (ratio vs batch, prefill vs chunk) here")
     bench_decode_tp.add_args(parser)
     args = parser.parse_args()
     if args.tensor_parallel_size > 1 or args.tiny or args.device == "cpu":
-        bench_decode_tp.launch(bench_decode_tp.from_namespace(args, [1, 8, 64], [1024, 8192]), args.json)
+        bench_decode_tp.launch(bench_decode_tp.from_namespace(args, batches, contexts), args.json)
         return
 
+    started = time.perf_counter()
     ceil = measure_ceilings()
     print(ceil.line(), flush=True)
-    config = proxy_config()
-    model = random_proxy(config, NVFP4_LAYERS)
-    print(f"# Small-L6 built: {torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU", flush=True)
+    config, nvfp4 = proxy_config(args.layers), proxy_nvfp4_layers(args.layers)
+    model = random_proxy(config, nvfp4)
+    name = f"Small-L{args.layers}"
+    print(f"# {name} built ({layer_mix(config, nvfp4)}): {torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU",
+          flush=True)  # fmt: skip
     if args.check:
         engine_check(model)
         check(model, args.check_steps)
@@ -319,88 +387,28 @@ def main() -> None:
         return
 
     reference, model = model.with_ops("reference"), model.with_ops("fast")
-    if args.prefill:
-        rate = prefill_rate(model, args.prefill, args.prefill_chunk)
-        chunk = min(args.prefill, args.prefill_chunk)
-        _, _, busy, top = count_launches(lambda: prefill_chunk(model, chunk))
-        kernels = "; ".join(f"{name[:50]} x{n} {us:.0f}" for name, n, us in top[:12])
-        print(f"# prefill of one {chunk}-token chunk, {busy:.1f} ms GPU busy; by kernel (launches, us): {kernels}")
-        floor = prefill_flops(model, args.prefill) / (ceil.bf16_tflops * 1e12)
-        print(
-            f"# prefill {args.prefill} tokens in {args.prefill_chunk}-token chunks (packed path, fast kernels): "
-            f"{rate:.0f} tokens/s = {args.prefill / rate * 1e3:.1f} ms vs FLOP floor {floor * 1e3:.1f} ms at the "
-            f"measured bf16 peak ({floor / (args.prefill / rate):.0%} of peak in model FLOPs)",
-            flush=True,
-        )
-
-    rows = []
+    rates = prefill_rates(model, args.prefill, args.prefill_chunks, ceil) if args.prefill else []
     max_model_len = max(args.contexts) + 1
+    rows = []
     for ctx in args.contexts:
         for b in args.batches:
-            fb, graphs, handles = paged_decode_batch(model, b, ctx, max_model_len)
-            tokens = fb.token_ids.tolist()
-            eager = DecodeGraphs(model, graphs.cache, max_num_seqs=b, max_model_len=max_model_len, use_graphs=False)
-
-            def packed(fb=fb, model=model):
-                with torch.inference_mode():
-                    return model.logits(model(fb))
-
-            def batched(graphs=graphs, tokens=tokens, handles=handles):
-                with torch.inference_mode():
-                    return model.logits(graphs.run(tokens, handles))
-
-            def batched_eager(eager=eager, tokens=tokens, handles=handles):
-                with torch.inference_mode():
-                    return model.logits(eager.run(tokens, handles))
-
-            touched = touched_experts(model, fb)
-            floor = ceil.floor_us(step_bytes(model, b, ctx, touched)) / 1e3
-            fast = time_eager_ms(packed, reps=3, warmup=1)
-            graphed = time_eager_ms(batched, reps=30, warmup=3)  # the first run captures B's graph
-            launches = count_launches(batched_eager)
-            ref = "skipped"
-            if b <= args.ref_max_batch:
-                ref = f"{time_eager_ms(partial(packed, model=reference), reps=3, warmup=1):.2f}"
-            experts = "/".join(str(touched[i]) for i in sorted(touched))
-            rows.append([ctx, b, experts, floor, ref, fast, graphed, launches[:3]])
-            if ctx == args.contexts[0]:
-                print(f"# ctx={ctx} B={b} GPU time by kernel (launches, us): " + "; ".join(
-                    f"{name[:60]} x{n} {us:.0f}" for name, n, us in launches[3][:14]
-                ), flush=True)  # fmt: skip
-            print(
-                f"# ctx={ctx} B={b}: experts {experts}, floor {floor:.2f} ms, reference {ref} ms, packed fast "
-                f"{fast:.2f} ms, graphs {graphed:.2f} ms ({graphed / floor:.2f}x floor), kernels {launches[0]} + "
-                f"{launches[1]} copies per step, GPU busy {launches[2]:.2f} ms",
-                flush=True,
-            )
-            del fb, graphs, eager, handles, packed, batched, batched_eager
-            gc.collect()
-            torch.cuda.empty_cache()
-
+            breakdown = ctx == args.contexts[0]
+            rows.append(decode_row(model, reference, b, ctx, max_model_len, ceil, args.ref_max_batch, breakdown))
+            hf_decode.release()  # the row's cache and graphs
     hf = {}
     if args.hf:
         del model, reference
-        gc.collect()
-        torch.cuda.empty_cache()
-        try:
-            hf = hf_decode_ms(proxy_raw_text(), args.batches, args.contexts[0])
-        except Exception as exc:
-            print(f"# transformers Inkling did not run: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        hf_decode.release()
+        hf = hf_decode.time_grid(proxy_raw_text(args.layers), args.batches, args.contexts, tuple(args.hf_experts))
 
-    print()
-    print(ceil.line())
-    layers = config.num_layers
-    print(
-        "| ctx | B | experts touched (L2-L5) | floor ms | reference ms | packed fast ms | graphs ms | graphs / floor |"
-        " kernels + copies / step (per layer) | GPU busy ms | transformers ms |"
-    )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for ctx, b, experts, floor, ref, fast, graphed, (kern, copies, busy) in rows:
-        hf_cell = hf.get(b, "-") if ctx == args.contexts[0] else "-"
-        print(
-            f"| {ctx} | {b} | {experts} | {floor:.2f} | {ref} | {fast:.2f} | {graphed:.2f} | {graphed / floor:.2f}x | "
-            f"{kern} + {copies} ({kern / layers:.0f}) | {busy:.2f} | {hf_cell} |"
-        )
+    print(f"\n# {name}: {layer_mix(config, nvfp4)}")
+    print_table(rows, hf, config.num_layers, ceil)
+    print_goals(rows, hf)
+    if args.plot:
+        ratios = {ctx: [(r.batch, r.ratio) for r in rows if r.ctx == ctx] for ctx in args.contexts}
+        write_plot(args.plot, ratios, rates, args.prefill, f"{name} on {ceil.device}")
+        print(f"# plot written to {args.plot}")
+    print(f"# bench_decode took {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -108,6 +108,24 @@ def measure_ceilings(copy_bytes: int = 4 << 30, mm: int = 8192) -> Ceilings:
     return Ceilings(copy_gbs=copy_gbs, bf16_tflops=tflops, device=torch.cuda.get_device_name())
 
 
+def count_launches(fn: Callable[[], object]) -> tuple[int, int, float, list[tuple[str, int, float]]]:
+    """(kernels, memcpy/memset, ms the GPU spent in them, [(kernel, launches, us)] by time) during one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = sum(1 for e in events if e.name.startswith(("Memcpy", "Memset")))
+    busy_ms = sum(e.time_range.elapsed_us() for e in events) / 1e3
+    by_name: dict[str, tuple[int, float]] = {}
+    for e in events:
+        n, us = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (n + 1, us + e.time_range.elapsed_us())
+    top = sorted(((name, n, us) for name, (n, us) in by_name.items()), key=lambda row: -row[2])
+    return len(events) - copies, copies, busy_ms, top
+
+
 def row(cells: list[str], widths: list[int]) -> str:
     return "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
 

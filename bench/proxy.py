@@ -1,7 +1,7 @@
 """The decode benchmarks' shared pieces: the "Small-L6" proxy (exact Inkling-Small layer shapes over 6 layers,
-random weights generated on the device, NVFP4 stacks in their packed form), paged decode batches over the
-engine's pools, and the bytes a decode step must move (the floor). Used by `bench_decode`, `bench_decode_tp` and
-`bench_mtp`."""
+random weights generated on the device, NVFP4 stacks in their packed form) and its deeper cousins, paged decode
+batches over the engine's pools, and the bytes a decode step must move (the floor). Used by `bench_decode`,
+`bench_decode_tp` and `bench_mtp`."""
 
 from __future__ import annotations
 
@@ -19,18 +19,55 @@ from decode_service.model.layers import Bf16Experts, NVFP4Experts
 from tools.make_tiny_checkpoint import raw_config
 from tools.model_shapes import INKLING_SMALL
 
-# Inkling-Small's layer shapes over 6 layers: 0-1 dense, 2 bf16 experts, 3-5 NVFP4, 5 global
-SMALL_L6 = INKLING_SMALL | {"num_hidden_layers": 6, "local_layer_ids": [0, 1, 2, 3, 4]}
-NVFP4_LAYERS = frozenset({3, 4, 5})
 PAGE = 16
 
 
-def proxy_raw_text() -> dict:
-    return raw_config(**SMALL_L6)["text_config"]
+def proxy_shapes(layers: int) -> dict:
+    """The first `layers` layers of Inkling-Small, in raw config keys: its layer rule unchanged (0-1 dense MLP,
+    every later layer routed experts; every 6th layer, 5, 11, ..., global, the rest sliding)."""
+    if layers <= INKLING_SMALL["dense_mlp_idx"]:
+        raise ValueError(f"proxy layers {layers}: need more than the {INKLING_SMALL['dense_mlp_idx']} dense layers")
+    return INKLING_SMALL | {"num_hidden_layers": layers, "local_layer_ids": [i for i in range(layers) if (i + 1) % 6]}
 
 
-def proxy_config() -> TextConfig:
-    return parse_model_config(raw_config(**SMALL_L6)).text
+def proxy_nvfp4_layers(layers: int) -> frozenset[int]:
+    """As in Inkling-Small's checkpoint: layer 2's routed experts bf16, every later layer's NVFP4."""
+    return frozenset(range(INKLING_SMALL["dense_mlp_idx"] + 1, layers))
+
+
+# Small-L6: 0-1 dense, 2 bf16 experts, 3-5 NVFP4, 5 global
+SMALL_L6 = proxy_shapes(6)
+NVFP4_LAYERS = proxy_nvfp4_layers(6)
+
+
+def proxy_raw_text(layers: int = 6) -> dict:
+    return raw_config(**proxy_shapes(layers))["text_config"]
+
+
+def proxy_config(layers: int = 6) -> TextConfig:
+    return parse_model_config(raw_config(**proxy_shapes(layers))).text
+
+
+def layer_mix(config: TextConfig, nvfp4_layers: frozenset[int]) -> str:
+    """'dense 0-1, bf16 experts 2, NVFP4 experts 3-7, global 5' for the table header."""
+    n = config.num_layers
+
+    def spans(ids: list[int]) -> str:
+        runs: list[list[int]] = []
+        for i in ids:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs) or "none"
+
+    dense = [i for i in range(n) if config.dense_layers[i]]
+    bf16 = [i for i in range(n) if not config.dense_layers[i] and i not in nvfp4_layers]
+    glob = [i for i in range(n) if not config.sliding_layers[i]]
+    return (
+        f"dense {spans(dense)}, bf16 experts {spans(bf16)}, NVFP4 experts {spans(sorted(nvfp4_layers))}, "
+        f"global {spans(glob)} (the rest sliding)"
+    )
 
 
 @torch.no_grad()
