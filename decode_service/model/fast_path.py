@@ -1,9 +1,12 @@
 """The decoder's Triton op bundle (`TritonOps`), and which bundle a model is built with (`resolve_ops`).
 
-`TritonOps` is `Ops` with the hot ops on the kernels of `kernels/`: `rms_norm`, `route` (the MoE gate in two
-launches), the routed experts (`nvfp4_moe` on the packed weights as loaded, or `bf16_moe`, tiles shrunk to divide
-H and I; layers whose widths no tile divides keep the reference, decided when the layer is built), the shared
-experts as two GEMMs over the stacked experts, and `attention_kernels`, which gives the attention backends their
+`TritonOps` is `Ops` with the hot ops on the kernels of `kernels/`: the dense linears of up to `MAX_ROWS` rows
+(`skinny_gemm`: the projections, the dense MLP and shared experts with their SwiGLU, scale and gammas in the
+epilogue, the lm_head with its muP division and fp32 logits; cuBLAS for more rows), `rms_norm`, `route` (the MoE
+gate in two launches), the routed experts (`nvfp4_moe` on the packed weights as loaded, or `bf16_moe`, tiles
+shrunk to divide H and I; layers whose widths no tile divides keep the reference, decided when the layer is
+built), the shared experts as two GEMMs over the stacked experts, and `attention_kernels`, which gives the
+attention backends their
 kernels (`packed.py`: prefill / one-token-per-sequence attention over each `LayerCache`'s visible keys;
 `paged.py`: the decode step over the engine's pools, which the engine captures in CUDA graphs).
 
@@ -66,6 +69,21 @@ def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False):
     return MoeConfig(**{**base.__dict__, **tiles})
 
 
+def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `x @ weight^T` takes the skinny-GEMM kernel: few rows (cuBLAS above `MAX_ROWS`), one float dtype,
+    unit last strides."""
+    from kernels.skinny_gemm import MAX_ROWS
+
+    return (
+        x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
 def _bf16_moe(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
@@ -99,6 +117,34 @@ class TritonOps(Ops):
         rows = x.reshape(-1, x.shape[-1])  # [N, C], a view for contiguous rows (and for T = 1 of a projection)
         return rms_norm(rows, weight, eps).view(x.shape)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """One launch for decode rows (`skinny_linear`, the scale fused); cuBLAS for more rows."""
+        from kernels.skinny_gemm import skinny_linear
+
+        if _skinny(x, weight) and (scale is None or (scale.numel() == 1 and scale.dtype == x.dtype)):
+            return skinny_linear(x, weight, scale=scale)
+        return super().linear(x, weight, scale)
+
+    def swiglu(
+        self, x: torch.Tensor, w13: torch.Tensor, width: int, gammas: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One launch for decode rows (`skinny_swiglu`: both products and the SwiGLU); cuBLAS + elementwise for
+        more rows."""
+        from kernels.skinny_gemm import skinny_swiglu
+
+        if _skinny(x, w13) and (gammas is None or gammas.dtype == torch.float32):
+            return skinny_swiglu(x, w13, width, gammas=gammas)
+        return super().swiglu(x, w13, width, gammas)
+
+    def logits(self, hidden, weight, divisor, tp, vocab):
+        """One launch for decode rows on one rank (`skinny_linear` over the unpadded vocabulary rows, the division
+        fused, the rounded logits stored as fp32); the reference otherwise."""
+        from kernels.skinny_gemm import skinny_linear
+
+        if tp.size == 1 and _skinny(hidden, weight):
+            return skinny_linear(hidden, weight[:vocab], divisor=divisor, out_dtype=torch.float32)
+        return super().logits(hidden, weight, divisor, tp, vocab)
+
     def route(self, x, weight, bias, top_k, route_scale, global_scale):
         """Two launches: fp32 logits GEMV, then sigmoid/top-k/sink renorm/scales."""
         from kernels.router import route
@@ -125,9 +171,12 @@ class TritonOps(Ops):
                              f"{w2.stride()} for shape {tuple(w2.shape)}")  # fmt: skip
         t, h = x.shape
         s, i = gammas.shape[1], w2.shape[-1]
+        w2 = w2.permute(1, 0, 2).reshape(h, s * i)  # [H, S*I], a view
+        if _skinny(x, w13):
+            act = self.swiglu(x, w13.view(s * 2 * i, h), i, gammas.float())  # [T, S*I], gammas in the epilogue
+            return self.linear(act, w2)
         gate_up = (x @ w13.view(s * 2 * i, h).T).view(t, s, 2, i)  # [T, S, 2, I]
         act = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * gammas.to(x.dtype)[:, :, None]  # [T, S, I]
-        w2 = w2.permute(1, 0, 2).reshape(h, s * i)  # [H, S*I], a view
         return act.reshape(t, s * i) @ w2.T
 
 
