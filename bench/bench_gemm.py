@@ -40,14 +40,16 @@ from kernels.skinny_gemm import (
 )
 
 _L2_BYTES = 50 << 20
-GEMV_SWEEP = [
-    SkinnyConfig(dot=False, block_n=4, block_k=512, num_warps=4, num_stages=3),
-    SkinnyConfig(dot=False, block_n=8, block_k=512, num_warps=4, num_stages=3),
-    SkinnyConfig(dot=False, block_n=16, block_k=256, num_warps=4, num_stages=3),
-    SkinnyConfig(dot=False, block_n=16, block_k=512, num_warps=8, num_stages=3),
+GEMV_SWEEP = [  # M <= 4
+    SkinnyConfig(dot=False, block_n=4, block_k=512, num_warps=4),
+    SkinnyConfig(dot=False, block_n=8, block_k=512, num_warps=4),
+    SkinnyConfig(dot=False, block_n=4, block_k=1024, num_warps=4),
+    SkinnyConfig(dot=False, block_n=16, block_k=256, num_warps=4),
+    SkinnyConfig(dot=False, block_n=16, block_k=512, num_warps=8),
 ]
-DOT_SWEEP = [
+DOT_SWEEP = [  # every M
     SkinnyConfig(dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4),
+    SkinnyConfig(dot=True, block_n=16, block_k=512, num_warps=4, num_stages=3),
     SkinnyConfig(dot=True, block_n=32, block_k=256, num_warps=4, num_stages=4),
     SkinnyConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4),
     SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3),

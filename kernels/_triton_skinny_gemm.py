@@ -96,7 +96,7 @@ def _accumulate(
     return acc, acc_up
 
 
-@triton.jit(do_not_specialize=["M", "N", "K", "width"])  # one compile for every decode batch and shape
+@triton.jit(do_not_specialize=["M", "N", "K", "width", "stride_om", "stride_gm"])  # one compile for all shapes
 def skinny_gemm_kernel(
     X,
     W,

@@ -45,8 +45,8 @@ _GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator column per row of x: beyond
 def default_config(m: int, n: int, k: int) -> SkinnyConfig:
     """Best measured on an H200 (bench/bench_gemm.py over the Small-L6 proxy's decode linears, bf16)."""
     if m <= _GEMV_MAX_ROWS:
-        return SkinnyConfig(dot=False, block_n=8, block_k=512, num_warps=4, num_stages=3)
-    return SkinnyConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4)
+        return SkinnyConfig(dot=False, block_n=8, block_k=512, num_warps=4)
+    return SkinnyConfig(dot=True, block_n=16 if n <= 16384 else 32, block_k=256, num_warps=4, num_stages=4)
 
 
 def _next_pow2(n: int) -> int:

@@ -106,7 +106,7 @@ def test_rejects_bad_operands():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize(
     "n,k",
     [(6656, 4096), (4096, 16384), (200058, 4096)],  # Inkling-Small's qkvr, dense down, unpadded lm_head rows
