@@ -40,10 +40,11 @@ from kernels.skinny_gemm import (
 )
 
 _L2_BYTES = 50 << 20
-GEMV_SWEEP = [  # M <= 4
+GEMV_SWEEP = [  # M <= 4; the bytes in flight per program are block_n * block_k * 2
     SkinnyConfig(dot=False, block_n=4, block_k=512, num_warps=4),
     SkinnyConfig(dot=False, block_n=8, block_k=512, num_warps=4),
     SkinnyConfig(dot=False, block_n=4, block_k=1024, num_warps=4),
+    SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8),
     SkinnyConfig(dot=False, block_n=16, block_k=256, num_warps=4),
     SkinnyConfig(dot=False, block_n=16, block_k=512, num_warps=8),
 ]
