@@ -9,11 +9,11 @@ Timing: CUDA graphs replaying the op over rotating copies of the weight (at leas
 next layer's weights are never L2-resident in a real step), median per launch. Part 1 sweeps the kernel's tiles
 on the plain product `x @ W^T` of every shape and prints, per M, each shape's best tile and the tile with the
 least summed time over one step's launches (what `default_config` should hold). Part 2 times the ops the model
-calls (`TritonOps`: SwiGLU epilogues, the dense down's global scale, the lm_head's muP division and fp32 logits)
-at `default_config` against the torch reference ops they replace (cuBLAS plus the elementwise launches), and
-checks them against that reference.
+calls (`TritonOps`: SwiGLU epilogues, the dense down's global scale, the shared down's add of the routed experts,
+the lm_head's muP division and fp32 logits) at `default_config` against the torch reference ops they replace
+(cuBLAS plus the elementwise launches), and checks them against that reference.
 
-    python3 -m bench.bench_gemm [--rows 1 2 4 8 16 64] [--quick]
+    python3 -m bench.bench_gemm [--rows 1 2 4 8 16 64] [--skip-sweep]
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class Linear:
     width: int = 0  # SwiGLU: I, with rows = G * 2I
     groups: int = 1
     scale: bool = False  # DenseMLP's global_scale
+    residual: bool = False  # the routed experts' output, added to the shared experts'
     lm_head: float | None = None  # muP divisor; fp32 logits
 
     @property
@@ -101,7 +102,7 @@ def decode_linears(config: TextConfig) -> list[Linear]:
             width = config.moe_intermediate_size
             out.append(Linear(name, rows, k, n, width=width, groups=config.n_shared_experts))
         else:
-            out.append(Linear(name, rows, k, n, scale=name == "dense_w2"))
+            out.append(Linear(name, rows, k, n, scale=name == "dense_w2", residual=name == "shared_w2"))
     out.append(Linear("lm_head", config.unpadded_vocab_size, h, 1, lm_head=config.mup_multiplier))
     return out
 
@@ -180,6 +181,8 @@ def model_ops(lins: list[Linear], rows: list[int], ceil) -> None:
                 kwargs["gammas"] = torch.rand(m, lin.groups, device="cuda") + 0.5
             if lin.scale:
                 kwargs["scale"] = torch.tensor([1.25], dtype=torch.bfloat16, device="cuda")
+            if lin.residual:
+                kwargs["residual"] = torch.randn(m, lin.n, device="cuda").to(torch.bfloat16)
             if lin.lm_head:
                 kwargs |= {"divisor": lin.lm_head, "out_dtype": torch.float32}
             if lin.width:

@@ -13,7 +13,8 @@ fp32 ``[BLOCK_N, BLOCK_M]`` tile:
 The epilogue rounds to the activation dtype exactly where the torch reference rounds: ``SWIGLU`` computes the gate
 and up rows of each output column (groups of [gate ``I`` rows; up ``I`` rows] in W) and returns
 ``silu(gate) * up`` (times the group's gamma with ``HAS_GAMMA``); ``HAS_SCALE`` multiplies the rounded product by a
-one-element tensor; ``DIVIDE_X`` divides x by a scalar (rounded) before the product.
+one-element tensor, ``HAS_RESIDUAL`` then adds a tensor of the output's shape; ``DIVIDE_X`` divides x by a scalar
+(rounded) before the product.
 """
 
 import triton
@@ -96,12 +97,14 @@ def _accumulate(
     return acc, acc_up
 
 
-@triton.jit(do_not_specialize=["M", "N", "K", "width", "stride_om", "stride_gm"])  # one compile for all shapes
+# one compile for every batch size and shape (the sizes and output strides only bound masks)
+@triton.jit(do_not_specialize=["M", "N", "K", "width", "stride_om", "stride_rm", "stride_gm"])
 def skinny_gemm_kernel(
     X,
     W,
     Out,
     Scale,
+    Res,
     Gamma,
     M,
     N,
@@ -111,6 +114,7 @@ def skinny_gemm_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    stride_rm,
     stride_gm,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -121,6 +125,7 @@ def skinny_gemm_kernel(
     SWIGLU: tl.constexpr,
     HAS_GAMMA: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     DIVIDE_X: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -129,6 +134,7 @@ def skinny_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
     offs_m = m0 + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
+    out_mask = n_mask[:, None] & (offs_m < M)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     group = offs_n // width if SWIGLU else offs_n  # column g * I + j: gate row g * 2I + j, up row g * 2I + I + j
     rows = offs_n + group * width if SWIGLU else offs_n
@@ -139,12 +145,14 @@ def skinny_gemm_kernel(
         silu = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)  # F.silu in the activation dtype
         y = _round(silu * _round(up, dtype), dtype)
         if HAS_GAMMA:  # gammas fp32 [M, G], rounded to the activation dtype like `gammas.to(x.dtype)`
-            g_mask = n_mask[:, None] & (offs_m < M)[None, :]
-            gamma = tl.load(Gamma + offs_m[None, :] * stride_gm + group[:, None], mask=g_mask, other=0.0)
+            gamma = tl.load(Gamma + offs_m[None, :] * stride_gm + group[:, None], mask=out_mask, other=0.0)
             y = _round(y * _round(gamma, dtype), dtype)
     else:
         y = _round(acc, dtype)
         if HAS_SCALE:
             y = _round(y * tl.load(Scale).to(tl.float32), dtype)
+        if HAS_RESIDUAL:
+            res = tl.load(Res + offs_m[None, :] * stride_rm + offs_n[:, None], mask=out_mask, other=0.0)
+            y = _round(res.to(tl.float32) + y, dtype)
     out_ptrs = Out + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, y.to(Out.dtype.element_ty), mask=n_mask[:, None] & (offs_m < M)[None, :])
+    tl.store(out_ptrs, y.to(Out.dtype.element_ty), mask=out_mask)

@@ -117,13 +117,14 @@ class TritonOps(Ops):
         rows = x.reshape(-1, x.shape[-1])  # [N, C], a view for contiguous rows (and for T = 1 of a projection)
         return rms_norm(rows, weight, eps).view(x.shape)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """One launch for decode rows (`skinny_linear`, the scale fused); cuBLAS for more rows."""
+    def linear(self, x, weight, scale=None, residual=None):
+        """One launch for decode rows (`skinny_linear`, scale and residual fused); cuBLAS for more rows."""
         from kernels.skinny_gemm import skinny_linear
 
-        if _skinny(x, weight) and (scale is None or (scale.numel() == 1 and scale.dtype == x.dtype)):
-            return skinny_linear(x, weight, scale=scale)
-        return super().linear(x, weight, scale)
+        fits = _skinny(x, weight) and (scale is None or (scale.numel() == 1 and scale.dtype == x.dtype))
+        if fits and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
+            return skinny_linear(x, weight, scale=scale, residual=residual)
+        return super().linear(x, weight, scale, residual)
 
     def swiglu(
         self, x: torch.Tensor, w13: torch.Tensor, width: int, gammas: torch.Tensor | None = None
@@ -160,9 +161,7 @@ class TritonOps(Ops):
     def nvfp4_experts(self, hidden: int, width: int) -> RoutedExperts:
         return _nvfp4_moe if self.moe_kernels(hidden, width) else super().nvfp4_experts(hidden, width)
 
-    def shared_experts(
-        self, x: torch.Tensor, gammas: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
-    ) -> torch.Tensor:
+    def shared_experts(self, x, gammas, w13, w2, routed=None):
         """Two GEMMs: every expert's [gate; up] rows stacked along N, then the gamma-scaled activations against the
         down weights concatenated along K, whose reduction sums the experts (in fp32). Needs w2 `[S, H, I]` stored
         as `[H, S, I]` (what `SharedExperts` and `InklingDecoder.from_weights` keep)."""
@@ -172,12 +171,13 @@ class TritonOps(Ops):
         t, h = x.shape
         s, i = gammas.shape[1], w2.shape[-1]
         w2 = w2.permute(1, 0, 2).reshape(h, s * i)  # [H, S*I], a view
-        if _skinny(x, w13):
-            act = self.swiglu(x, w13.view(s * 2 * i, h), i, gammas.float())  # [T, S*I], gammas in the epilogue
-            return self.linear(act, w2)
+        if _skinny(x, w13):  # decode rows: the SwiGLU with the gammas, and the add of `routed`, in the epilogues
+            act = self.swiglu(x, w13.view(s * 2 * i, h), i, gammas.float())  # [T, S*I]
+            return self.linear(act, w2, residual=routed)
         gate_up = (x @ w13.view(s * 2 * i, h).T).view(t, s, 2, i)  # [T, S, 2, I]
         act = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * gammas.to(x.dtype)[:, :, None]  # [T, S, I]
-        return act.reshape(t, s * i) @ w2.T
+        shared = act.reshape(t, s * i) @ w2.T
+        return shared if routed is None else routed + shared
 
 
 FAST = TritonOps()

@@ -240,9 +240,9 @@ class SharedExperts(nn.Module):
         self.shared_w2_weight = nn.Parameter(torch.zeros(h, s, i).permute(1, 0, 2))  # [S, H, I]
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
-        """x `[T, H]`, gammas `[T, S]` -> `[T, H]`."""
-        return self.ops.shared_experts(x, gammas, self.shared_w13_weight, self.shared_w2_weight)
+    def forward(self, x: torch.Tensor, gammas: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[T, H]`, gammas `[T, S]` -> `[T, H]` (`routed + ` it when given: the fast ops fuse the add)."""
+        return self.ops.shared_experts(x, gammas, self.shared_w13_weight, self.shared_w2_weight, routed)
 
 
 class MoE(nn.Module):
@@ -256,7 +256,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights, gammas = self.gate(x)  # [T, k], [T, k], [T, S]
         ids, weights = self.tp.local_routes(ids, weights)  # expert parallel: other ranks' experts masked
-        return self.experts(x, ids, weights) + self.shared_experts(x, gammas)
+        return self.shared_experts(x, gammas, routed=self.experts(x, ids, weights))  # routed + shared
 
 
 class DecoderLayer(nn.Module):

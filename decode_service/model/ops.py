@@ -41,9 +41,16 @@ class Ops:
         """`w * round(x * rsqrt(mean(x^2) + eps))` over the last axis: normalise in fp32, round to x's dtype."""
         return rms_norm_reference(x, weight, eps)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """x `[T, K]`, weight `[N, K]` -> `x W^T` `[T, N]` in x's dtype, times the one-element `scale` if given."""
-        return skinny_linear_reference(x, weight, scale=scale)
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x `[T, K]`, weight `[N, K]` -> `x W^T` `[T, N]` in x's dtype, times the one-element `scale`, then
+        `residual + ` that, if given."""
+        return skinny_linear_reference(x, weight, scale=scale, residual=residual)
 
     def swiglu(
         self, x: torch.Tensor, w13: torch.Tensor, width: int, gammas: torch.Tensor | None = None
@@ -86,14 +93,20 @@ class Ops:
         return nvfp4_experts_reference
 
     def shared_experts(
-        self, x: torch.Tensor, gammas: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+        self,
+        x: torch.Tensor,
+        gammas: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        routed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x `[T, H]`, gammas `[T, S]`, w13 `[S, 2I, H]`, w2 `[S, H, I]` -> `[T, H]`: the S SwiGLU experts weighted
-        by their gammas, summed in fp32 (spec 5.3)."""
+        by their gammas, summed in fp32 (spec 5.3); `routed + ` that when the routed experts' output is given."""
         width = w2.shape[-1]
         gate, up = (x[None] @ w13.transpose(1, 2)).split(width, dim=-1)  # [S, T, I] x2
         act = F.silu(gate) * up * gammas.to(x.dtype).T[:, :, None]
-        return (act @ w2.transpose(1, 2)).float().sum(0).to(x.dtype)  # [T, H]
+        shared = (act @ w2.transpose(1, 2)).float().sum(0).to(x.dtype)  # [T, H]
+        return shared if routed is None else routed + shared
 
 
 def _experts_loop(

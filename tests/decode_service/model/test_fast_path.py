@@ -193,6 +193,9 @@ def test_linearised_shared_experts_match_the_per_expert_sum(cpu_interpreter):
     ref = REFERENCE.shared_experts(x, gammas, w13, w2)
     assert rel_err(FAST.shared_experts(x, gammas, w13, w2), ref) < 1e-6
     assert torch.equal(shared(x, gammas), ref)
+    routed = torch.randn(5, 64, generator=gen)  # the routed experts' output: added in the down GEMM's epilogue
+    assert torch.equal(REFERENCE.shared_experts(x, gammas, w13, w2, routed), routed + ref)
+    assert rel_err(FAST.shared_experts(x, gammas, w13, w2, routed), routed + ref) < 1e-6
     with pytest.raises(ValueError, match="shared_w2_weight"):
         FAST.shared_experts(x, gammas, w13, w2.contiguous())  # [S, H, I] storage: not the linearised layout
 
@@ -212,6 +215,7 @@ def test_dense_ops_take_the_skinny_kernel_for_decode_rows(cpu_interpreter, monke
         (FAST.linear(x, w13), REFERENCE.linear(x, w13)),
         (FAST.swiglu(x, w13, 24, gammas), REFERENCE.swiglu(x, w13, 24, gammas)),
         (FAST.linear(x[:, :48], w2, scale), REFERENCE.linear(x[:, :48], w2, scale)),
+        (FAST.linear(x, w13, residual=x[:, :1] + w13[:, 0]), REFERENCE.linear(x, w13, residual=x[:, :1] + w13[:, 0])),
         (FAST.logits(x, w13, 16.0, SINGLE, 90), REFERENCE.logits(x, w13, 16.0, SINGLE, 90)),
     ]
     for fast, ref in pairs:
