@@ -11,7 +11,8 @@
 
 round = to x's dtype, as the torch ops of the reference store their results; products accumulate in fp32. W is
 ``[N, K]`` with unit last stride (row slices such as the lm_head's unpadded vocabulary rows are views), x ``[M, K]``
-of W's dtype. Up to ``MAX_ROWS`` rows; more belong to cuBLAS (the callers in ``fast_path.py`` decide). One launch,
+of W's dtype. Up to ``MAX_ROWS`` rows; ``preferred`` says where it beat cuBLAS (the callers in ``fast_path.py``
+ask it). One launch,
 grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))`` from shapes only and no host reads: CUDA-graph safe.
 ``default_config`` holds the tiles measured best on an H200 (bench/bench_gemm.py).
 """
@@ -41,13 +42,26 @@ class SkinnyConfig:
 
 
 _GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator column per row of x: beyond this, the tensor cores
+_WIDE_N = 65536  # output columns from which the tensor-core tiles beat cuBLAS at 2-16 rows (the lm_head)
+
+
+def preferred(m: int, n: int) -> bool:
+    """Whether this kernel beat cuBLAS for ``m`` rows against ``n`` weight rows on an H200 (bench/bench_gemm.py,
+    Small-L6 decode linears): one row at every shape (the GEMV, 0.93-1.39x the byte floor where cuBLAS is at
+    1.01-1.70x), 2-16 rows only on the lm_head's ~200k rows (0.94-0.97x against 1.32x). At 2-16 rows and
+    N <= 32768 cuBLAS' split-K kernels win (1.0-1.7x the floor; these tiles 1.04-2.6x: too few programs)."""
+    return m == 1 or (m <= MAX_ROWS and n >= _WIDE_N)
 
 
 def default_config(m: int, n: int, k: int) -> SkinnyConfig:
-    """Best measured on an H200 (bench/bench_gemm.py over the Small-L6 proxy's decode linears, bf16)."""
-    if m <= _GEMV_MAX_ROWS:
-        return SkinnyConfig(dot=False, block_n=8, block_k=512, num_warps=4)
-    return SkinnyConfig(dot=True, block_n=16 if n <= 16384 else 32, block_k=256, num_warps=4, num_stages=4)
+    """Best measured on an H200 (bench/bench_gemm.py over the Small-L6 proxy's decode linears, bf16): one row, the
+    GEMV tile with the least time over a step's linears; more rows, the tensor-core tile best on wide N (the
+    lm_head, the dense gate+up) and, narrower, the one with the least time over a step's linears."""
+    if m == 1:
+        return SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8)
+    if n >= 32768:
+        return SkinnyConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    return SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3)
 
 
 def _next_pow2(n: int) -> int:

@@ -1,14 +1,14 @@
 """The decoder's Triton op bundle (`TritonOps`), and which bundle a model is built with (`resolve_ops`).
 
-`TritonOps` is `Ops` with the hot ops on the kernels of `kernels/`: the dense linears of up to `MAX_ROWS` rows
-(`skinny_gemm`: the projections, the dense MLP and shared experts with their SwiGLU, scale and gammas in the
-epilogue, the lm_head with its muP division and fp32 logits; cuBLAS for more rows), `rms_norm`, `route` (the MoE
-gate in two launches), the routed experts (`nvfp4_moe` on the packed weights as loaded, or `bf16_moe`, tiles
-shrunk to divide H and I; layers whose widths no tile divides keep the reference, decided when the layer is
-built), the shared experts as two GEMMs over the stacked experts, and `attention_kernels`, which gives the
-attention backends their
-kernels (`packed.py`: prefill / one-token-per-sequence attention over each `LayerCache`'s visible keys;
-`paged.py`: the decode step over the engine's pools, which the engine captures in CUDA graphs).
+`TritonOps` is `Ops` with the hot ops on the kernels of `kernels/`: the dense linears where `skinny_gemm` beats
+cuBLAS (`skinny_gemm.preferred`: one row, or the lm_head up to 16 rows), i.e. the projections, the dense MLP and
+the shared experts with their SwiGLU, scale, gammas and the add of the routed experts in the epilogue, and the
+lm_head with its muP division and fp32 logits; `rms_norm`, `route` (the MoE gate in two launches), the routed
+experts (`nvfp4_moe` on the packed weights as loaded, or `bf16_moe`, tiles shrunk to divide H and I; layers whose
+widths no tile divides keep the reference, decided when the layer is built), the shared experts as two GEMMs over
+the stacked experts, and `attention_kernels`, which gives the attention backends their kernels (`packed.py`:
+prefill / one-token-per-sequence attention over each `LayerCache`'s visible keys; `paged.py`: the decode step
+over the engine's pools, which the engine captures in CUDA graphs).
 
 `resolve_ops` maps a name to a bundle once, at build: "auto" (the default) takes the kernels for a CUDA device when
 Triton is installed, "reference" never does (benchmarks and parity checks on the GPU), "fast" always does (CPU
@@ -70,13 +70,13 @@ def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False):
 
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `x @ weight^T` takes the skinny-GEMM kernel: few rows (cuBLAS above `MAX_ROWS`), one float dtype,
-    unit last strides."""
-    from kernels.skinny_gemm import MAX_ROWS
+    """Whether `x @ weight^T` takes the skinny-GEMM kernel: rows and weight rows where it beat cuBLAS
+    (`skinny_gemm.preferred`), one float dtype, unit last strides."""
+    from kernels.skinny_gemm import preferred
 
     return (
         x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
+        and preferred(x.shape[0], weight.shape[0])
         and x.dtype == weight.dtype
         and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and x.stride(-1) == 1

@@ -200,28 +200,38 @@ def test_linearised_shared_experts_match_the_per_expert_sum(cpu_interpreter):
         FAST.shared_experts(x, gammas, w13, w2.contiguous())  # [S, H, I] storage: not the linearised layout
 
 
-@pytest.mark.parametrize("rows", [3, MAX_ROWS + 1])
-def test_dense_ops_take_the_skinny_kernel_for_decode_rows(cpu_interpreter, monkeypatch, rows):
-    """Up to MAX_ROWS rows the linears, the SwiGLU (gammas fused) and the lm_head run `kernels.skinny_gemm`; more
-    rows run the reference ops (cuBLAS on a GPU), bit for bit."""
+@pytest.mark.parametrize("rows", [1, 3])
+def test_dense_ops_take_the_skinny_kernel_where_it_beats_cublas(cpu_interpreter, monkeypatch, rows):
+    """Where `skinny_gemm.preferred` says so (one row here: the tiny weights are narrow) the linears, the SwiGLU
+    (gammas fused) and the lm_head run `kernels.skinny_gemm`; elsewhere the reference ops (cuBLAS on a GPU), bit
+    for bit."""
     calls = []
     for name in ("skinny_linear", "skinny_swiglu"):
         kernel = getattr(skinny_gemm, name)
         monkeypatch.setattr(skinny_gemm, name, lambda *a, kernel=kernel, **kw: calls.append(1) or kernel(*a, **kw))
     gen = torch.Generator().manual_seed(rows)
     x, w13, w2 = torch.randn(rows, 64, generator=gen), torch.randn(96, 64, generator=gen) / 8, torch.randn(40, 48)
-    gammas, scale = torch.rand(rows, 2, generator=gen), torch.tensor([1.5])
+    gammas, scale, residual = torch.rand(rows, 2, generator=gen), torch.tensor([1.5]), torch.randn(rows, 96)
     pairs = [
         (FAST.linear(x, w13), REFERENCE.linear(x, w13)),
         (FAST.swiglu(x, w13, 24, gammas), REFERENCE.swiglu(x, w13, 24, gammas)),
         (FAST.linear(x[:, :48], w2, scale), REFERENCE.linear(x[:, :48], w2, scale)),
-        (FAST.linear(x, w13, residual=x[:, :1] + w13[:, 0]), REFERENCE.linear(x, w13, residual=x[:, :1] + w13[:, 0])),
+        (FAST.linear(x, w13, residual=residual), REFERENCE.linear(x, w13, residual=residual)),
         (FAST.logits(x, w13, 16.0, SINGLE, 90), REFERENCE.logits(x, w13, 16.0, SINGLE, 90)),
     ]
+    kernel = skinny_gemm.preferred(rows, 96)
+    assert kernel == (rows == 1)
     for fast, ref in pairs:
         assert fast.dtype == ref.dtype and fast.shape == ref.shape
-        assert rel_err(fast, ref) < 1e-6 if rows <= MAX_ROWS else torch.equal(fast, ref)
-    assert len(calls) == (len(pairs) if rows <= MAX_ROWS else 0)
+        assert rel_err(fast, ref) < 1e-6 if kernel else torch.equal(fast, ref)
+    assert len(calls) == (len(pairs) if kernel else 0)
+
+
+def test_skinny_kernel_crossover():
+    """The measured crossover: one row always, 2-16 rows only on the lm_head's width, cuBLAS beyond 16 rows."""
+    assert skinny_gemm.preferred(1, 4096) and skinny_gemm.preferred(1, 200058)
+    assert skinny_gemm.preferred(8, 200058) and not skinny_gemm.preferred(8, 32768)
+    assert not skinny_gemm.preferred(MAX_ROWS + 1, 200058)
 
 
 def test_fast_path_matches_reference_in_the_interpreter(cpu_interpreter):
