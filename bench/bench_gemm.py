@@ -125,12 +125,13 @@ def per_launch_us(op, weights: list[torch.Tensor], reps: int = 3) -> float:
 
 
 def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
-    widths = [11, 3, 9, 16, 16, 50]
+    widths = [11, 3, 9, 16, 16, 16, 50]
     print("\n## part 1: tiles of the plain product x @ W^T (us; x floor)")
-    print(row(["linear", "M", "floor us", "cuBLAS", "best kernel", "best tile (dot, block_n, block_k, warps, stages)"],
-              widths))  # fmt: skip
+    print(row(["linear", "M", "floor us", "cuBLAS", "default tile", "best kernel",
+               "best tile (dot, block_n, block_k, warps, stages)"], widths))  # fmt: skip
     step_us: dict[int, dict[SkinnyConfig, float]] = {m: defaultdict(float) for m in rows}
     cublas_step: dict[int, float] = defaultdict(float)
+    default_step: dict[int, float] = defaultdict(float)
     for lin in lins:
         weights = weight_copies(lin, torch.bfloat16)
         for m in rows:
@@ -138,18 +139,19 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
             floor = ceil.floor_us(lin.rows * lin.k * 2 + m * (lin.k + lin.rows) * 2)
             cublas = per_launch_us(lambda w, x=x: torch.nn.functional.linear(x, w), weights)
             cublas_step[m] += cublas * lin.per_step
-            best = None
+            times: dict[SkinnyConfig, float] = {}
             if m <= MAX_ROWS:
-                configs = (GEMV_SWEEP if m <= 4 else []) + DOT_SWEEP
-                for cfg in configs:
-                    us = per_launch_us(lambda w, x=x, cfg=cfg: skinny_linear(x, w, config=cfg), weights)
-                    step_us[m][cfg] += us * lin.per_step
-                    if best is None or us < best[0]:
-                        best = (us, cfg)
-            kernel = f"{best[0]:.1f} ({best[0] / floor:.2f}x)" if best else "-"
-            tile = _tile(best[1]) if best else "-"
-            print(row([lin.name, str(m), f"{floor:.1f}", f"{cublas:.1f} ({cublas / floor:.2f}x)", kernel, tile],
-                      widths), flush=True)  # fmt: skip
+                chosen = default_config(m, lin.rows, lin.k)
+                for cfg in dict.fromkeys([*(GEMV_SWEEP if m <= 4 else []), *DOT_SWEEP, chosen]):
+                    times[cfg] = per_launch_us(lambda w, x=x, cfg=cfg: skinny_linear(x, w, config=cfg), weights)
+                    step_us[m][cfg] += times[cfg] * lin.per_step
+                default_step[m] += times[chosen] * lin.per_step
+            cells = ["-", "-", "-"]
+            if times:
+                best = min(times, key=times.get)
+                cells = [f"{t:.1f} ({t / floor:.2f}x)" for t in (times[chosen], times[best])] + [_tile(best)]
+            print(row([lin.name, str(m), f"{floor:.1f}", f"{cublas:.1f} ({cublas / floor:.2f}x)", *cells], widths),
+                  flush=True)  # fmt: skip
         del weights
         torch.cuda.empty_cache()
     print("\n# per M: the tile with the least summed time over one step's plain products (every linear x launches)")
@@ -158,9 +160,8 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
             print(f"# M={m}: cuBLAS {cublas_step[m]:.0f} us per step (beyond MAX_ROWS)")
             continue
         cfg, us = min(step_us[m].items(), key=lambda kv: kv[1])
-        chosen = step_us[m].get(default_config(m, 4096, 4096), float("nan"))
-        print(f"# M={m}: best tile {_tile(cfg)} {us:.0f} us per step; default_config {chosen:.0f} us; "
-              f"cuBLAS {cublas_step[m]:.0f} us", flush=True)  # fmt: skip
+        print(f"# M={m}: best single tile {_tile(cfg)} {us:.0f} us per step; default_config (per shape) "
+              f"{default_step[m]:.0f} us; cuBLAS {cublas_step[m]:.0f} us", flush=True)  # fmt: skip
 
 
 def _tile(cfg: SkinnyConfig) -> str:

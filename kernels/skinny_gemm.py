@@ -54,12 +54,16 @@ def preferred(m: int, n: int) -> bool:
 
 
 def default_config(m: int, n: int, k: int) -> SkinnyConfig:
-    """Best measured on an H200 (bench/bench_gemm.py over the Small-L6 proxy's decode linears, bf16): one row, the
-    GEMV tile with the least time over a step's linears; more rows, the tensor-core tile best on wide N (the
-    lm_head, the dense gate+up) and, narrower, the one with the least time over a step's linears."""
+    """Best measured on an H200 for ``m`` rows against ``n`` weight rows (bench/bench_gemm.py over the Small-L6
+    proxy's decode linears, bf16): one row, the GEMV tile best on the wide weights (the lm_head, the dense
+    gate+up) or else the one with the least time over a step's other linears; more rows, the tensor-core tile best
+    on wide weights or else the one with the least time over a step's linears."""
+    wide = n >= 32768
+    if m == 1 and wide:
+        return SkinnyConfig(dot=False, block_n=16, block_k=256, num_warps=4)
     if m == 1:
         return SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8)
-    if n >= 32768:
+    if wide:
         return SkinnyConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3)
     return SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3)
 
@@ -179,9 +183,8 @@ def skinny_swiglu(
     (m, k), groups = x.shape, w13.shape[0] // (2 * width)
     if gammas is not None and (gammas.shape != (m, groups) or gammas.dtype != torch.float32 or gammas.stride(-1) != 1):
         raise ValueError(f"gammas must be fp32 [M, G] = [{m}, {groups}], got {gammas.dtype} {tuple(gammas.shape)}")
-    n = groups * width
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    return _launch(x, w13, out, config or default_config(m, n, k), width=width, gammas=gammas)
+    out = torch.empty((m, groups * width), dtype=x.dtype, device=x.device)
+    return _launch(x, w13, out, config or default_config(m, w13.shape[0], k), width=width, gammas=gammas)
 
 
 def skinny_linear_reference(
