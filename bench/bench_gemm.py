@@ -48,6 +48,7 @@ GEMV_SWEEP = [  # M <= 4; the bytes in flight per program are block_n * block_k 
     SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8),
     SkinnyConfig(dot=False, block_n=16, block_k=256, num_warps=4),
     SkinnyConfig(dot=False, block_n=16, block_k=512, num_warps=8),
+    SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8, split_k=2),
 ]
 DOT_SWEEP = [  # every M
     SkinnyConfig(dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4),
@@ -56,6 +57,9 @@ DOT_SWEEP = [  # every M
     SkinnyConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4),
     SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3),
     SkinnyConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3),
+    SkinnyConfig(dot=True, block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=4),
+    SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4),
+    SkinnyConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=8),
 ]
 
 
@@ -128,7 +132,7 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
     widths = [11, 3, 9, 16, 16, 16, 50]
     print("\n## part 1: tiles of the plain product x @ W^T (us; x floor)")
     print(row(["linear", "M", "floor us", "cuBLAS", "default tile", "best kernel",
-               "best tile (dot, block_n, block_k, warps, stages)"], widths))  # fmt: skip
+               "best tile (dot, block_n, block_k, warps, stages, split)"], widths))  # fmt: skip
     step_us: dict[int, dict[SkinnyConfig, float]] = {m: defaultdict(float) for m in rows}
     cublas_step: dict[int, float] = defaultdict(float)
     default_step: dict[int, float] = defaultdict(float)
@@ -165,7 +169,8 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
 
 
 def _tile(cfg: SkinnyConfig) -> str:
-    return f"({'dot' if cfg.dot else 'gemv'}, {cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages})"
+    kind = "dot" if cfg.dot else "gemv"
+    return f"({kind}, {cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages}, split {cfg.split_k})"
 
 
 def model_ops(lins: list[Linear], rows: list[int], ceil) -> None:

@@ -32,13 +32,15 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class SkinnyConfig:
     """Tiles of one launch: ``dot`` runs on the tensor cores (x padded to 16 rows, ``block_n``, ``block_k`` >= 16),
-    otherwise the GEMV over ``next_pow2(M)`` rows (at most 4) per program."""
+    otherwise the GEMV over ``next_pow2(M)`` rows (at most 4) per program; ``split_k`` > 1 spreads K over that many
+    programs per tile."""
 
     dot: bool
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1  # K splits per output tile, summed by the last split to finish (no reduce launch)
 
 
 _GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator column per row of x: beyond this, the tensor cores
@@ -85,6 +87,18 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"x has {x.shape[0]} rows: this kernel takes at most MAX_ROWS={MAX_ROWS} (use cuBLAS)")
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K arrival counters of ``device`` (int32, zero between launches: the last split re-arms its tile's),
+    at least ``tiles`` of them. Shared by the launches of one stream, which run one after another."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return counters
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -106,7 +120,15 @@ def _launch(
     if config.dot and min(config.block_n, config.block_k) < 16:
         raise ValueError(f"tensor-core tiles need block_n and block_k >= 16, got {config}")
     block_m = _DOT_ROWS if config.dot else min(_next_pow2(m), _GEMV_MAX_ROWS)
-    grid = (-(-n // config.block_n), -(-m // block_m))
+    k_blocks = -(-k // config.block_k)
+    chunk = max(1, -(-k_blocks // max(1, min(config.split_k, k_blocks)))) * config.block_k  # whole blocks
+    split = max(1, -(-k // chunk))  # K per split `chunk`, no split empty
+    grid = (-(-n // config.block_n), -(-m // block_m), split)
+    tiles = grid[0] * grid[1]
+    partial = counter = out
+    if split > 1:
+        partial = torch.empty(tiles * split * (2 if width else 1) * config.block_n * block_m, device=x.device)
+        counter = _counters(x.device, tiles)
     tk.skinny_gemm_kernel[grid](
         x,
         weight,
@@ -114,10 +136,13 @@ def _launch(
         scale if scale is not None else out,
         residual if residual is not None else out,
         gammas if gammas is not None else out,
+        partial,
+        counter,
         m,
         n,
         k,
         width,
+        chunk,
         float(divisor or 1.0),
         x.stride(0),
         weight.stride(0),
@@ -127,9 +152,10 @@ def _launch(
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        SPLIT_K=split,
         USE_DOT=config.dot,
         DOT_IEEE=x.dtype == torch.float32,
-        EVEN_K=k % config.block_k == 0,
+        EVEN_K=k % config.block_k == 0,  # then every split's K range is whole blocks too
         SWIGLU=width > 0,
         HAS_GAMMA=gammas is not None,
         HAS_SCALE=scale is not None,
