@@ -152,3 +152,24 @@ def test_skinny_swiglu_gpu_bf16(cuda_device, m, groups, width):
     gammas = torch.rand(m, groups, generator=gen, device=cuda_device) + 0.5 if groups > 1 else None
     out = skinny_swiglu(x, w13, width, gammas=gammas)
     assert_rounded_close(out, skinny_swiglu_reference(x, w13, width, gammas=gammas))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m,config",
+    [
+        (1, SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8, split_k=2)),
+        (8, SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4)),
+    ],
+)
+def test_split_k_gpu_bf16(cuda_device, m, config):
+    """The split-K hand-off on the GPU (counters, parked partials): same bits on every call, the reference's
+    values, for the plain product and the SwiGLU with gammas."""
+    gen = torch.Generator(cuda_device).manual_seed(m)
+    x, weight = operands(m, 4096, 4096, torch.bfloat16, gen)
+    outs = [skinny_linear(x, weight, config=config) for _ in range(3)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert_rounded_close(outs[0], skinny_linear_reference(x, weight))
+    gammas = torch.rand(m, 2, generator=gen, device=cuda_device) + 0.5
+    out = skinny_swiglu(x, weight, 1024, gammas=gammas, config=config)
+    assert_rounded_close(out, skinny_swiglu_reference(x, weight, 1024, gammas=gammas))
