@@ -1,11 +1,14 @@
 """The decoder's Triton op bundle (`TritonOps`), and which bundle a model is built with (`resolve_ops`).
 
-`TritonOps` is `Ops` with the hot ops on the kernels of `kernels/`: `rms_norm`, `route` (the MoE gate in two
-launches), the routed experts (`nvfp4_moe` on the packed weights as loaded, or `bf16_moe`, tiles shrunk to divide
-H and I; layers whose widths no tile divides keep the reference, decided when the layer is built), the shared
-experts as two GEMMs over the stacked experts, and `attention_kernels`, which gives the attention backends their
-kernels (`packed.py`: prefill / one-token-per-sequence attention over each `LayerCache`'s visible keys;
-`paged.py`: the decode step over the engine's pools, which the engine captures in CUDA graphs).
+`TritonOps` is `Ops` with the hot ops on the kernels of `kernels/`: the dense linears where `skinny_gemm` beats
+cuBLAS (`skinny_gemm.preferred`: one row, or the lm_head up to 16 rows), i.e. the projections, the dense MLP and
+the shared experts with their SwiGLU, scale, gammas and the add of the routed experts in the epilogue, and the
+lm_head with its muP division and fp32 logits; `rms_norm`, `route` (the MoE gate in two launches), the routed
+experts (`nvfp4_moe` on the packed weights as loaded, or `bf16_moe`, tiles shrunk to divide H and I; layers whose
+widths no tile divides keep the reference, decided when the layer is built), the shared experts as two GEMMs over
+the stacked experts, and `attention_kernels`, which gives the attention backends their kernels (`packed.py`:
+prefill / one-token-per-sequence attention over each `LayerCache`'s visible keys; `paged.py`: the decode step
+over the engine's pools, which the engine captures in CUDA graphs).
 
 `resolve_ops` maps a name to a bundle once, at build: "auto" (the default) takes the kernels for a CUDA device when
 Triton is installed, "reference" never does (benchmarks and parity checks on the GPU), "fast" always does (CPU
@@ -67,6 +70,21 @@ def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False):
     return MoeConfig(**{**base.__dict__, **tiles, "split_k13": split_k13})
 
 
+def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `x @ weight^T` takes the skinny-GEMM kernel: rows and weight rows where it beat cuBLAS
+    (`skinny_gemm.preferred`), one float dtype, unit last strides."""
+    from kernels.skinny_gemm import preferred
+
+    return (
+        x.dim() == 2
+        and preferred(x.shape[0], weight.shape[0])
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
 def _bf16_moe(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
@@ -100,6 +118,35 @@ class TritonOps(Ops):
         rows = x.reshape(-1, x.shape[-1])  # [N, C], a view for contiguous rows (and for T = 1 of a projection)
         return rms_norm(rows, weight, eps).view(x.shape)
 
+    def linear(self, x, weight, scale=None, residual=None):
+        """One launch for decode rows (`skinny_linear`, scale and residual fused); cuBLAS for more rows."""
+        from kernels.skinny_gemm import skinny_linear
+
+        fits = _skinny(x, weight) and (scale is None or (scale.numel() == 1 and scale.dtype == x.dtype))
+        if fits and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
+            return skinny_linear(x, weight, scale=scale, residual=residual)
+        return super().linear(x, weight, scale, residual)
+
+    def swiglu(
+        self, x: torch.Tensor, w13: torch.Tensor, width: int, gammas: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One launch for decode rows (`skinny_swiglu`: both products and the SwiGLU); cuBLAS + elementwise for
+        more rows."""
+        from kernels.skinny_gemm import skinny_swiglu
+
+        if _skinny(x, w13) and (gammas is None or gammas.dtype == torch.float32):
+            return skinny_swiglu(x, w13, width, gammas=gammas)
+        return super().swiglu(x, w13, width, gammas)
+
+    def logits(self, hidden, weight, divisor, tp, vocab):
+        """One launch for decode rows on one rank (`skinny_linear` over the unpadded vocabulary rows, the division
+        fused, the rounded logits stored as fp32); the reference otherwise."""
+        from kernels.skinny_gemm import skinny_linear
+
+        if tp.size == 1 and _skinny(hidden, weight):
+            return skinny_linear(hidden, weight[:vocab], divisor=divisor, out_dtype=torch.float32)
+        return super().logits(hidden, weight, divisor, tp, vocab)
+
     def route(self, x, weight, bias, top_k, route_scale, global_scale):
         """Two launches: fp32 logits GEMV, then sigmoid/top-k/sink renorm/scales."""
         from kernels.router import route
@@ -115,9 +162,7 @@ class TritonOps(Ops):
     def nvfp4_experts(self, hidden: int, width: int) -> RoutedExperts:
         return _nvfp4_moe if self.moe_kernels(hidden, width) else super().nvfp4_experts(hidden, width)
 
-    def shared_experts(
-        self, x: torch.Tensor, gammas: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
-    ) -> torch.Tensor:
+    def shared_experts(self, x, gammas, w13, w2, routed=None):
         """Two GEMMs: every expert's [gate; up] rows stacked along N, then the gamma-scaled activations against the
         down weights concatenated along K, whose reduction sums the experts (in fp32). Needs w2 `[S, H, I]` stored
         as `[H, S, I]` (what `SharedExperts` and `InklingDecoder.from_weights` keep)."""
@@ -126,10 +171,14 @@ class TritonOps(Ops):
                              f"{w2.stride()} for shape {tuple(w2.shape)}")  # fmt: skip
         t, h = x.shape
         s, i = gammas.shape[1], w2.shape[-1]
+        w2 = w2.permute(1, 0, 2).reshape(h, s * i)  # [H, S*I], a view
+        if _skinny(x, w13):  # decode rows: the SwiGLU with the gammas, and the add of `routed`, in the epilogues
+            act = self.swiglu(x, w13.view(s * 2 * i, h), i, gammas.float())  # [T, S*I]
+            return self.linear(act, w2, residual=routed)
         gate_up = (x @ w13.view(s * 2 * i, h).T).view(t, s, 2, i)  # [T, S, 2, I]
         act = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * gammas.to(x.dtype)[:, :, None]  # [T, S, I]
-        w2 = w2.permute(1, 0, 2).reshape(h, s * i)  # [H, S*I], a view
-        return act.reshape(t, s * i) @ w2.T
+        shared = act.reshape(t, s * i) @ w2.T
+        return shared if routed is None else routed + shared
 
 
 FAST = TritonOps()

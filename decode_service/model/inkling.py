@@ -133,8 +133,8 @@ class InklingDecoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, H]` final-normed rows -> fp32 logits `[N, unpadded_vocab]`."""
-        z = hidden / self.config.mup_multiplier  # a true division (spec 9.8)
-        return self.tp.gather_vocab(self.unembed(z))[:, : self.config.unpadded_vocab_size].float()
+        config = self.config
+        return self.ops.logits(hidden, self.unembed.weight, config.mup_multiplier, self.tp, config.unpadded_vocab_size)
 
 
 def stack_attention_projections(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

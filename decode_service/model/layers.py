@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.config import TextConfig
@@ -32,6 +31,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Linear):
+    """`y = x W^T` (no bias) on the op bundle (`Ops.linear`); the weight is an `nn.Linear`'s."""
+
+    def __init__(self, in_features: int, out_features: int, ops: Ops = REFERENCE):
+        super().__init__(in_features, out_features, bias=False)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight)
 
 
 class ShortConv(nn.Module):
@@ -85,8 +95,8 @@ class Attention(nn.Module):
         self.log_scaling = (config.log_scaling_n_floor, config.log_scaling_alpha) if geo.log_scaling else None
         # q, k, v and r projections (wq_du, wk_dv, wv_dv, wr_du of the checkpoint) as one stack of rows
         self.widths = (geo.q_width, geo.kv_width, geo.kv_width, geo.num_heads * config.d_rel)
-        self.qkvr = nn.Linear(h, sum(self.widths), bias=False)
-        self.wo_ud = nn.Linear(geo.q_width, h, bias=False)
+        self.qkvr = Linear(h, sum(self.widths), ops)
+        self.wo_ud = Linear(geo.q_width, h, ops)
         self.k_sconv = ShortConv(geo.kv_width, config.conv_kernel_size, layer, K_CONV)
         self.v_sconv = ShortConv(geo.kv_width, config.conv_kernel_size, layer, V_CONV)
         self.q_norm = RMSNorm(d, config.rms_norm_eps, ops)
@@ -151,16 +161,17 @@ class Attention(nn.Module):
 class DenseMLP(nn.Module):
     """`global_scale * W2 (silu(Wg x) * (Wu x))`; `w13_dn` holds [gate; up] rows (de-interleaved at load)."""
 
-    def __init__(self, hidden: int, width: int):
+    def __init__(self, hidden: int, width: int, ops: Ops = REFERENCE):
         super().__init__()
         self.width = width
         self.w13_dn = nn.Linear(hidden, 2 * width, bias=False)
         self.w2_md = nn.Linear(width, hidden, bias=False)
         self.global_scale = nn.Parameter(torch.ones(1))
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13_dn(x).split(self.width, dim=-1)  # [T, I] x2
-        return self.w2_md(F.silu(gate) * up) * self.global_scale
+        act = self.ops.swiglu(x, self.w13_dn.weight, self.width)  # silu(Wg x) * (Wu x)  [T, I]
+        return self.ops.linear(act, self.w2_md.weight, scale=self.global_scale)  # [T, H]
 
 
 class Router(nn.Module):
@@ -229,9 +240,9 @@ class SharedExperts(nn.Module):
         self.shared_w2_weight = nn.Parameter(torch.zeros(h, s, i).permute(1, 0, 2))  # [S, H, I]
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
-        """x `[T, H]`, gammas `[T, S]` -> `[T, H]`."""
-        return self.ops.shared_experts(x, gammas, self.shared_w13_weight, self.shared_w2_weight)
+    def forward(self, x: torch.Tensor, gammas: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[T, H]`, gammas `[T, S]` -> `[T, H]` (`routed + ` it when given: the fast ops fuse the add)."""
+        return self.ops.shared_experts(x, gammas, self.shared_w13_weight, self.shared_w2_weight, routed)
 
 
 class MoE(nn.Module):
@@ -245,7 +256,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights, gammas = self.gate(x)  # [T, k], [T, k], [T, S]
         ids, weights = self.tp.local_routes(ids, weights)  # expert parallel: other ranks' experts masked
-        return self.experts(x, ids, weights) + self.shared_experts(x, gammas)
+        return self.shared_experts(x, gammas, routed=self.experts(x, ids, weights))  # routed + shared
 
 
 class DecoderLayer(nn.Module):
@@ -261,7 +272,7 @@ class DecoderLayer(nn.Module):
         self.attn_sconv = ShortConv(h, k, layer, ATTN_CONV)
         self.mlp_norm = RMSNorm(h, config.rms_norm_eps, ops)
         if config.dense_layers[layer]:
-            self.mlp = DenseMLP(h, config.dense_intermediate_size)
+            self.mlp = DenseMLP(h, config.dense_intermediate_size, ops)
         else:
             self.mlp = MoE(config, ops, nvfp4, tp)
         self.mlp_sconv = ShortConv(h, k, layer, MLP_CONV)

@@ -12,6 +12,7 @@ Attention and the short convs run through an attention backend instead (`backend
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,10 @@ from common.nvfp4 import dequant_nvfp4
 from kernels.moe import MASKED_ROUTE
 from kernels.rms_norm import rms_norm_reference
 from kernels.router import route_reference
+from kernels.skinny_gemm import skinny_linear_reference, skinny_swiglu_reference
+
+if TYPE_CHECKING:
+    from decode_service.model.collectives import TPGroup
 
 # x [T, H], ids [T, k], weights [T, k], then the expert stacks -> [T, H] in x's dtype; a route of id MASKED_ROUTE
 # (expert parallelism: another rank's expert) reaches no expert and adds nothing
@@ -35,6 +40,32 @@ class Ops:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`w * round(x * rsqrt(mean(x^2) + eps))` over the last axis: normalise in fp32, round to x's dtype."""
         return rms_norm_reference(x, weight, eps)
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x `[T, K]`, weight `[N, K]` -> `x W^T` `[T, N]` in x's dtype, times the one-element `scale`, then
+        `residual + ` that, if given."""
+        return skinny_linear_reference(x, weight, scale=scale, residual=residual)
+
+    def swiglu(
+        self, x: torch.Tensor, w13: torch.Tensor, width: int, gammas: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x `[T, K]`, w13 `[G*2I, K]` (G groups of [gate; up] rows, I = width) -> `silu(gate) * up` `[T, G*I]`,
+        group g times `gammas[:, g]` (fp32 `[T, G]`, rounded to x's dtype) if given."""
+        return skinny_swiglu_reference(x, w13, width, gammas=gammas)
+
+    def logits(
+        self, hidden: torch.Tensor, weight: torch.Tensor, divisor: float, tp: TPGroup, vocab: int
+    ) -> torch.Tensor:
+        """`[N, H]` final-normed rows, the (vocab-parallel) unembedding `[V/n, H]` -> fp32 logits `[N, vocab]`:
+        the muP division (a true division, spec 9.8), the product gathered over `tp`, padded columns dropped."""
+        z = hidden / divisor
+        return tp.gather_vocab(F.linear(z, weight))[:, :vocab].float()
 
     def route(
         self,
@@ -62,14 +93,20 @@ class Ops:
         return nvfp4_experts_reference
 
     def shared_experts(
-        self, x: torch.Tensor, gammas: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+        self,
+        x: torch.Tensor,
+        gammas: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        routed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x `[T, H]`, gammas `[T, S]`, w13 `[S, 2I, H]`, w2 `[S, H, I]` -> `[T, H]`: the S SwiGLU experts weighted
-        by their gammas, summed in fp32 (spec 5.3)."""
+        by their gammas, summed in fp32 (spec 5.3); `routed + ` that when the routed experts' output is given."""
         width = w2.shape[-1]
         gate, up = (x[None] @ w13.transpose(1, 2)).split(width, dim=-1)  # [S, T, I] x2
         act = F.silu(gate) * up * gammas.to(x.dtype).T[:, :, None]
-        return (act @ w2.transpose(1, 2)).float().sum(0).to(x.dtype)  # [T, H]
+        shared = (act @ w2.transpose(1, 2)).float().sum(0).to(x.dtype)  # [T, H]
+        return shared if routed is None else routed + shared
 
 
 def _experts_loop(

@@ -15,10 +15,13 @@ from common.config import parse_model_config
 from common.nvfp4 import pack_nvfp4
 from decode_service.model import packed
 from decode_service.model.batch import ForwardBatch, SequenceSlice
+from decode_service.model.collectives import SINGLE
 from decode_service.model.fast_path import FAST, resolve_ops, supports_batched_decode
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.layers import Bf16Experts, NVFP4Experts, SharedExperts
 from decode_service.model.ops import REFERENCE, bf16_experts_reference, nvfp4_experts_reference
+from kernels import skinny_gemm
+from kernels.skinny_gemm import MAX_ROWS
 
 # Window 8 and rel_extent 12 below the decoded lengths, tau active (n_floor 6), d_rel 4 (zero-padded to 16 for the
 # kernel), bf16 experts in layer 1 and NVFP4 experts in layers 2-3, layer 3 global.
@@ -176,7 +179,7 @@ def test_packed_attention_picks_its_kernel_per_batch(monkeypatch):
     assert attend(False, 0, [(0, 1), (0, 1)]) == "torch"
 
 
-def test_linearised_shared_experts_match_the_per_expert_sum():
+def test_linearised_shared_experts_match_the_per_expert_sum(cpu_interpreter):
     """Two shared experts, down weights stored K-concatenated as `SharedExperts` keeps them: one GEMM each way."""
     config = parse_model_config({**TINY, "n_shared_experts": 2}).text
     shared = SharedExperts(config)
@@ -190,8 +193,45 @@ def test_linearised_shared_experts_match_the_per_expert_sum():
     ref = REFERENCE.shared_experts(x, gammas, w13, w2)
     assert rel_err(FAST.shared_experts(x, gammas, w13, w2), ref) < 1e-6
     assert torch.equal(shared(x, gammas), ref)
+    routed = torch.randn(5, 64, generator=gen)  # the routed experts' output: added in the down GEMM's epilogue
+    assert torch.equal(REFERENCE.shared_experts(x, gammas, w13, w2, routed), routed + ref)
+    assert rel_err(FAST.shared_experts(x, gammas, w13, w2, routed), routed + ref) < 1e-6
     with pytest.raises(ValueError, match="shared_w2_weight"):
         FAST.shared_experts(x, gammas, w13, w2.contiguous())  # [S, H, I] storage: not the linearised layout
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_dense_ops_take_the_skinny_kernel_where_it_beats_cublas(cpu_interpreter, monkeypatch, rows):
+    """Where `skinny_gemm.preferred` says so (one row here: the tiny weights are narrow) the linears, the SwiGLU
+    (gammas fused) and the lm_head run `kernels.skinny_gemm`; elsewhere the reference ops (cuBLAS on a GPU), bit
+    for bit."""
+    calls = []
+    for name in ("skinny_linear", "skinny_swiglu"):
+        kernel = getattr(skinny_gemm, name)
+        monkeypatch.setattr(skinny_gemm, name, lambda *a, kernel=kernel, **kw: calls.append(1) or kernel(*a, **kw))
+    gen = torch.Generator().manual_seed(rows)
+    x, w13, w2 = torch.randn(rows, 64, generator=gen), torch.randn(96, 64, generator=gen) / 8, torch.randn(40, 48)
+    gammas, scale, residual = torch.rand(rows, 2, generator=gen), torch.tensor([1.5]), torch.randn(rows, 96)
+    pairs = [
+        (FAST.linear(x, w13), REFERENCE.linear(x, w13)),
+        (FAST.swiglu(x, w13, 24, gammas), REFERENCE.swiglu(x, w13, 24, gammas)),
+        (FAST.linear(x[:, :48], w2, scale), REFERENCE.linear(x[:, :48], w2, scale)),
+        (FAST.linear(x, w13, residual=residual), REFERENCE.linear(x, w13, residual=residual)),
+        (FAST.logits(x, w13, 16.0, SINGLE, 90), REFERENCE.logits(x, w13, 16.0, SINGLE, 90)),
+    ]
+    kernel = skinny_gemm.preferred(rows, 96)
+    assert kernel == (rows == 1)
+    for fast, ref in pairs:
+        assert fast.dtype == ref.dtype and fast.shape == ref.shape
+        assert rel_err(fast, ref) < 1e-6 if kernel else torch.equal(fast, ref)
+    assert len(calls) == (len(pairs) if kernel else 0)
+
+
+def test_skinny_kernel_crossover():
+    """The measured crossover: one row always, 2-16 rows only on the lm_head's width, cuBLAS beyond 16 rows."""
+    assert skinny_gemm.preferred(1, 4096) and skinny_gemm.preferred(1, 200058)
+    assert skinny_gemm.preferred(8, 200058) and not skinny_gemm.preferred(8, 32768)
+    assert not skinny_gemm.preferred(MAX_ROWS + 1, 200058)
 
 
 def test_fast_path_matches_reference_in_the_interpreter(cpu_interpreter):

@@ -1,0 +1,236 @@
+"""The decode step's dense linears at M = 1..64 rows: cuBLAS against `kernels.skinny_gemm`, next to the byte floor.
+
+Shapes are the Small-L6 proxy's (`bench.proxy`, exact Inkling-Small layers): per decoder layer the stacked q/k/v/r
+projection and the output projection, the dense MLP's gate+up and down (layers 0-1), the two shared experts'
+stacked gate+up and K-concatenated down (MoE layers), and once per step the lm_head over the unpadded vocabulary.
+Floor = (weight bytes once + x + y) / the copy bandwidth measured in the same run (`bench.floors`).
+
+Timing: CUDA graphs replaying the op over rotating copies of the weight (at least 4x the 50 MB L2 in all, as the
+next layer's weights are never L2-resident in a real step), median per launch. Part 1 sweeps the kernel's tiles
+on the plain product `x @ W^T` of every shape and prints, per M, each shape's best tile and the tile with the
+least summed time over one step's launches (what `default_config` should hold). Part 2 times the ops the model
+calls (`TritonOps`: SwiGLU epilogues, the dense down's global scale, the shared down's add of the routed experts,
+the lm_head's muP division and fp32 logits) at `default_config` against the torch reference ops they replace
+(cuBLAS plus the elementwise launches), and checks them against that reference.
+
+    python3 -m bench.bench_gemm [--rows 1 2 4 8 16 64] [--skip-sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from bench.floors import measure_ceilings, row, time_graph_ms
+from bench.proxy import proxy_config
+from common.config import TextConfig
+from kernels.skinny_gemm import (
+    MAX_ROWS,
+    SkinnyConfig,
+    default_config,
+    preferred,
+    skinny_linear,
+    skinny_linear_reference,
+    skinny_swiglu,
+    skinny_swiglu_reference,
+)
+
+_L2_BYTES = 50 << 20
+GEMV_SWEEP = [  # M <= 4; the bytes in flight per program are block_n * block_k * 2
+    SkinnyConfig(dot=False, block_n=4, block_k=512, num_warps=4),
+    SkinnyConfig(dot=False, block_n=8, block_k=512, num_warps=4),
+    SkinnyConfig(dot=False, block_n=4, block_k=1024, num_warps=4),
+    SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8),
+    SkinnyConfig(dot=False, block_n=16, block_k=256, num_warps=4),
+    SkinnyConfig(dot=False, block_n=16, block_k=512, num_warps=8),
+    SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8, split_k=2),
+]
+DOT_SWEEP = [  # every M
+    SkinnyConfig(dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4),
+    SkinnyConfig(dot=True, block_n=16, block_k=512, num_warps=4, num_stages=3),
+    SkinnyConfig(dot=True, block_n=32, block_k=256, num_warps=4, num_stages=4),
+    SkinnyConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4),
+    SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3),
+    SkinnyConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3),
+    SkinnyConfig(dot=True, block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=4),
+    SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4),
+    SkinnyConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=8),
+]
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One decode linear: W ``[rows, k]`` (``n`` output columns; a SwiGLU's are half its rows), launches per step."""
+
+    name: str
+    rows: int
+    k: int
+    per_step: int
+    width: int = 0  # SwiGLU: I, with rows = G * 2I
+    groups: int = 1
+    scale: bool = False  # DenseMLP's global_scale
+    residual: bool = False  # the routed experts' output, added to the shared experts'
+    lm_head: float | None = None  # muP divisor; fp32 logits
+
+    @property
+    def n(self) -> int:
+        return self.rows // 2 if self.width else self.rows
+
+    def bytes(self, m: int, elem: int = 2) -> int:
+        out = 4 if self.lm_head else elem
+        return self.rows * self.k * elem + m * self.k * elem + m * self.n * out
+
+
+def decode_linears(config: TextConfig) -> list[Linear]:
+    """The dense linears one decode step runs, with how often (layers of equal shapes counted together)."""
+    h, counts = config.hidden_size, defaultdict(int)
+    for layer in range(config.num_layers):
+        geo = config.layer_geometry(layer)
+        counts[("qkvr", geo.q_width + 2 * geo.kv_width + geo.num_heads * config.d_rel, h)] += 1
+        counts[("wo_ud", h, geo.q_width)] += 1
+        if config.dense_layers[layer]:
+            counts[("dense_w13", 2 * config.dense_intermediate_size, h)] += 1
+            counts[("dense_w2", h, config.dense_intermediate_size)] += 1
+        else:
+            counts[("shared_w13", config.n_shared_experts * 2 * config.moe_intermediate_size, h)] += 1
+            counts[("shared_w2", h, config.n_shared_experts * config.moe_intermediate_size)] += 1
+    out = []
+    for (name, rows, k), n in counts.items():
+        if name == "dense_w13":
+            out.append(Linear(name, rows, k, n, width=config.dense_intermediate_size))
+        elif name == "shared_w13":
+            width = config.moe_intermediate_size
+            out.append(Linear(name, rows, k, n, width=width, groups=config.n_shared_experts))
+        else:
+            out.append(Linear(name, rows, k, n, scale=name == "dense_w2", residual=name == "shared_w2"))
+    out.append(Linear("lm_head", config.unpadded_vocab_size, h, 1, lm_head=config.mup_multiplier))
+    return out
+
+
+def weight_copies(lin: Linear, dtype: torch.dtype) -> list[torch.Tensor]:
+    copies = max(1, math.ceil(4 * _L2_BYTES / (lin.rows * lin.k * 2)))
+    return [torch.randn(lin.rows, lin.k, device="cuda").mul_(lin.k**-0.5).to(dtype) for _ in range(copies)]
+
+
+def per_launch_us(op, weights: list[torch.Tensor], reps: int = 3) -> float:
+    """Median us of one op launch inside a CUDA graph cycling through `weights` (`reps` rounds per replay)."""
+
+    def cycle():
+        for _ in range(reps):
+            for w in weights:
+                op(w)
+
+    return time_graph_ms(cycle, reps=10) * 1e3 / (reps * len(weights))
+
+
+def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
+    widths = [11, 3, 9, 16, 16, 16, 50]
+    print("\n## part 1: tiles of the plain product x @ W^T (us; x floor)")
+    print(row(["linear", "M", "floor us", "cuBLAS", "default tile", "best kernel",
+               "best tile (dot, block_n, block_k, warps, stages, split)"], widths))  # fmt: skip
+    step_us: dict[int, dict[SkinnyConfig, float]] = {m: defaultdict(float) for m in rows}
+    cublas_step: dict[int, float] = defaultdict(float)
+    default_step: dict[int, float] = defaultdict(float)
+    for lin in lins:
+        weights = weight_copies(lin, torch.bfloat16)
+        for m in rows:
+            x = torch.randn(m, lin.k, device="cuda").to(torch.bfloat16)
+            floor = ceil.floor_us(lin.rows * lin.k * 2 + m * (lin.k + lin.rows) * 2)
+            cublas = per_launch_us(lambda w, x=x: torch.nn.functional.linear(x, w), weights)
+            cublas_step[m] += cublas * lin.per_step
+            times: dict[SkinnyConfig, float] = {}
+            if m <= MAX_ROWS:
+                chosen = default_config(m, lin.rows, lin.k)
+                for cfg in dict.fromkeys([*(GEMV_SWEEP if m <= 4 else []), *DOT_SWEEP, chosen]):
+                    times[cfg] = per_launch_us(lambda w, x=x, cfg=cfg: skinny_linear(x, w, config=cfg), weights)
+                    step_us[m][cfg] += times[cfg] * lin.per_step
+                default_step[m] += times[chosen] * lin.per_step
+            cells = ["-", "-", "-"]
+            if times:
+                best = min(times, key=times.get)
+                cells = [f"{t:.1f} ({t / floor:.2f}x)" for t in (times[chosen], times[best])] + [_tile(best)]
+            print(row([lin.name, str(m), f"{floor:.1f}", f"{cublas:.1f} ({cublas / floor:.2f}x)", *cells], widths),
+                  flush=True)  # fmt: skip
+        del weights
+        torch.cuda.empty_cache()
+    print("\n# per M: the tile with the least summed time over one step's plain products (every linear x launches)")
+    for m in rows:
+        if not step_us[m]:
+            print(f"# M={m}: cuBLAS {cublas_step[m]:.0f} us per step (beyond MAX_ROWS)")
+            continue
+        cfg, us = min(step_us[m].items(), key=lambda kv: kv[1])
+        print(f"# M={m}: best single tile {_tile(cfg)} {us:.0f} us per step; default_config (per shape) "
+              f"{default_step[m]:.0f} us; cuBLAS {cublas_step[m]:.0f} us", flush=True)  # fmt: skip
+
+
+def _tile(cfg: SkinnyConfig) -> str:
+    kind = "dot" if cfg.dot else "gemv"
+    return f"({kind}, {cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages}, split {cfg.split_k})"
+
+
+def model_ops(lins: list[Linear], rows: list[int], ceil) -> None:
+    """The fused ops at default tiles against the reference ops they replace; the fast path runs the kernel where
+    `preferred` says so, the reference elsewhere."""
+    widths = [11, 3, 9, 16, 16, 9, 6]
+    print("\n## part 2: the model's ops at default_config vs the torch reference ops (cuBLAS + elementwise)")
+    print(row(["linear", "M", "floor us", "reference", "kernel", "rel err", "fast"], widths))
+    totals: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for lin in lins:
+        weights = weight_copies(lin, torch.bfloat16)
+        for m in (r for r in rows if r <= MAX_ROWS):
+            x = torch.randn(m, lin.k, device="cuda").to(torch.bfloat16)
+            kwargs: dict = {}
+            if lin.width and lin.groups > 1:
+                kwargs["gammas"] = torch.rand(m, lin.groups, device="cuda") + 0.5
+            if lin.scale:
+                kwargs["scale"] = torch.tensor([1.25], dtype=torch.bfloat16, device="cuda")
+            if lin.residual:
+                kwargs["residual"] = torch.randn(m, lin.n, device="cuda").to(torch.bfloat16)
+            if lin.lm_head:
+                kwargs |= {"divisor": lin.lm_head, "out_dtype": torch.float32}
+            if lin.width:
+                kernel = partial(skinny_swiglu, x, width=lin.width, **kwargs)
+                reference = partial(skinny_swiglu_reference, x, width=lin.width, **kwargs)
+            else:
+                kernel = partial(skinny_linear, x, **kwargs)
+                reference = partial(skinny_linear_reference, x, **kwargs)
+            got, want = kernel(weights[0]).float(), reference(weights[0]).float()
+            err = ((got - want).norm() / want.norm()).item()
+            floor = ceil.floor_us(lin.bytes(m))
+            ref_us, us = per_launch_us(reference, weights), per_launch_us(kernel, weights)
+            fast = preferred(m, lin.rows)
+            totals[m][0] += ref_us * lin.per_step
+            totals[m][1] += (us if fast else ref_us) * lin.per_step
+            print(row([lin.name, str(m), f"{floor:.1f}", f"{ref_us:.1f} ({ref_us / floor:.2f}x)",
+                       f"{us:.1f} ({us / floor:.2f}x)", f"{err:.1e}", "kernel" if fast else "cuBLAS"],
+                      widths), flush=True)  # fmt: skip
+        del weights
+        torch.cuda.empty_cache()
+    for m, (ref_us, us) in totals.items():
+        floor = sum(ceil.floor_us(lin.bytes(m)) * lin.per_step for lin in lins)
+        print(f"# M={m}: one step's dense linears {us:.0f} us on the fast path vs {ref_us:.0f} us on the reference "
+              f"ops, floor {floor:.0f} us ({us / floor:.2f}x)", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
+    parser.add_argument("--skip-sweep", action="store_true", help="only part 2 (the model's ops at default tiles)")
+    args = parser.parse_args()
+    ceil = measure_ceilings()
+    print(ceil.line(), flush=True)
+    lins = decode_linears(proxy_config())
+    print("# Small-L6 decode linears (name rows x K, per step): "
+          + ", ".join(f"{lin.name} {lin.rows}x{lin.k} x{lin.per_step}" for lin in lins))  # fmt: skip
+    if not args.skip_sweep:
+        sweep(lins, args.rows, ceil)
+    model_ops(lins, [m for m in args.rows if m in (1, 8)] or args.rows[:1], ceil)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+import pytest
+import torch
+
+from kernels import skinny_gemm
+from kernels.skinny_gemm import (
+    MAX_ROWS,
+    SkinnyConfig,
+    default_config,
+    skinny_linear,
+    skinny_linear_reference,
+    skinny_swiglu,
+    skinny_swiglu_reference,
+)
+
+GEMV = SkinnyConfig(dot=False, block_n=16, block_k=32)
+DOT = SkinnyConfig(dot=True, block_n=16, block_k=32)
+SPLIT_GEMV = SkinnyConfig(dot=False, block_n=16, block_k=16, split_k=2)
+SPLIT_DOT = SkinnyConfig(dot=True, block_n=16, block_k=16, split_k=3)
+CONFIGS = [GEMV, DOT, SPLIT_GEMV, SPLIT_DOT]
+IDS = ["gemv", "dot", "gemv-split", "dot-split"]
+
+
+def assert_rounded_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32: another summation order. fp16/bf16: that order can flip a rounding by one unit in the last place, and
+    the SwiGLU's chained roundings can carry it through two more (3 units)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    eps = torch.finfo(out.dtype).eps if out.dtype != torch.float32 else 1e-6
+    torch.testing.assert_close(out, ref, rtol=3 * eps, atol=3 * eps)
+
+
+def operands(m, n, k, dtype, gen):
+    """x strided (a slice of wider rows, as of a wider activation) and W ~ 1/sqrt(K), on the generator's device."""
+    x = torch.randn(m, k + 8, generator=gen, device=gen.device).to(dtype)[:, :k]
+    weight = (torch.randn(n, k, generator=gen, device=gen.device) * k**-0.5).to(dtype)
+    return x, weight
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 48, 64),  # N a multiple of BLOCK_N, K of BLOCK_K
+        (2, 40, 80),  # a partial last column block and a partial last K block
+        (3, 64, 32),  # GEMV over 4 rows with one masked
+        (5, 32, 64),  # several GEMV row blocks
+        (16, 24, 96),  # a full tensor-core row block
+    ],
+)
+def test_skinny_linear_matches_reference(cpu_interpreter, config, dtype, m, n, k):
+    gen = torch.Generator().manual_seed(m * n + k)
+    x, weight = operands(m, n, k, dtype, gen)
+    assert_rounded_close(skinny_linear(x, weight, config=config), skinny_linear_reference(x, weight))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_skinny_linear_epilogues(cpu_interpreter, config):
+    """The dense MLP's global scale, the routed experts' output added to the shared ones, and the lm_head's muP
+    division with fp32 logits of the rounded values."""
+    gen = torch.Generator().manual_seed(1)
+    x, weight = operands(3, 40, 64, torch.float16, gen)
+    scale = torch.tensor([1.37], dtype=torch.float16)
+    out = skinny_linear(x, weight, scale=scale, config=config)
+    assert_rounded_close(out, skinny_linear_reference(x, weight, scale=scale))
+    residual = torch.randn(5, 48, generator=gen).half()[:3, :40]  # strided rows
+    out = skinny_linear(x, weight, residual=residual, config=config)
+    assert_rounded_close(out, skinny_linear_reference(x, weight, residual=residual))
+    logits = skinny_linear(x, weight[:37], divisor=24.0, out_dtype=torch.float32, config=config)
+    ref = skinny_linear_reference(x, weight[:37], divisor=24.0, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, logits.half().float())  # fp16 values, stored as fp32
+    assert_rounded_close(logits.half(), ref.half())
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("groups,with_gammas", [(1, False), (2, True)])
+def test_skinny_swiglu_matches_reference(cpu_interpreter, config, dtype, groups, with_gammas):
+    gen = torch.Generator().manual_seed(groups)
+    width, m, k = 24, 3, 48  # BLOCK_N=16 does not divide I: column blocks straddle the groups
+    x, w13 = operands(m, groups * 2 * width, k, dtype, gen)
+    gammas = torch.rand(m, groups, generator=gen) + 0.5 if with_gammas else None
+    out = skinny_swiglu(x, w13, width, gammas=gammas, config=config)
+    assert_rounded_close(out, skinny_swiglu_reference(x, w13, width, gammas=gammas))
+
+
+@pytest.mark.parametrize("config", [SPLIT_GEMV, SPLIT_DOT], ids=IDS[2:])
+def test_split_k_is_deterministic_and_rearms_its_counters(cpu_interpreter, config):
+    """The last split of a tile sums the splits in split order: the same bits on every call (graph replays
+    included), and every arrival counter back at zero afterwards."""
+    gen = torch.Generator().manual_seed(3)
+    x, weight = operands(3, 40, 80, torch.float32, gen)
+    first = skinny_linear(x, weight, config=config)
+    assert torch.equal(skinny_linear(x, weight, config=config), first)
+    assert not skinny_gemm._COUNTERS[x.device].any()
+    assert_rounded_close(first, skinny_linear_reference(x, weight))
+
+
+@pytest.mark.parametrize("m", range(1, MAX_ROWS + 1, 5))
+def test_default_config_runs(cpu_interpreter, m):
+    gen = torch.Generator().manual_seed(m)
+    x, weight = operands(m, 64, 128, torch.float32, gen)
+    assert default_config(m, 64, 128).num_warps > 0
+    assert_rounded_close(skinny_linear(x, weight), skinny_linear_reference(x, weight))
+
+
+def test_empty_batch(cpu_interpreter):
+    assert skinny_linear(torch.empty(0, 32), torch.randn(16, 32)).shape == (0, 16)
+
+
+def test_rejects_bad_operands():
+    x, w = torch.randn(2, 32), torch.randn(16, 32)
+    with pytest.raises(ValueError, match="weight"):
+        skinny_linear(x, torch.randn(16, 8))
+    with pytest.raises(ValueError, match="share"):
+        skinny_linear(x, w.half())
+    with pytest.raises(ValueError, match="stride"):
+        skinny_linear(x, torch.randn(32, 16).T)
+    with pytest.raises(ValueError, match="MAX_ROWS"):
+        skinny_linear(torch.randn(MAX_ROWS + 1, 32), w)
+    with pytest.raises(ValueError, match="scale"):
+        skinny_linear(x, w, scale=torch.ones(2))
+    with pytest.raises(ValueError, match="residual"):
+        skinny_linear(x, w, residual=torch.ones(2, 8))
+    with pytest.raises(ValueError, match="groups"):
+        skinny_swiglu(x, w, 5)
+    with pytest.raises(ValueError, match="gammas"):
+        skinny_swiglu(x, w, 4, gammas=torch.ones(2, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize(
+    "n,k",
+    [(6656, 4096), (4096, 16384), (200058, 4096)],  # Inkling-Small's qkvr, dense down, unpadded lm_head rows
+)
+def test_skinny_linear_gpu_bf16(cuda_device, m, n, k):
+    gen = torch.Generator(cuda_device).manual_seed(m)
+    x, weight = operands(m, n, k, torch.bfloat16, gen)
+    assert_rounded_close(skinny_linear(x, weight), skinny_linear_reference(x, weight))
+    logits = skinny_linear(x, weight, divisor=16.0, out_dtype=torch.float32)
+    ref = skinny_linear_reference(x, weight, divisor=16.0, out_dtype=torch.float32)
+    assert_rounded_close(logits.bfloat16(), ref.bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("groups,width", [(1, 16384), (2, 2048)])  # the dense MLP, the two shared experts
+def test_skinny_swiglu_gpu_bf16(cuda_device, m, groups, width):
+    gen = torch.Generator(cuda_device).manual_seed(m + groups)
+    x, w13 = operands(m, groups * 2 * width, 4096, torch.bfloat16, gen)
+    gammas = torch.rand(m, groups, generator=gen, device=cuda_device) + 0.5 if groups > 1 else None
+    out = skinny_swiglu(x, w13, width, gammas=gammas)
+    assert_rounded_close(out, skinny_swiglu_reference(x, w13, width, gammas=gammas))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m,config",
+    [
+        (1, SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8, split_k=2)),
+        (8, SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4)),
+    ],
+)
+def test_split_k_gpu_bf16(cuda_device, m, config):
+    """The split-K hand-off on the GPU (counters, parked partials): same bits on every call, the reference's
+    values, for the plain product and the SwiGLU with gammas."""
+    gen = torch.Generator(cuda_device).manual_seed(m)
+    x, weight = operands(m, 4096, 4096, torch.bfloat16, gen)
+    outs = [skinny_linear(x, weight, config=config) for _ in range(3)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert_rounded_close(outs[0], skinny_linear_reference(x, weight))
+    gammas = torch.rand(m, 2, generator=gen, device=cuda_device) + 0.5
+    out = skinny_swiglu(x, weight, 1024, gammas=gammas, config=config)
+    assert_rounded_close(out, skinny_swiglu_reference(x, weight, 1024, gammas=gammas))
