@@ -530,3 +530,21 @@ def test_verify_steps_through_the_decode_graphs_equal_no_speculation(cpu_interpr
     for position, state in spec.items():
         for got, want in zip(state, plain[position], strict=True):
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+def test_verify_graphs_on_cuda_equal_no_speculation(cuda_device, kernel_model, kernel_config):
+    """On CUDA with the verify and commit graphs captured: the oracle's speculative greedy tokens equal D = 0's."""
+    model = kernel_model.to("cuda").with_ops("auto")
+    try:
+        specs = [(f"g{i}", prompt(n, 70 + i, 90), GREEDY, ()) for i, n in enumerate((5, 14, 23))]
+        kw = dict(device="cuda", max_num_seqs=4)
+        plain = [o.token_ids for o in Engine(model, kernel_config, settings(**kw)).generate(fresh(specs))]
+        answers = {rid: p + out for (rid, p, _, _), out in zip(specs, plain, strict=True)}
+        oracle = Oracle(answers, 3, vocab=90)
+        engine = Engine(model, kernel_config, settings(mtp_depth=3, **kw), drafter=oracle)
+        assert engine.runner.decode_graphs.capture
+        assert [o.token_ids for o in engine.generate(fresh(specs))] == plain
+        assert engine.speculation.num_accepted_tokens > 0
+    finally:
+        kernel_model.to("cpu")
