@@ -35,7 +35,7 @@ class PagedDecode:
     seq_lens: torch.Tensor  # [B*W] int32: each row's absolute position + 1 (its own key and those before visible)
     conv_slots: torch.Tensor  # [B] int64: each sequence's row in every conv-state pool
     kv_rows: dict[bool, torch.Tensor]  # per kind [B*W] int64: the pool row receiving each row's k/v
-    block_tables: dict[bool, torch.Tensor]  # per kind [B*W, max_pages] int32: each row's sequence's table
+    block_tables: dict[bool, torch.Tensor]  # per kind [B, max_pages] int32: physical page of each absolute page
     max_seq_len: int  # static upper bound on seq_lens (sizes the attention grid)
     width: int = 1  # W
     # W > 1: per (layer, conv index) `[B, K-1+W, C]`: the convs leave the states as they are and write each

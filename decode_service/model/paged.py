@@ -5,8 +5,8 @@ Every field of a `PagedDecode` is a device tensor of static shape and every op h
 syncs, so the engine captures the step in CUDA graphs (`engine/decode_graphs.py`). Per layer: `kv_prologue` (the
 k/v short convs with their states updated in place, q- and k-norms, the KV write into the layer's pool) and
 `paged_decode_attention` (split-KV attention through the block tables); the residual-stream convs run
-`conv_decode`. A verify step (W > 1) runs the same attention over its B*W rows, each row a query with its own
-seq_len, and the `kernels.conv_verify` variants of the prologue and the convs, which leave the conv states to the
+`conv_decode`. A verify step (W > 1) runs the same attention with W query rows per sequence (each with its own
+seq_len), and the `kernels.conv_verify` variants of the prologue and the convs, which leave the conv states to the
 engine's commit. A model is built with this backend only when its ops have the attention kernels and every layer's
 shapes fit them (`InklingDecoder.paged`).
 """
@@ -44,8 +44,8 @@ class PagedBatch:
         self, attn: Attention, q: torch.Tensor, r: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor
     ) -> torch.Tensor:
         """q `[B*W, nH, hd]` (q-normed in the prologue), r `[B*W, nH, d_rel]`, k0/v0 `[B*W, nKV*hd]` ->
-        `[B*W, nH, hd]`. Every row is a query of its own over its sequence's block table (the prologue has written
-        the k/v of all W rows; each row's seq_len hides the later ones)."""
+        `[B*W, nH, hd]`. The prologue writes the k/v of all W rows first; attention then serves the W rows of a
+        sequence in one program over its block table, each row's seq_len hiding the later rows' keys."""
         from kernels.attention import paged_decode_attention
         from kernels.conv_verify import kv_prologue_verify
         from kernels.short_conv import kv_prologue
@@ -71,6 +71,7 @@ class PagedBatch:
         return paged_decode_attention(
             q, r, rel_proj, k_pool, v_pool, decode.block_tables[sliding], decode.seq_lens, pools.page_size,
             window=attn.geo.window, log_scaling=log_scaling(attn), max_seq_len=decode.max_seq_len,
+            rows_per_seq=decode.width,
         )  # fmt: skip
 
     def conv(self, conv: ShortConv, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

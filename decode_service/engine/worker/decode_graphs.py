@@ -178,13 +178,12 @@ class DecodeGraphs:
         """The step over the first `size` sequences of the static buffers (what a graph records)."""
         meta = self._meta[:, : size * width]
         slots = self._meta[_SLOTS, :size]
-        row_slots = slots[:, None].expand(size, width).reshape(size * width)  # [B*W]: each row's sequence
         decode = PagedDecode(
             pools=self.cache,
             seq_lens=meta[_SEQ_LENS].to(torch.int32),
             conv_slots=slots,
             kv_rows={True: meta[_ROWS_SLIDING], False: meta[_ROWS_GLOBAL]},
-            block_tables={kind: table.index_select(0, row_slots) for kind, table in self.tables.device.items()},
+            block_tables={kind: table.index_select(0, slots) for kind, table in self.tables.device.items()},
             max_seq_len=self.max_model_len,
             width=width,
             conv_windows=self._windows_of(size, width) if width > 1 else None,
