@@ -125,11 +125,11 @@ def test_paged_decode_attention_padding_rows(cpu_interpreter):
     torch.testing.assert_close(out[0], vp[scratch_row].repeat_interleave(4, dim=0), rtol=1e-6, atol=1e-6)
 
 
-def verify_rows(firsts, width, nh, nkv, page_size, window, gen, dtype, device="cpu"):
+def verify_rows(firsts, width, nh, nkv, page_size, window, gen, dtype, device="cpu", hd=32):
     """An MTP verify's query rows: sequence b at positions firsts[b] .. firsts[b] + width - 1 (row-major) over a
     paged layout holding every key its first row can see."""
     b, last = len(firsts), max(firsts) + width
-    q, r, rel_proj, kc, vc = inputs(b * width, nh, nkv, 32, 16, window or 48, last, gen, dtype, device)
+    q, r, rel_proj, kc, vc = inputs(b * width, nh, nkv, hd, 16, window or 48, last, gen, dtype, device)
     kc, vc = kc[::width].contiguous(), vc[::width].contiguous()  # one cache per sequence
     layout_window = None if window is None else window + width - 1  # from the first row's window on
     kp, vp, table = paged_layout(kc, vc, [f + width for f in firsts], page_size, layout_window, gen)
@@ -163,6 +163,22 @@ def test_paged_decode_attention_rows_per_sequence(
     assert out.shape == q.shape and torch.isfinite(ref).all()
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
     assert rel_err(out, rows) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [2, 5])
+@pytest.mark.parametrize("window,log_scaling", [(512, None), (None, (0.1, 100.0))])
+def test_paged_decode_attention_rows_per_sequence_gpu(cuda_device, width, window, log_scaling):
+    gen = torch.Generator().manual_seed(width)
+    firsts = [0, 510, 1023, 1500, 77, 600]
+    q, r, rel_proj, kp, vp, table, seq_lens = verify_rows(
+        firsts, width, 32, 8, 16, window, gen, torch.bfloat16, cuda_device, hd=128
+    )
+    out = paged_decode_attention(q, r, rel_proj, kp, vp, table, seq_lens, 16, window, log_scaling, 1500 + width,
+                                 rows_per_seq=width)  # fmt: skip
+    per_row = table.repeat_interleave(width, 0)
+    ref = paged_attention_reference(q, r, rel_proj, kp, vp, per_row, seq_lens, 16, window, log_scaling)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2
 
 
 def test_paged_decode_attention_rows_per_sequence_rejects_bad_layout():
