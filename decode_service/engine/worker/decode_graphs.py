@@ -32,7 +32,8 @@ from decode_service.model.batch import ForwardBatch, PagedDecode
 from decode_service.model.inkling import InklingDecoder
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-_IDS, _SEQ_LENS, _SLOTS, _ROWS_SLIDING, _ROWS_GLOBAL, _ACCEPTED = range(6)  # rows of the metadata buffer
+# Rows of the metadata buffer: per row of the step (B*W) the first four, per sequence (B) the last two.
+_IDS, _SEQ_LENS, _ROWS_SLIDING, _ROWS_GLOBAL, _SLOTS, _ACCEPTED = range(6)
 
 
 class DecodeGraphs:
@@ -144,27 +145,35 @@ class DecodeGraphs:
         """Metadata rows for the real sequences (a chunk shorter than the width padded with rows that write the
         scratch pages and see only the chunk's first position), then padding sequences on the scratch slot."""
         page, scratch = self.cache.page_size, self.cache.scratch_page
-        rows: list[list[int]] = [[], [], [], [], []]
+        ids: list[int] = []
+        seq_lens: list[int] = []
+        slots: list[int] = []
+        kv_rows: dict[bool, list[int]] = {True: [], False: []}
         for tokens, view in zip(token_ids, views, strict=True):
-            start = view.num_tokens  # the first new token's position: everything before it is committed
-            assert start + len(tokens) <= self.max_model_len, f"tokens up to {start + len(tokens)} > max_model_len"
-            rows[_SLOTS].append(view.slot)
-            for j in range(width):
-                real = j < len(tokens)
-                position = start + j if real else start
-                rows[_IDS].append(tokens[j] if real else 0)
-                rows[_SEQ_LENS].append(position + 1)
-                for sliding, row in ((True, _ROWS_SLIDING), (False, _ROWS_GLOBAL)):
-                    table = view.tables[sliding]
-                    physical = table[position // page] if real and table else scratch[sliding]
-                    rows[row].append(physical * page + position % page)
-        for _ in range(size - len(token_ids)):
-            rows[_SLOTS].append(self.cache.scratch_slot)
-            for row, value in ((_IDS, 0), (_SEQ_LENS, 1), (_ROWS_SLIDING, scratch[True] * page),
-                               (_ROWS_GLOBAL, scratch[False] * page)):  # fmt: skip
-                rows[row].extend([value] * width)
-        for row, values in enumerate(rows):
-            self._host[row, : len(values)] = torch.tensor(values, dtype=torch.int64)
+            start, n = view.num_tokens, len(tokens)  # everything before start is committed
+            assert start + n <= self.max_model_len, f"tokens up to {start + n} > max_model_len"
+            pad = width - n
+            slots.append(view.slot)
+            ids.extend(tokens)
+            seq_lens.extend(range(start + 1, start + n + 1))
+            if pad:
+                ids.extend([0] * pad)
+                seq_lens.extend([start + 1] * pad)
+            for sliding, rows in kv_rows.items():
+                table = view.tables[sliding]
+                for p in range(start, start + n):  # no table: no layer of this kind
+                    rows.append((table[p // page] if table else scratch[sliding]) * page + p % page)
+                if pad:
+                    rows.extend([scratch[sliding] * page + start % page] * pad)
+        padding = (size - len(token_ids)) * width
+        slots.extend([self.cache.scratch_slot] * (size - len(token_ids)))
+        ids.extend([0] * padding)
+        seq_lens.extend([1] * padding)
+        for sliding, rows in kv_rows.items():
+            rows.extend([scratch[sliding] * page] * padding)
+        rows_of_step = torch.tensor([ids, seq_lens, kv_rows[True], kv_rows[False]], dtype=torch.int64)
+        self._host[: _ROWS_GLOBAL + 1, : size * width] = rows_of_step
+        self._host[_SLOTS, :size] = torch.tensor(slots, dtype=torch.int64)
 
     def _windows_of(self, size: int, width: int) -> dict[tuple[int, int], torch.Tensor]:
         k1 = self.cache.config.conv_kernel_size - 1
