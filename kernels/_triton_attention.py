@@ -5,7 +5,8 @@ Split-KV ("flash-decoding"): program (b, kv head, split) walks its chunk of visi
 heads that share the KV head (padded to BLOCK_H rows so the products run on the tensor cores), keeps an
 online softmax in fp32, and writes an unnormalised partial (acc, max, sum); ``attn_combine_kernel`` merges
 the splits. With ROWS > 1 (an MTP verify) the program's tile holds the GROUP heads of each of the sequence's ROWS
-query rows (row j at position p_first + j), each row masked to its own keys, window and bias columns.
+query rows, each row masked to its own keys and window, with its own tau and bias columns (those formed as D_REL
+rank-1 updates with P gathered per (row, key), as in prefill).
 The relative bias ``L_j(p, p - s) = r_j(p) . P[:, p - s]`` is formed per key block from the
 small P bank (bias 0 at distances >= R), so no [T, nH, T] tensor exists.
 
@@ -101,7 +102,7 @@ def attn_decode_split_kernel(
         row_len = tl.load(SeqLens + q_row, mask=h_mask, other=1)  # [BLOCK_H] each row's visible keys
         p_row = row_len - 1
         seq_len = tl.max(row_len, axis=0)  # the keys of the longest row
-        p_first = tl.min(tl.where(h_mask, p_row, seq_len), axis=0)  # row 0: the first visible key's bound
+        p_first = tl.min(tl.where(h_mask, p_row, seq_len), axis=0)  # the earliest row: its window starts first
         p = seq_len - 1
     lo = 0
     if HAS_WINDOW:
@@ -116,11 +117,9 @@ def attn_decode_split_kernel(
         mask=h_mask[:, None],
         other=0.0,
     )
-    r = tl.load(
-        R + q_row[:, None] * stride_rb + heads[:, None] * stride_rh + offs_r[None, :],
-        mask=h_mask[:, None],
-        other=0.0,
-    ).to(tl.float32)
+    r_rows = R + q_row * stride_rb + heads * stride_rh  # [BLOCK_H] pointers to each row's r[0]
+    if ROWS == 1:
+        r = tl.load(r_rows[:, None] + offs_r[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
     # Logits in log2 units: (q.k * sm_scale + bias) * tau * log2(e).
     if ROWS == 1:
         logit_scale = 1.4426950408889634
@@ -155,16 +154,12 @@ def attn_decode_split_kernel(
                     other=0.0,
                 ).to(tl.float32)
                 s += tl.sum(r[:, :, None] * pv[None, :, :], axis=1)
-            else:  # row j is at position p_first + j: its bias columns are P[:, p_first + j - s]
-                for j in tl.static_range(ROWS):
-                    delta = p_first + j - slots
-                    pv = tl.load(
-                        P + offs_r[:, None] * stride_pd + delta[None, :],
-                        mask=((delta >= 0) & (delta < rel_extent) & s_mask)[None, :],
-                        other=0.0,
-                    ).to(tl.float32)
-                    r_j = tl.where((offs_h // GROUP == j)[:, None], r, 0.0)
-                    s += tl.sum(r_j[:, :, None] * pv[None, :, :], axis=1)
+            else:  # each row's own columns P[:, p_row - s]: one rank-1 update per d (P is cache resident)
+                delta = p_row[:, None] - slots[None, :]  # [BLOCK_H, BLOCK_N]
+                near = (delta >= 0) & (delta < rel_extent) & s_mask[None, :] & h_mask[:, None]
+                for d in tl.static_range(D_REL):
+                    r_d = tl.load(r_rows + d, mask=h_mask, other=0.0).to(tl.float32)
+                    s += r_d[:, None] * tl.load(P + d * stride_pd + delta, mask=near, other=0.0).to(tl.float32)
         if ROWS == 1:
             s = tl.where(s_mask[None, :], s * logit_scale, float("-inf"))
         else:

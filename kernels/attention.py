@@ -234,10 +234,9 @@ def paged_decode_attention(
     ``max_pages * page_size``; like the other arguments it is a host int, so the call is CUDA-graph safe.
 
     ``rows_per_seq`` W > 1 (an MTP verify): q, r and seq_lens have W rows per sequence (rows b*W .. b*W+W-1 of
-    sequence b, row j at position p_b + j, ``seq_lens[b*W + j] = p_b + j + 1``; a row with a smaller seq_len
-    sees fewer keys, its bias then being that of position p_b + j), ``block_table`` one row per sequence. One
-    program serves the W rows of a sequence (its query tile holds W x the group of heads), so each visible key is
-    read once for all of them. The key range of a sequence is that of its first and longest rows.
+    sequence b, each row a query at position ``seq_lens[row] - 1`` over sequence b's keys), ``block_table`` one
+    row per sequence. One program serves the W rows of a sequence (its query tile holds W x the group of heads),
+    so each visible key is read once for all of them; its key range spans its rows' windows.
     """
     rows = q.shape[0]
     _, _, _, n_kv = _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_size, rows_per_seq)
