@@ -8,7 +8,8 @@ make-tiny shapes, so the whole run takes seconds (for CI, not for figures).
 For each B (default 1/8/64) at context `--ctx`:
 - plain step: the trunk forward of B sequences with 1 new token each through the engine's paged KV cache, plus
   the lm_head of the B rows; verify step: the same with D+1 tokens per sequence (the bonus token and D drafts)
-  and the lm_head of all B(D+1) rows (the packed path, eager);
+  and the lm_head of all B(D+1) rows, on CUDA replayed from the engine's verify CUDA graph (`DecodeGraphs` of
+  width D+1) followed by its conv commit, on the CPU the packed path, eager;
 - draft chain: depth 0..D-1 each over `r` rows per sequence (the rows the round verified: 1 + the expected
   accepted drafts, rounded) and its draft logits through the shared lm_head for the B last rows;
 - a synthetic acceptor: per sequence and round one uniform u accepts draft k iff u < rate_k, with vLLM's
@@ -16,7 +17,7 @@ For each B (default 1/8/64) at context `--ctx`:
   35.4 / 29.8 / 26.1 / 22.3 %), so a round emits 1 + accepted tokens and costs verify(D) + chain(D);
   tokens/s per sequence = mean tokens per round / round time, vs 1 / plain step without speculation (on CUDA
   the plain step replayed from the engine's decode CUDA graph, which is what the engine runs without drafts;
-  the verify step and the chain run eagerly, as in the engine today).
+  the chain runs eagerly, as in the engine today).
 The one-token byte floor (`bench.proxy.step_bytes`: every non-routed weight once, the routed experts the plain
 step touches, K/V and conv state, fp32 logits, over the copy bandwidth measured in the same run) is printed next
 to the per-token time: speculation is how the per-token time goes below it.
@@ -56,6 +57,7 @@ from bench.proxy import (
 )
 from common.config import MtpConfig, parse_model_config
 from decode_service.engine.core.pages import KVAllocator
+from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
@@ -124,9 +126,11 @@ def random_drafter(mtp: MtpConfig, trunk: InklingDecoder) -> MTPDrafter:
     return drafter.eval()
 
 
-def paged_batch(model: InklingDecoder, batch: int, ctx: int, width: int) -> ForwardBatch:
-    """B sequences with `ctx` committed tokens of random K/V in the engine's paged cache -> the packed batch that
-    brings `width` new tokens to each (re-running it rewrites the same slots)."""
+def paged_sequences(
+    model: InklingDecoder, batch: int, ctx: int, width: int, graph_widths: Sequence[int] = ()
+) -> tuple[list[SequenceView], DecodeGraphs | None]:
+    """B sequences with `ctx` committed tokens of random K/V in the engine's paged cache, with the pages of `width`
+    new tokens each; `graph_widths`: also the engine's `DecodeGraphs` of those widths over the same cache."""
     config, device = model.config, model.embed.weight.device
     window_pages = math.ceil((config.sliding_window + width) / PAGE) + 2
     ctx_pages = math.ceil((ctx + width) / PAGE)
@@ -134,7 +138,10 @@ def paged_batch(model: InklingDecoder, batch: int, ctx: int, width: int) -> Forw
     cache, allocator = KVCache(config, spec), KVAllocator(config, spec)
     for pool in (*cache.k.values(), *cache.v.values()):
         pool.normal_()
-    seqs = []
+    graphs = None
+    if graph_widths:  # block tables before the sequences' pages
+        graphs = DecodeGraphs(model, cache, max_num_seqs=batch, max_model_len=ctx + width, widths=graph_widths)
+    handles = []
     for _ in range(batch):
         pages = allocator.new_sequence()
         pages.grow(ctx + width)
@@ -143,9 +150,36 @@ def paged_batch(model: InklingDecoder, batch: int, ctx: int, width: int) -> Forw
         for sliding, update in zip((True, False), pages.take_updates(), strict=True):
             handle.update(sliding, update)
         handle.num_tokens = ctx
-        seqs.append(SequenceSlice(ctx, width, handle.layers))
-    tokens = torch.randint(0, config.unpadded_vocab_size, (batch * width,), device=device)
+        handles.append(handle)
+    return handles, graphs
+
+
+def paged_batch(model: InklingDecoder, batch: int, ctx: int, width: int) -> ForwardBatch:
+    """The packed batch that brings `width` new tokens to each of `paged_sequences` (re-running it rewrites the
+    same slots)."""
+    handles, _ = paged_sequences(model, batch, ctx, width)
+    seqs = [SequenceSlice(ctx, width, handle.layers) for handle in handles]
+    tokens = torch.randint(0, model.config.unpadded_vocab_size, (batch * width,), device=model.embed.weight.device)
     return ForwardBatch(tokens, seqs)
+
+
+def graph_step_ms(model: InklingDecoder, batch: int, ctx: int, width: int, reps: int) -> float:
+    """The engine's step of B sequences at `ctx` with `width` tokens each from its CUDA graph (`DecodeGraphs`):
+    width 1 the plain decode, else the verify of width-1 drafts followed by the conv commit of its accepted rows
+    (all of them: the commit costs the same whatever it keeps); plus the lm_head of the B*width rows."""
+    handles, graphs = paged_sequences(model, batch, ctx, width, graph_widths=(width,))
+    tokens = torch.randint(0, model.config.unpadded_vocab_size, (batch, width)).tolist()
+
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            if width == 1:
+                return model.logits(graphs.run([t[0] for t in tokens], handles))
+            hidden, _ = graphs.verify(tokens, handles)
+            logits = model.logits(hidden)
+            graphs.commit([width] * batch)
+            return logits
+
+    return time_ms(step, "cuda", reps, warmup=3)  # the first run captures the graphs
 
 
 def trunk_step(model: InklingDecoder, fb: ForwardBatch) -> Callable[[], torch.Tensor]:
@@ -222,7 +256,7 @@ class Row:
     chain_ms: float
     rows: int
     tokens_per_round: float
-    plain_ms: float  # the packed path, eager (as the verify step runs)
+    plain_ms: float  # the packed path, eager
     floor_ms: float
     plain_graph_ms: float | None = None  # CUDA: the engine's plain decode step replayed from its CUDA graph
     lm_plain_ms: float = 0.0  # the lm_head alone over the plain step's B rows
@@ -290,13 +324,17 @@ def run(
         lm_plain = lm_head_ms(trunk, b, device, reps)
         chain = DraftChain(drafter, b, ctx)
         graph_text = f", from its CUDA graph {graphed:.3f} ms (the baseline below)" if graphed is not None else ""
+        verify_how = "from its CUDA graph, with the conv commit" if device == "cuda" else "eager (packed path)"
         print(
             f"# B={b} ctx={ctx}: plain step {plain:.3f} ms eager{graph_text}, of which lm_head {lm_plain:.3f} ms; "
             f"one-token byte floor {floor:.3f} ms",
             flush=True,
         )
         for d in depths:
-            verify = time_ms(trunk_step(trunk, paged_batch(trunk, b, ctx, d + 1)), device, reps)
+            if device == "cuda":
+                verify = graph_step_ms(trunk, b, ctx, d + 1, reps)
+            else:
+                verify = time_ms(trunk_step(trunk, paged_batch(trunk, b, ctx, d + 1)), device, reps)
             rows = 1 + round(expected_accepted(d))
             chain_ms = time_ms(chain.step(d, rows), device, reps)
             tokens = 1.0 + simulate_accepted(d, b, rounds)
@@ -304,7 +342,8 @@ def run(
             row = Row(b, d, verify, chain_ms, rows, tokens, plain, floor, graphed, lm_plain, lm_verify)
             results.append(row)
             print(
-                f"# B={b} D={d}: verify {verify:.3f} ms ({verify / plain:.2f}x plain), draft chain {chain_ms:.3f} ms "
+                f"# B={b} D={d}: verify {verify:.3f} ms {verify_how} ({verify / row.baseline_ms:.2f}x the plain step), "
+                f"draft chain {chain_ms:.3f} ms "
                 f"({rows} rows/seq), {tokens:.2f} tokens/round (expected {1 + expected_accepted(d):.2f}); "
                 f"{1e3 / row.per_token_ms:.0f} tokens/s per sequence = {row.speedup:.2f}x no speculation "
                 f"({1e3 / row.baseline_ms:.0f}); "

@@ -4,7 +4,10 @@ sequence). Public entry: kernels/attention.py.
 Split-KV ("flash-decoding"): program (b, kv head, split) walks its chunk of visible keys for the GROUP query
 heads that share the KV head (padded to BLOCK_H rows so the products run on the tensor cores), keeps an
 online softmax in fp32, and writes an unnormalised partial (acc, max, sum); ``attn_combine_kernel`` merges
-the splits. The relative bias ``L_j(p, p - s) = r_j(p) . P[:, p - s]`` is formed per key block from the
+the splits. With ROWS > 1 (an MTP verify) the program's tile holds the GROUP heads of each of the sequence's ROWS
+query rows, each row masked to its own keys and window, with its own tau and bias columns (those formed as D_REL
+rank-1 updates with P gathered per (row, key), as in prefill).
+The relative bias ``L_j(p, p - s) = r_j(p) . P[:, p - s]`` is formed per key block from the
 small P bank (bias 0 at distances >= R), so no [T, nH, T] tensor exists.
 
 All KV addressing goes through ``_kv_rows``: with ``PAGED`` off, K/V are contiguous per sequence
@@ -79,40 +82,56 @@ def attn_decode_split_kernel(
     USE_TAU: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0)  # the sequence (its ROWS query rows are b*ROWS .. b*ROWS+ROWS-1)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b)
-    p = seq_len - 1  # absolute position of the query (its own key is already in the cache)
+    # Tile row m: query row b*ROWS + m // GROUP, head kv_head*GROUP + m % GROUP (ROWS = 1: the GROUP heads).
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_r = tl.arange(0, D_REL)
+    h_mask = offs_h < GROUP * ROWS
+    q_row = (b * ROWS + offs_h // GROUP).to(tl.int64)
+    heads = kv_head * GROUP + offs_h % GROUP
+    if ROWS == 1:
+        seq_len = tl.load(SeqLens + b)
+        p = seq_len - 1  # absolute position of the query (its own key is already in the cache)
+        p_first = p
+    else:
+        row_len = tl.load(SeqLens + q_row, mask=h_mask, other=1)  # [BLOCK_H] each row's visible keys
+        p_row = row_len - 1
+        seq_len = tl.max(row_len, axis=0)  # the keys of the longest row
+        p_first = tl.min(tl.where(h_mask, p_row, seq_len), axis=0)  # the earliest row: its window starts first
+        p = seq_len - 1
     lo = 0
     if HAS_WINDOW:
-        lo = tl.maximum(p - window + 1, 0)
+        lo = tl.maximum(p_first - window + 1, 0)
     # This sequence's visible keys split evenly over the grid's splits, in whole key blocks (idle splits exit).
     chunk = tl.cdiv(tl.cdiv(seq_len - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_r = tl.arange(0, D_REL)
-    heads = kv_head * GROUP + offs_h
-    h_mask = offs_h < GROUP
     q = tl.load(
-        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        Q + q_row[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=h_mask[:, None],
         other=0.0,
     )
-    r = tl.load(
-        R + b.to(tl.int64) * stride_rb + heads[:, None] * stride_rh + offs_r[None, :],
-        mask=h_mask[:, None],
-        other=0.0,
-    ).to(tl.float32)
+    r_rows = R + q_row * stride_rb + heads * stride_rh  # [BLOCK_H] pointers to each row's r[0]
+    if ROWS == 1:
+        r = tl.load(r_rows[:, None] + offs_r[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
     # Logits in log2 units: (q.k * sm_scale + bias) * tau * log2(e).
-    logit_scale = 1.4426950408889634
-    if USE_TAU:
-        ratio = tl.maximum((p + 1).to(tl.float32) * tau_inv_n_floor, 1.0)
-        logit_scale = logit_scale * (1.0 + tau_alpha * tl.log(ratio))
+    if ROWS == 1:
+        logit_scale = 1.4426950408889634
+        if USE_TAU:
+            ratio = tl.maximum((p + 1).to(tl.float32) * tau_inv_n_floor, 1.0)
+            logit_scale = logit_scale * (1.0 + tau_alpha * tl.log(ratio))
+    else:
+        logit_scale = tl.full((BLOCK_H,), 1.4426950408889634, dtype=tl.float32)
+        if USE_TAU:
+            ratio = tl.maximum((p_row + 1).to(tl.float32) * tau_inv_n_floor, 1.0)
+            logit_scale = logit_scale * (1.0 + tau_alpha * tl.log(ratio))
+        logit_scale = logit_scale[:, None]
 
     # Per-sequence K/V bases (the batch strides are 0 for a pool) and the head offset within a row.
     K_b = K + b.to(tl.int64) * stride_kb + kv_head * stride_kh
@@ -126,25 +145,42 @@ def attn_decode_split_kernel(
         rows = _kv_rows(Table, b, slots, s_mask, stride_tb, PAGED, PAGE_SIZE)
         k = tl.load(K_b + (rows * stride_ks)[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_H, BLOCK_N] fp32
-        if p - s0 - BLOCK_N + 1 < rel_extent:  # some key of this block is within the bias extent
-            delta = p - slots
-            pv = tl.load(
-                P + offs_r[:, None] * stride_pd + delta[None, :],
-                mask=(delta < rel_extent)[None, :] & s_mask[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            s += tl.sum(r[:, :, None] * pv[None, :, :], axis=1)
-        s = tl.where(s_mask[None, :], s * logit_scale, float("-inf"))
+        if p_first - s0 - BLOCK_N + 1 < rel_extent:  # some key of this block is within some row's bias extent
+            if ROWS == 1:
+                delta = p - slots
+                pv = tl.load(
+                    P + offs_r[:, None] * stride_pd + delta[None, :],
+                    mask=(delta < rel_extent)[None, :] & s_mask[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                s += tl.sum(r[:, :, None] * pv[None, :, :], axis=1)
+            else:  # each row's own columns P[:, p_row - s]: one rank-1 update per d (P is cache resident)
+                delta = p_row[:, None] - slots[None, :]  # [BLOCK_H, BLOCK_N]
+                near = (delta >= 0) & (delta < rel_extent) & s_mask[None, :] & h_mask[:, None]
+                for d in tl.static_range(D_REL):
+                    r_d = tl.load(r_rows + d, mask=h_mask, other=0.0).to(tl.float32)
+                    s += r_d[:, None] * tl.load(P + d * stride_pd + delta, mask=near, other=0.0).to(tl.float32)
+        if ROWS == 1:
+            s = tl.where(s_mask[None, :], s * logit_scale, float("-inf"))
+        else:
+            visible = s_mask[None, :] & (slots[None, :] <= p_row[:, None])
+            if HAS_WINDOW:
+                visible = visible & (slots[None, :] > p_row[:, None] - window)
+            s = tl.where(visible, s * logit_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        prob = tl.exp2(s - m_new[:, None])
+        if ROWS == 1:
+            m_shift = m_new
+        else:  # a row none of whose keys is in this block so far keeps m = -inf: shift by 0 instead
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        prob = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(prob, axis=1)
         v = tl.load(V_b + (rows * stride_vs)[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
         m_i = m_new
-    a_ptrs = Acc + b.to(tl.int64) * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
+    a_ptrs = Acc + q_row[:, None] * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
     tl.store(a_ptrs, acc, mask=h_mask[:, None])
-    ml_ptrs = ML + b.to(tl.int64) * stride_mb + heads * stride_mh + split * stride_ms
+    ml_ptrs = ML + q_row * stride_mb + heads * stride_mh + split * stride_ms
     tl.store(ml_ptrs, m_i, mask=h_mask)
     tl.store(ml_ptrs + 1, l_i, mask=h_mask)
 

@@ -15,8 +15,9 @@ differences. ``paged_decode_attention`` is the same kernel over one layer's page
 addressed through a block table (positions stay absolute; pages before a sliding window may point anywhere).
 ``prefill_attention``: the same logits for n queries of one sequence at positions ``q_start..`` against its
 visible keys ``[m, nKV, hd]`` from position ``k_first``, flash-attention style (no ``[nH, n, m]`` scores).
-Excluded from this slice: ring-buffer sliding caches, prefill straight from the paged pool, several sequences per
-prefill launch, speculative verify (several queries per sequence in a decode batch).
+``paged_decode_attention(..., rows_per_seq=W)``: W consecutive queries per sequence (an MTP verify), one program
+for all W rows of a sequence and KV head, so each key is read once for them. Excluded from this slice: ring-buffer
+sliding caches, prefill straight from the paged pool, several sequences per prefill launch.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _check(q, r, rel_proj, k_cache, v_cache, seq_lens):
     return _check_common(q, r, rel_proj, k_cache, v_cache, k_cache.shape[2])
 
 
-def _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_size):
+def _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_size, rows_per_seq=1):
     if q.dim() != 3 or r.dim() != 3 or k_pool.dim() != 3:
         raise ValueError(
             f"q [B,nH,hd], r [B,nH,d_rel], k_pool [slots,nKV,hd] expected, got {tuple(q.shape)}, "
@@ -77,15 +78,17 @@ def _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_siz
         raise ValueError(f"k/v pools {tuple(k_pool.shape)}, {tuple(v_pool.shape)} do not match q {tuple(q.shape)}")
     if page_size < 1 or k_pool.shape[0] % page_size:
         raise ValueError(f"page_size={page_size} must be >= 1 and divide the pool's {k_pool.shape[0]} slots")
+    if rows_per_seq < 1 or q.shape[0] % rows_per_seq:
+        raise ValueError(f"rows_per_seq={rows_per_seq} must be >= 1 and divide the {q.shape[0]} query rows")
     if (
         block_table.dim() != 2
-        or block_table.shape[0] != q.shape[0]
+        or block_table.shape[0] != q.shape[0] // rows_per_seq
         or block_table.dtype not in (torch.int32, torch.int64)
         or (block_table.shape[1] > 1 and block_table.stride(1) != 1)
     ):
         raise ValueError(
-            f"block_table must be int32/int64 [B={q.shape[0]}, max_pages] with unit last stride, got "
-            f"{block_table.dtype} {tuple(block_table.shape)} strides {block_table.stride()}"
+            f"block_table must be int32/int64 [B={q.shape[0] // rows_per_seq}, max_pages] with unit last stride, "
+            f"got {block_table.dtype} {tuple(block_table.shape)} strides {block_table.stride()}"
         )
     _check_seq_lens(seq_lens, q.shape[0])
     return _check_common(q, r, rel_proj, k_pool, v_pool, k_pool.shape[1])
@@ -102,9 +105,11 @@ def _split_plan(b: int, n_kv: int, max_keys: int, window: int | None, num_splits
     return min(max_blocks, num_splits)
 
 
-def _launch(q, r, rel_proj, k, v, seq_lens, block_table, page_size, kv_strides, window, log_scaling, num_splits):
+def _launch(
+    q, r, rel_proj, k, v, seq_lens, block_table, page_size, kv_strides, window, log_scaling, num_splits, rows=1
+):
     """Split kernel + combine. ``kv_strides``: (batch, row, head) strides of k then v (batch 0 for a pool);
-    ``block_table`` None for the contiguous layout."""
+    ``block_table`` None for the contiguous layout; ``rows`` query rows per sequence (paged only)."""
     from kernels import _triton_attention as tk
 
     b, n_heads, hd = q.shape
@@ -118,7 +123,7 @@ def _launch(q, r, rel_proj, k, v, seq_lens, block_table, page_size, kv_strides, 
         return out
     paged = block_table is not None
     alpha, n_floor = log_scaling if log_scaling is not None else (0.0, 1.0)
-    tk.attn_decode_split_kernel[(b, n_kv, num_splits)](
+    tk.attn_decode_split_kernel[(b // rows, n_kv, num_splits)](
         q,
         r,
         rel_proj,
@@ -148,7 +153,7 @@ def _launch(q, r, rel_proj, k, v, seq_lens, block_table, page_size, kv_strides, 
         ml.stride(1),
         ml.stride(2),
         GROUP=group,
-        BLOCK_H=max(16, 1 << (group - 1).bit_length()),
+        BLOCK_H=max(16, 1 << (group * rows - 1).bit_length()),
         HEAD_DIM=hd,
         D_REL=d_rel,
         BLOCK_N=_BLOCK_N,
@@ -156,6 +161,7 @@ def _launch(q, r, rel_proj, k, v, seq_lens, block_table, page_size, kv_strides, 
         USE_TAU=log_scaling is not None,
         PAGED=paged,
         PAGE_SIZE=page_size if paged else 1,
+        ROWS=rows,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
     )
@@ -217,6 +223,7 @@ def paged_decode_attention(
     log_scaling: tuple[float, float] | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    rows_per_seq: int = 1,
 ) -> torch.Tensor:
     """``decode_attention`` over a paged KV pool; returns ``[B, nH, hd]`` in q's dtype.
 
@@ -225,14 +232,21 @@ def paged_decode_attention(
     ``block_table[b, s // page_size] * page_size + s % page_size``; entries of pages holding no visible key
     (beyond seq_lens, or before a sliding window) are never read. ``max_seq_len`` defaults to
     ``max_pages * page_size``; like the other arguments it is a host int, so the call is CUDA-graph safe.
+
+    ``rows_per_seq`` W > 1 (an MTP verify): q, r and seq_lens have W rows per sequence (rows b*W .. b*W+W-1 of
+    sequence b, each row a query at position ``seq_lens[row] - 1`` over sequence b's keys), ``block_table`` one
+    row per sequence. One program serves the W rows of a sequence (its query tile holds W x the group of heads),
+    so each visible key is read once for all of them; its key range spans its rows' windows.
     """
-    b, _, _, n_kv = _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_size)
+    rows = q.shape[0]
+    _, _, _, n_kv = _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_size, rows_per_seq)
     max_keys = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
     kv_strides = (0, *k_pool.stride()[:2], 0, *v_pool.stride()[:2])
-    num_splits = _split_plan(b, n_kv, max_keys, window, num_splits)
+    num_splits = _split_plan(rows // rows_per_seq, n_kv, max_keys, window, num_splits)
     return _launch(
-        q, r, rel_proj, k_pool, v_pool, seq_lens, block_table, page_size, kv_strides, window, log_scaling, num_splits
-    )
+        q, r, rel_proj, k_pool, v_pool, seq_lens, block_table, page_size, kv_strides, window, log_scaling, num_splits,
+        rows_per_seq,
+    )  # fmt: skip
 
 
 def attention_reference(

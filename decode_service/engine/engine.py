@@ -348,9 +348,13 @@ def _speculator(drafter: MTPDrafter | DraftModel | None, depth: int) -> DraftMod
 def build_decode_graphs(
     model: DecoderModel, cache: KVCache, settings: EngineSettings, max_model_len: int
 ) -> DecodeGraphs | None:
-    """The batched paged decode path when the model runs it (the one place the engine asks `fast_path`)."""
+    """The batched paged decode path when the model runs it (the one place the engine asks `fast_path`); with MTP
+    it also runs the verify steps of D drafts (width D+1)."""
     if not (isinstance(model, InklingDecoder) and fast_path.supports_batched_decode(model)):
         return None
-    graphs = DecodeGraphs(model, cache, settings.max_num_seqs, max_model_len, use_graphs=settings.cuda_graphs)
+    widths = (1, settings.mtp_depth + 1)
+    graphs = DecodeGraphs(
+        model, cache, settings.max_num_seqs, max_model_len, use_graphs=settings.cuda_graphs, widths=widths
+    )
     graphs.capture_all()
     return graphs

@@ -5,7 +5,7 @@ and writes a sequence's caches; everything else in a layer runs on all T rows at
 `prepare(batch)` once per forward and hands the result to every layer, which calls `attention` (q/k norms, k/v
 convs, KV write, then attention) and `conv` (the residual-stream short convs) on it. Two backends:
 `packed.PackedBackend` (per-sequence `LayerCache`s, any mix of prefill chunks and decode tokens) and
-`paged.PagedBackend` (one token per sequence over the engine's paged pools, CUDA-graph safe).
+`paged.PagedBackend` (the same number of tokens per sequence over the engine's paged pools, CUDA-graph safe).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The explicit batch description the decoder runs on.
 
 Two descriptions of the same thing: `sequences` (packed per-sequence slices with their `LayerCache`s; any mix of
-prefill chunks and decode tokens, the reference layout) or `decode` (one new token per sequence over the engine's
-paged pools, every field a device tensor of static shape so the step can be captured in a CUDA graph). When
+prefill chunks and decode tokens, the reference layout) or `decode` (the same number of new tokens for every
+sequence over the engine's paged pools, every field a device tensor of static shape so the step can be captured in
+a CUDA graph). When
 `decode` is set the layers read only it.
 """
 
@@ -26,14 +27,20 @@ class SequenceSlice:
 
 @dataclass
 class PagedDecode:
-    """B sequences each bringing one token, their caches in paged pools. Layer kinds are keyed True = sliding."""
+    """B sequences each bringing W tokens (W = 1: a decode; W > 1: a verify of the last token and W-1 drafts),
+    their caches in paged pools. Rows are sequence-major: row b*W + j is token j of sequence b, at position
+    start_b + j. Layer kinds are keyed True = sliding."""
 
     pools: PagedPools
-    seq_lens: torch.Tensor  # [B] int32: the new token's absolute position + 1 (its own key is visible)
+    seq_lens: torch.Tensor  # [B*W] int32: each row's absolute position + 1 (its own key and those before visible)
     conv_slots: torch.Tensor  # [B] int64: each sequence's row in every conv-state pool
-    kv_rows: dict[bool, torch.Tensor]  # per kind [B] int64: the pool row receiving the new token's k/v
+    kv_rows: dict[bool, torch.Tensor]  # per kind [B*W] int64: the pool row receiving each row's k/v
     block_tables: dict[bool, torch.Tensor]  # per kind [B, max_pages] int32: physical page of each absolute page
     max_seq_len: int  # static upper bound on seq_lens (sizes the attention grid)
+    width: int = 1  # W
+    # W > 1: per (layer, conv index) `[B, K-1+W, C]`: the convs leave the states as they are and write each
+    # sequence's window (state ++ W inputs) here, committed once acceptance is known (`kernels.conv_verify`).
+    conv_windows: dict[tuple[int, int], torch.Tensor] | None = None
 
 
 @dataclass
@@ -42,7 +49,7 @@ class ForwardBatch:
     sequences: list[SequenceSlice]
     mm_rows: torch.Tensor | None = None  # [M, H] encoder rows (already tower-normed), scattered after embed_norm
     mm_index: torch.Tensor | None = None  # [M] int64 positions inside the packed T that receive mm_rows
-    decode: PagedDecode | None = None  # set: a uniform decode step over paged pools (`sequences` unused)
+    decode: PagedDecode | None = None  # set: a uniform decode or verify step over paged pools (`sequences` unused)
 
     @property
     def num_tokens(self) -> int:

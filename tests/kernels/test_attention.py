@@ -125,6 +125,73 @@ def test_paged_decode_attention_padding_rows(cpu_interpreter):
     torch.testing.assert_close(out[0], vp[scratch_row].repeat_interleave(4, dim=0), rtol=1e-6, atol=1e-6)
 
 
+def verify_rows(firsts, width, nh, nkv, page_size, window, gen, dtype, device="cpu", hd=32):
+    """An MTP verify's query rows: sequence b at positions firsts[b] .. firsts[b] + width - 1 (row-major) over a
+    paged layout holding every key its first row can see."""
+    b, last = len(firsts), max(firsts) + width
+    q, r, rel_proj, kc, vc = inputs(b * width, nh, nkv, hd, 16, window or 48, last, gen, dtype, device)
+    kc, vc = kc[::width].contiguous(), vc[::width].contiguous()  # one cache per sequence
+    layout_window = None if window is None else window + width - 1  # from the first row's window on
+    kp, vp, table = paged_layout(kc, vc, [f + width for f in firsts], page_size, layout_window, gen)
+    seq_lens = (torch.tensor(firsts)[:, None] + torch.arange(1, width + 1)).flatten().int().to(device)
+    return q, r, rel_proj, kp, vp, table, seq_lens
+
+
+@pytest.mark.parametrize(
+    "firsts,width,nh,window,log_scaling,num_splits,dtype",
+    [
+        ([0, 76, 199], 3, 8, None, None, None, torch.float32),  # global, several splits, bias beyond R
+        ([3, 38, 41, 150], 5, 8, 40, None, None, torch.float32),  # sliding, W x group = 20 rows of a 32-row tile
+        ([5, 150], 2, 4, None, (0.5, 20.0), 1, torch.float32),  # tau per row
+        ([60, 129], 4, 8, 40, None, 3, torch.float16),
+    ],
+)
+def test_paged_decode_attention_rows_per_sequence(
+    cpu_interpreter, firsts, width, nh, window, log_scaling, num_splits, dtype
+):
+    """One program for the W rows of a sequence equals each row as a sequence of its own (the reference, and the
+    one-row kernel over the table repeated per row), whatever each row's length."""
+    gen = torch.Generator().manual_seed(width + len(firsts))
+    q, r, rel_proj, kp, vp, table, seq_lens = verify_rows(firsts, width, nh, 2, 16, window, gen, dtype)
+    lens = seq_lens.view(-1, width)
+    lens[1::2, -1] = lens[1::2, 0]  # a padded row (as DecodeGraphs leaves them) sees only the first row's keys
+    out = paged_decode_attention(
+        q, r, rel_proj, kp, vp, table, seq_lens, 16, window, log_scaling, num_splits=num_splits, rows_per_seq=width
+    )
+    per_row = table.repeat_interleave(width, 0)
+    ref = paged_attention_reference(q, r, rel_proj, kp, vp, per_row, seq_lens, 16, window, log_scaling)
+    rows = paged_decode_attention(q, r, rel_proj, kp, vp, per_row, seq_lens, 16, window, log_scaling,
+                                  num_splits=num_splits)  # fmt: skip
+    assert out.shape == q.shape and torch.isfinite(ref).all()
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+    assert rel_err(out, rows) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [2, 5])
+@pytest.mark.parametrize("window,log_scaling", [(512, None), (None, (0.1, 100.0))])
+def test_paged_decode_attention_rows_per_sequence_gpu(cuda_device, width, window, log_scaling):
+    gen = torch.Generator().manual_seed(width)
+    firsts = [0, 510, 1023, 1500, 77, 600]
+    q, r, rel_proj, kp, vp, table, seq_lens = verify_rows(
+        firsts, width, 32, 8, 16, window, gen, torch.bfloat16, cuda_device, hd=128
+    )
+    out = paged_decode_attention(q, r, rel_proj, kp, vp, table, seq_lens, 16, window, log_scaling, 1500 + width,
+                                 rows_per_seq=width)  # fmt: skip
+    per_row = table.repeat_interleave(width, 0)
+    ref = paged_attention_reference(q, r, rel_proj, kp, vp, per_row, seq_lens, 16, window, log_scaling)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2
+
+
+def test_paged_decode_attention_rows_per_sequence_rejects_bad_layout():
+    gen = torch.Generator().manual_seed(1)
+    q, r, rel_proj, kp, vp, table, seq_lens = verify_rows([4, 9], 3, 8, 2, 16, None, gen, torch.float32)
+    with pytest.raises(ValueError, match="rows_per_seq"):
+        paged_decode_attention(q, r, rel_proj, kp, vp, table, seq_lens, 16, rows_per_seq=4)
+    with pytest.raises(ValueError, match="block_table"):
+        paged_decode_attention(q, r, rel_proj, kp, vp, table.repeat_interleave(3, 0), seq_lens, 16, rows_per_seq=3)
+
+
 @pytest.mark.parametrize("page_size,window,dtype", [(16, None, torch.float32), (5, 40, torch.float16)])
 def test_paged_decode_attention_equals_contiguous(cpu_interpreter, page_size, window, dtype):
     gen = torch.Generator().manual_seed(11)

@@ -1,20 +1,29 @@
-"""Uniform decode steps (one new token per sequence) over the paged pools, replayed from CUDA graphs.
+"""Uniform decode and verify steps over the paged pools, replayed from CUDA graphs.
 
-A step of B sequences runs in the smallest batch-size bucket >= B. Everything the captured forward reads lives in
-static device buffers refilled before each replay: token ids, sequence lengths, conv slots and KV rows (one
-host-to-device copy per step), and the block tables, gathered in-graph from the cache's device `BlockTables` by
-conv slot. Padding rows of a bucket point at the scratch conv slot and scratch pages, so they never touch a real
-sequence. Graphs are captured once per bucket (the buckets up to `max_num_seqs`, which is the last one), after
-an eager warm-up run on padding rows (Triton compiles there), and share one memory pool.
+A step of B sequences each bringing up to W tokens runs in the smallest batch-size bucket >= B and the smallest
+configured width >= W (`widths`: 1 for plain decodes, D+1 for the MTP verify of D drafts). Everything the captured
+forward reads lives in static device buffers refilled before each replay: token ids, sequence lengths and KV rows
+per row (B*W, sequence-major), conv slots per sequence (one host-to-device copy per step), and the block tables,
+gathered in-graph from the cache's device `BlockTables` by conv slot. Padding rows of a bucket point at the scratch
+conv slot and scratch pages, so they never touch a real sequence; so do the rows a shorter chunk leaves of its
+width (their outputs are never read, their conv inputs never committed).
 
-Without CUDA (CPU tests of this path under the kernels' interpreter), or with graphs off, the same buffers and
-padding run eagerly. The pinned host buffers (metadata, block-table mirror) are copied asynchronously and rewritten
-by the next step: the engine reads each step's sampled tokens back (a sync) before it schedules the next one.
+A verify step (W > 1) leaves the conv states untouched and writes each sequence's conv windows (state ++ W inputs,
+one static buffer per conv pool); once the sampler knows how many rows each sequence accepted, `commit` installs
+the states after exactly those rows (`kernels.conv_verify.conv_commit`, a graph of its own per bucket and width).
+KV of the rejected rows stays in the pool past the sequence's length, where later steps overwrite it.
+
+Graphs are captured once per bucket and width (the buckets up to `max_num_seqs`, which is the last one), after an
+eager warm-up run on padding rows (Triton compiles there), and share one memory pool. Without CUDA (CPU tests of
+this path under the kernels' interpreter), or with graphs off, the same buffers and padding run eagerly. The pinned
+host buffers (metadata, block-table mirror) are copied asynchronously and rewritten by the next step: the engine
+reads each step's sampled tokens back (a sync) before it schedules the next one.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 
 import torch
 
@@ -23,80 +32,161 @@ from decode_service.model.batch import ForwardBatch, PagedDecode
 from decode_service.model.inkling import InklingDecoder
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-_IDS, _SEQ_LENS, _SLOTS, _ROWS_SLIDING, _ROWS_GLOBAL = range(5)  # rows of the metadata buffer
+# Rows of the metadata buffer: per row of the step (B*W) the first four, per sequence (B) the last two.
+_IDS, _SEQ_LENS, _ROWS_SLIDING, _ROWS_GLOBAL, _SLOTS, _ACCEPTED = range(6)
 
 
 class DecodeGraphs:
     def __init__(
-        self, model: InklingDecoder, cache: KVCache, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
+        self,
+        model: InklingDecoder,
+        cache: KVCache,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_graphs: bool = True,
+        widths: Sequence[int] = (1,),
     ):
         self.model = model
         self.cache = cache
         self.max_model_len = max_model_len
         self.tables = cache.enable_block_tables(max_model_len)
         self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
+        self.widths = sorted(set(widths) | {1})
         device = torch.device(cache.spec.device)
         self.capture = use_graphs and device.type == "cuda"  # else the same static-buffer step runs eagerly
-        width = self.buckets[-1]
-        self._host = torch.empty((5, width), dtype=torch.int64, pin_memory=self.capture)
-        self._meta = torch.empty((5, width), dtype=torch.int64, device=device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        rows = self.buckets[-1] * self.widths[-1]
+        self._host = torch.empty((6, rows), dtype=torch.int64, pin_memory=self.capture)
+        self._meta = torch.empty((6, rows), dtype=torch.int64, device=device)
+        # Per conv pool [max_num_seqs, K-1+W_max, C]: the verify steps' windows (a W-wide step uses [:B, :K-1+W]).
+        k1 = cache.config.conv_kernel_size - 1
+        self._windows = [
+            [torch.zeros((self.buckets[-1], k1 + self.widths[-1], s.shape[2]), dtype=s.dtype, device=device)
+             for s in states]
+            for states in cache.conv
+        ] if self.widths[-1] > 1 else []  # fmt: skip
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._commits: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._last: tuple[int, int] | None = None  # (bucket, width) of the verify awaiting its commit
 
     def bucket(self, batch: int) -> int:
         """The bucket a batch of this size replays in (the scheduler never runs more than max_num_seqs)."""
         assert 0 < batch <= self.buckets[-1], f"decode batch of {batch} outside 1..{self.buckets[-1]}"
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
+    def width(self, tokens: int) -> int | None:
+        """The width a step whose longest chunk has this many tokens runs at; None: wider than any graph."""
+        i = bisect.bisect_left(self.widths, tokens)
+        return self.widths[i] if i < len(self.widths) else None
+
     def run(self, token_ids: list[int], views: list[SequenceView]) -> torch.Tensor:
         """Decode one token for each sequence (its view has the page of the new position) -> final-normed hidden
         `[B, H]`."""
-        batch = len(token_ids)
-        size = self.bucket(batch)
-        if self.capture and size not in self._graphs:
-            self._graphs[size] = self._capture(size)
-        self._fill(token_ids, views, size)
-        self._upload(size)
-        if not self.capture:
-            return self._forward(size)[:batch]
-        graph, hidden = self._graphs[size]
-        graph.replay()
-        return hidden[:batch]
+        return self._step([(t,) for t in token_ids], views, 1)
+
+    def verify(self, token_ids: Sequence[Sequence[int]], views: list[SequenceView]) -> tuple[torch.Tensor, int]:
+        """Run each sequence's tokens (1..W: the last sampled token and its drafts; its view has the pages of
+        every new position) -> (final-normed hidden `[B*W, H]`, W): sequence i's rows start at i*W. The conv states
+        stay as they are until `commit`."""
+        width = self.width(max(len(t) for t in token_ids))
+        assert width is not None and width > 1, (
+            f"verify of {max(len(t) for t in token_ids)} tokens: widths {self.widths}"
+        )
+        hidden = self._step(token_ids, views, width)
+        self._last = (self.bucket(len(token_ids)), width)
+        return hidden, width
+
+    def commit(self, accepted: list[int]) -> None:
+        """After `verify`: sequence i keeps its first `accepted[i]` rows (1..its tokens); its conv states become
+        those after them."""
+        assert self._last is not None, "commit without a verify"
+        size, width = self._last
+        self._last = None
+        assert all(1 <= n <= width for n in accepted), f"accepted rows {accepted} outside 1..{width}"
+        self._host[_ACCEPTED, :size] = torch.tensor(accepted + [1] * (size - len(accepted)), dtype=torch.int64)
+        self._meta[_ACCEPTED, :size].copy_(self._host[_ACCEPTED, :size], non_blocking=self.capture)
+        if self.capture:
+            self._commits[size, width].replay()  # captured with the verify graph
+        else:
+            self._commit(size, width)
 
     def capture_all(self) -> None:
-        """Record every bucket's graph now (engine start) rather than on the first step of that size."""
+        """Record every bucket's graphs now (engine start) rather than on the first step of that size."""
         if self.capture:
-            for size in self.buckets:
-                if size not in self._graphs:
-                    self._graphs[size] = self._capture(size)
+            for width in self.widths:
+                for size in self.buckets:
+                    self._ensure_graphs(size, width)
 
-    def _upload(self, size: int) -> None:
+    def _ensure_graphs(self, size: int, width: int) -> None:
+        """The step's graph (and a verify's commit graph) for this bucket and width, captured on first use."""
+        if (size, width) not in self._graphs:
+            self._graphs[size, width] = self._capture(size, width)
+            if width > 1:
+                self._commits[size, width] = self._capture_commit(size, width)
+
+    def _step(self, token_ids: Sequence[Sequence[int]], views: list[SequenceView], width: int) -> torch.Tensor:
+        batch = len(token_ids)
+        size = self.bucket(batch)
+        if self.capture:
+            self._ensure_graphs(size, width)  # before the fill: a capture runs on padding metadata
+        self._fill(token_ids, views, size, width)
+        self._upload(size, width)
+        if not self.capture:
+            return self._forward(size, width)[: batch * width]
+        graph, hidden = self._graphs[size, width]
+        graph.replay()
+        return hidden[: batch * width]
+
+    def _upload(self, size: int, width: int) -> None:
         self.tables.upload()
-        self._meta[:, :size].copy_(self._host[:, :size], non_blocking=self.capture)
+        self._meta[:, : size * width].copy_(self._host[:, : size * width], non_blocking=self.capture)
 
-    def _fill(self, token_ids: list[int], views: list[SequenceView], size: int) -> None:
-        """Metadata rows for the real sequences, then padding rows on the scratch slot and pages."""
+    def _fill(self, token_ids: Sequence[Sequence[int]], views: list[SequenceView], size: int, width: int) -> None:
+        """Metadata rows for the real sequences (a chunk shorter than the width padded with rows that write the
+        scratch pages and see only the chunk's first position), then padding sequences on the scratch slot."""
         page, scratch = self.cache.page_size, self.cache.scratch_page
-        rows: list[list[int]] = [[], [], [], [], []]
-        for token, view in zip(token_ids, views, strict=True):
-            position = view.num_tokens  # the new token's position: everything before it is committed
-            assert position < self.max_model_len, f"decode at position {position} >= max_model_len"
-            rows[_IDS].append(token)
-            rows[_SEQ_LENS].append(position + 1)
-            rows[_SLOTS].append(view.slot)
-            for sliding, row in ((True, _ROWS_SLIDING), (False, _ROWS_GLOBAL)):
+        ids: list[int] = []
+        seq_lens: list[int] = []
+        slots: list[int] = []
+        kv_rows: dict[bool, list[int]] = {True: [], False: []}
+        for tokens, view in zip(token_ids, views, strict=True):
+            start, n = view.num_tokens, len(tokens)  # everything before start is committed
+            assert start + n <= self.max_model_len, f"tokens up to {start + n} > max_model_len"
+            pad = width - n
+            slots.append(view.slot)
+            ids.extend(tokens)
+            seq_lens.extend(range(start + 1, start + n + 1))
+            if pad:
+                ids.extend([0] * pad)
+                seq_lens.extend([start + 1] * pad)
+            for sliding, rows in kv_rows.items():
                 table = view.tables[sliding]
-                physical = table[position // page] if table else scratch[sliding]
-                rows[row].append(physical * page + position % page)
-        padding = (0, 1, self.cache.scratch_slot, scratch[True] * page, scratch[False] * page)
-        for row, value in zip(rows, padding, strict=True):
-            row.extend([value] * (size - len(token_ids)))
-        self._host[:, :size] = torch.tensor(rows, dtype=torch.int64)
+                for p in range(start, start + n):  # no table: no layer of this kind
+                    rows.append((table[p // page] if table else scratch[sliding]) * page + p % page)
+                if pad:
+                    rows.extend([scratch[sliding] * page + start % page] * pad)
+        padding = (size - len(token_ids)) * width
+        slots.extend([self.cache.scratch_slot] * (size - len(token_ids)))
+        ids.extend([0] * padding)
+        seq_lens.extend([1] * padding)
+        for sliding, rows in kv_rows.items():
+            rows.extend([scratch[sliding] * page] * padding)
+        rows_of_step = torch.tensor([ids, seq_lens, kv_rows[True], kv_rows[False]], dtype=torch.int64)
+        self._host[: _ROWS_GLOBAL + 1, : size * width] = rows_of_step
+        self._host[_SLOTS, :size] = torch.tensor(slots, dtype=torch.int64)
 
-    def _forward(self, size: int) -> torch.Tensor:
-        """The step over the first `size` rows of the static buffers (what a graph records)."""
-        meta = self._meta[:, :size]
-        slots = meta[_SLOTS]
+    def _windows_of(self, size: int, width: int) -> dict[tuple[int, int], torch.Tensor]:
+        k1 = self.cache.config.conv_kernel_size - 1
+        return {
+            (layer, index): w[:size, : k1 + width]
+            for layer, windows in enumerate(self._windows)
+            for index, w in enumerate(windows)
+        }
+
+    def _forward(self, size: int, width: int) -> torch.Tensor:
+        """The step over the first `size` sequences of the static buffers (what a graph records)."""
+        meta = self._meta[:, : size * width]
+        slots = self._meta[_SLOTS, :size]
         decode = PagedDecode(
             pools=self.cache,
             seq_lens=meta[_SEQ_LENS].to(torch.int32),
@@ -104,19 +194,40 @@ class DecodeGraphs:
             kv_rows={True: meta[_ROWS_SLIDING], False: meta[_ROWS_GLOBAL]},
             block_tables={kind: table.index_select(0, slots) for kind, table in self.tables.device.items()},
             max_seq_len=self.max_model_len,
+            width=width,
+            conv_windows=self._windows_of(size, width) if width > 1 else None,
         )
         return self.model(ForwardBatch(meta[_IDS], [], decode=decode))
 
-    def warm_up(self, size: int) -> None:
-        """One step of `size` padding rows: compiles the kernels, touches only the scratch slot and pages."""
-        self._fill([], [], size)
-        self._upload(size)
-        self._forward(size)
+    def _commit(self, size: int, width: int) -> None:
+        """Every conv state of the first `size` slots from its window and the accepted rows (what a graph records)."""
+        from kernels.conv_verify import conv_commit
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self.warm_up(size)
+        slots, accepted = self._meta[_SLOTS, :size], self._meta[_ACCEPTED, :size]
+        for (layer, index), windows in self._windows_of(size, width).items():
+            conv_commit(windows, self.cache.conv_pool(layer, index), slots, accepted)
+
+    def warm_up(self, size: int, width: int = 1) -> None:
+        """One step of `size` padding sequences: compiles the kernels, touches only the scratch slot and pages."""
+        self._fill([], [], size, width)
+        self._upload(size, width)
+        self._forward(size, width)
+
+    def _capture(self, size: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self.warm_up(size, width)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden = self._forward(size)
+            hidden = self._forward(size, width)
         return graph, hidden
+
+    def _capture_commit(self, size: int, width: int) -> torch.cuda.CUDAGraph:
+        self._fill([], [], size, width)
+        self._upload(size, width)
+        self._meta[_ACCEPTED, :size].fill_(1)
+        self._commit(size, width)  # warm-up on the scratch slot (compiles the commit kernel)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._commit(size, width)
+        return graph

@@ -98,12 +98,15 @@ def build_batch(
     return batch, last_rows
 
 
-def is_uniform_decode(output: SchedulerOutput, requests: dict[str, WorkerRequest]) -> bool:
-    """Every chunk brings one text token (a decode, or a one-token chunk outside any media span)."""
-    return all(
-        len(c.token_ids) == 1 and not any(item.start <= c.start < item.end for item in requests[c.request_id].mm_items)
-        for c in output.chunks
-    )
+def decode_width(output: SchedulerOutput, requests: dict[str, WorkerRequest]) -> int | None:
+    """The longest chunk's tokens when every chunk is a decode of text tokens (one token, or a verify of the last
+    sampled token and its drafts, outside any media span); None for any other step (a prefill chunk, media)."""
+    for c in output.chunks:
+        if c.num_tokens != c.num_drafts + 1 or any(
+            item.start < c.end and c.start < item.end for item in requests[c.request_id].mm_items
+        ):
+            return None
+    return max(c.num_tokens for c in output.chunks)
 
 
 @dataclass
@@ -116,7 +119,8 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    """`decode_graphs`: uniform decode steps go there (batched paged path, CUDA graphs); the rest is packed.
+    """`decode_graphs`: decode and verify steps of text tokens go there (batched paged path, CUDA graphs); the
+    rest (prefill chunks, media rows) is packed.
     `prefix_tier`: executes the plan's loads and saves (None without the shared tier). `sampler` None: a
     follower rank of a tensor-parallel replica (`ranks.py`), which computes the logits (their all-gather is a
     collective) and samples nothing. `drafter`: MTP speculation (chunks with `num_drafts` are verified, the
@@ -205,28 +209,56 @@ class ModelRunner:
             self.snapshots.before_forward(op for op in output.conv_ops if op.kind in BEFORE_FORWARD)
 
     def _forward(self, output: SchedulerOutput) -> RunnerOutput:
-        chunks, requests = output.chunks, self.requests
-        # Verify chunks: conv states before the forward, restored if a draft is rejected (decisions.md).
-        before = {c.request_id: self.cache.snapshot_conv(c.slot) for c in chunks if c.num_drafts}
+        chunks, graphs = output.chunks, self.decode_graphs
         if self.sampler is not None:  # grammar masks of the first sampled rows fill on the host during the forward
-            self.sampler.prefill_masks([requests[c.request_id] for c in chunks if c.needs_logits])
-        if self.decode_graphs is not None and is_uniform_decode(output, requests):
-            hidden = self.decode_graphs.run(
-                [c.token_ids[0] for c in chunks], [self.views[c.request_id] for c in chunks]
-            )  # [B, H]
-            last_rows = list(range(len(chunks)))
+            self.sampler.prefill_masks([self.requests[c.request_id] for c in chunks if c.needs_logits])
+        width = decode_width(output, self.requests) if graphs is not None else None
+        if width is not None and graphs.width(width) is not None:
+            hidden, first_rows, samples = self._forward_graphs(chunks, width)
         else:
-            batch, last_rows = build_batch(output, requests, self.views, self.device)
-            hidden = self.model.forward(batch)  # [T, H]
+            hidden, first_rows, samples = self._forward_packed(output)
+        drafts = self._draft(chunks, hidden, first_rows, samples) if self.drafter is not None else {}
+        return RunnerOutput(samples, drafts)
+
+    def _forward_graphs(
+        self, chunks: tuple[ScheduledChunk, ...], width: int
+    ) -> tuple[torch.Tensor, list[int], dict[str, list[SampleResult]]]:
+        """A decode or verify step from the decode graphs; a verify commits the conv states of the accepted rows
+        (`DecodeGraphs.commit`), so no replay is needed."""
+        views = [self.views[c.request_id] for c in chunks]
+        if width == 1:
+            hidden = self.decode_graphs.run([c.token_ids[0] for c in chunks], views)  # [B, H]
+            first_rows = list(range(len(chunks)))
+            return hidden, first_rows, self._emitted(chunks, hidden, first_rows)
+        hidden, width = self.decode_graphs.verify([c.token_ids for c in chunks], views)  # [B*W, H]
+        first_rows = [i * width for i in range(len(chunks))]
+        samples = self._emitted(chunks, hidden, first_rows)
+        self.decode_graphs.commit([len(samples[c.request_id]) if c.num_drafts else c.num_tokens for c in chunks])
+        return hidden, first_rows, samples
+
+    def _forward_packed(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[int], dict[str, list[SampleResult]]]:
+        """Any step through the packed path; verify chunks restore their conv states and run their accepted rows
+        again when a draft was rejected (decisions.md)."""
+        chunks = output.chunks
+        before = {c.request_id: self.cache.snapshot_conv(c.slot) for c in chunks if c.num_drafts}
+        batch, last_rows = build_batch(output, self.requests, self.views, self.device)
+        hidden = self.model.forward(batch)  # [T, H]
         first_rows = [row - c.num_tokens + 1 for c, row in zip(chunks, last_rows, strict=True)]
-        samples = self._sample(chunks, hidden, first_rows)
-        if self.drafter is not None and self.tp.size > 1:
-            samples = self._leader_samples(chunks, samples, hidden.device)
+        samples = self._emitted(chunks, hidden, first_rows)
         rejected = [c for c in chunks if c.num_drafts and len(samples[c.request_id]) < c.num_tokens]
         if rejected:
             self._replay(output, rejected, samples, before)
-        drafts = self._draft(chunks, hidden, first_rows, samples) if self.drafter is not None else {}
-        return RunnerOutput(samples, drafts)
+        return hidden, first_rows, samples
+
+    def _emitted(
+        self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor, first_rows: list[int]
+    ) -> dict[str, list[SampleResult]]:
+        """`_sample`, and under tensor parallelism with a drafter the leader's tokens on every rank (a follower
+        commits, replays and drafts from exactly the rows the leader accepted)."""
+        samples = self._sample(chunks, hidden, first_rows)
+        if self.drafter is not None and self.tp.size > 1:
+            samples = self._leader_samples(chunks, samples, hidden.device)
+        return samples
 
     def _sample(
         self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor, first_rows: list[int]

@@ -175,8 +175,11 @@ def trunk_state(engine: Engine, request: Request) -> list[torch.Tensor]:
     return out
 
 
-def states_by_position(model, config, depth: int, drafter=None) -> tuple[dict[int, list[torch.Tensor]], list[int]]:
-    engine = Engine(model, config, settings(mtp_depth=depth, kv_cache_bytes=1 << 20), drafter=drafter)
+def trunk_engine(model, config, depth: int, drafter=None) -> Engine:
+    return Engine(model, config, settings(mtp_depth=depth, kv_cache_bytes=1 << 20), drafter=drafter)
+
+
+def states_by_position(engine: Engine) -> tuple[dict[int, list[torch.Tensor]], list[int]]:
     request = Request("s", prompt(19, 8, 90), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     engine.add_request(request)
     seen = {}
@@ -190,9 +193,9 @@ def states_by_position(model, config, depth: int, drafter=None) -> tuple[dict[in
 def test_trunk_state_after_speculative_steps_equals_no_speculation(fake_model, model_config):
     """On the float64 fake decoder of the engine tests (its KV and four conv states per layer carry all history;
     the real trunk computes convs and norms in fp32, so a verify's rows differ from one-row steps by rounding)."""
-    plain, answer = states_by_position(fake_model, model_config, 0)
+    plain, answer = states_by_position(trunk_engine(fake_model, model_config, 0))
     oracle = Oracle({"s": prompt(19, 8, 90) + answer}, 3, vocab=90)
-    spec, tokens = states_by_position(fake_model, model_config, 3, oracle)
+    spec, tokens = states_by_position(trunk_engine(fake_model, model_config, 3, oracle))
     assert tokens == answer
     assert len(spec) < len(plain) - 5  # the oracle made steps advance several positions
     for position, state in spec.items():
@@ -526,3 +529,44 @@ def _one_sequence_budget(config, tokens: int) -> int:
         if spec.num_global_pages * 4 >= tokens:
             return budget
     raise AssertionError("no budget found")
+
+
+def test_verify_steps_through_the_decode_graphs_equal_no_speculation(cpu_interpreter, kernel_model, kernel_config):
+    """The batched paged path (kernels in the interpreter, the decode graphs' static-buffer steps run eagerly):
+    with the oracle's drafts (every accepted length 0..3) each verify step is one `DecodeGraphs.verify` and its
+    commit, never the packed path's replay; tokens, and the trunk's KV and conv state at every position the
+    speculative run reaches, equal the non-speculative run on the same path."""
+    model = kernel_model.with_ops("fast")
+    plain, answer = states_by_position(trunk_engine(model, kernel_config, 0))
+    oracle = Oracle({"s": prompt(19, 8, 90) + answer}, 3, vocab=90)
+    engine = trunk_engine(model, kernel_config, 3, oracle)
+    runner, widths, packed = engine.runner, [], []
+    verify, forward_packed = runner.decode_graphs.verify, runner._forward_packed
+    runner.decode_graphs.verify = lambda ids, views: widths.append(max(map(len, ids))) or verify(ids, views)
+    runner._forward_packed = lambda output: packed.extend(c.num_drafts for c in output.chunks) or forward_packed(output)
+    spec, tokens = states_by_position(engine)
+    assert tokens == answer
+    assert len(widths) > 3 and max(widths) == 4
+    assert packed and not any(packed)  # only the prompt went through the packed path
+    assert len(spec) < len(plain) - 5  # the oracle made steps advance several positions
+    for position, state in spec.items():
+        for got, want in zip(state, plain[position], strict=True):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+def test_verify_graphs_on_cuda_equal_no_speculation(cuda_device, kernel_model, kernel_config):
+    """On CUDA with the verify and commit graphs captured: the oracle's speculative greedy tokens equal D = 0's."""
+    model = kernel_model.to("cuda").with_ops("auto")
+    try:
+        specs = [(f"g{i}", prompt(n, 70 + i, 90), GREEDY, ()) for i, n in enumerate((5, 14, 23))]
+        kw = dict(device="cuda", max_num_seqs=4)
+        plain = [o.token_ids for o in Engine(model, kernel_config, settings(**kw)).generate(fresh(specs))]
+        answers = {rid: p + out for (rid, p, _, _), out in zip(specs, plain, strict=True)}
+        oracle = Oracle(answers, 3, vocab=90)
+        engine = Engine(model, kernel_config, settings(mtp_depth=3, **kw), drafter=oracle)
+        assert engine.runner.decode_graphs.capture
+        assert [o.token_ids for o in engine.generate(fresh(specs))] == plain
+        assert engine.speculation.num_accepted_tokens > 0
+    finally:
+        kernel_model.to("cpu")

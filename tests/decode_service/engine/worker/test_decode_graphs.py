@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.engine import Engine, EngineSettings
 from decode_service.engine.request import MultimodalItem, Request, SamplingParams
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
+from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -90,3 +92,99 @@ def test_graph_replay_equals_the_eager_step(cuda_device, kernel_model, kernel_co
         tokens[graphs] = [o.token_ids for o in outs]
     kernel_model.to("cpu")
     assert tokens[True] == tokens[False]
+
+
+def sequences_in(cache: KVCache, starts: list[int], width: int) -> list[SequenceView]:
+    """Sequences with `starts[i]` committed tokens and the pages of `width` more (their KV and conv states are
+    whatever the pools hold)."""
+    allocator, views = KVAllocator(cache.config, cache.spec), []
+    for start in starts:
+        pages = allocator.new_sequence()
+        pages.grow(start + width)
+        pages.commit(start)  # releases the sliding pages before the window
+        view = SequenceView(cache, pages.slot)
+        for sliding, update in zip((True, False), pages.take_updates(), strict=True):
+            view.update(sliding, update)
+        view.num_tokens = start
+        views.append(view)
+    return views
+
+
+def pool_tensors(cache: KVCache) -> list[torch.Tensor]:
+    return [*cache.k.values(), *cache.v.values(), *(s for states in cache.conv for s in states)]
+
+
+def test_verify_and_commit_equal_one_token_steps(cpu_interpreter, kernel_model, kernel_config):
+    """Three sequences (past the window 8, rel_extent 12 and the tau floor 10) bring 3, 2 and 1 tokens in a
+    bucket of four at width 3: each verify row's hidden equals the one-token step at its position, and after
+    committing 2, 1 and 1 rows the conv states and the KV of the committed positions equal those after that many
+    one-token steps."""
+    model = kernel_model.with_ops("fast")
+    spec = CacheSpec(4, 24, 24, 4, torch.float32, "cpu")
+    caches = [KVCache(kernel_config.text, spec) for _ in range(2)]
+    g = torch.Generator().manual_seed(7)
+    for a, b in zip(pool_tensors(caches[0]), pool_tensors(caches[1]), strict=True):
+        a.copy_(torch.randn(a.shape, generator=g))  # random KV and conv states: the verify must read the states
+        b.copy_(a)
+    starts, tokens, accepted = [13, 5, 20], [(11, 12, 13), (21, 22), (31,)], [2, 1, 1]
+    graphs = DecodeGraphs(model, caches[0], max_num_seqs=4, max_model_len=32, widths=(1, 3))
+    plain = DecodeGraphs(model, caches[1], max_num_seqs=4, max_model_len=32)
+    views, plain_views = sequences_in(caches[0], starts, 3), sequences_in(caches[1], starts, 3)
+    with torch.inference_mode():
+        hidden, width = graphs.verify(tokens, views)
+        graphs.commit(accepted)
+        committed = {}
+        for j in range(width):
+            now = [i for i, t in enumerate(tokens) if j < len(t)]
+            for i in now:
+                plain_views[i].num_tokens = starts[i] + j
+            rows = plain.run([tokens[i][j] for i in now], [plain_views[i] for i in now])
+            for i, row in zip(now, rows, strict=True):
+                torch.testing.assert_close(hidden[i * width + j], row, rtol=1e-5, atol=1e-5)
+                if accepted[i] == j + 1:
+                    committed[i] = caches[1].snapshot_conv(plain_views[i].slot)
+    assert width == 3 and hidden.shape == (3 * 3, kernel_config.text.hidden_size)
+    for i, view in enumerate(views):
+        states = [s for layer in caches[0].snapshot_conv(view.slot).states for s in layer]
+        want = [s for layer in committed[i].states for s in layer]
+        for a, b in zip(states, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        positions = torch.arange(starts[i], starts[i] + accepted[i])
+        for sliding in (True, False):
+            pages = torch.tensor([view.tables[sliding][p // 4] for p in positions.tolist()])
+            rows = pages * 4 + positions % 4
+            for got, ref in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+                torch.testing.assert_close(got[sliding][:, rows], ref[sliding][:, rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_verify_graph_replay_equals_the_eager_step(cuda_device, kernel_model, kernel_config):
+    """On CUDA: a verify and its commit replayed from their graphs leave the hidden rows, KV and conv states the
+    same static-buffer step run eagerly leaves."""
+    model = kernel_model.to("cuda").with_ops("auto")
+    spec = CacheSpec(4, 24, 24, 4, torch.float32, "cuda")
+    caches = [KVCache(kernel_config.text, spec) for _ in range(2)]
+    for a, b in zip(pool_tensors(caches[0]), pool_tensors(caches[1]), strict=True):
+        a.normal_()
+        b.copy_(a)
+    starts, tokens, accepted = [13, 5, 20], [(11, 12, 13), (21, 22), (31,)], [2, 1, 1]
+    hidden = []
+    for cache, graphs in zip(caches, (True, False), strict=True):
+        decode = DecodeGraphs(model, cache, max_num_seqs=4, max_model_len=32, use_graphs=graphs, widths=(1, 3))
+        assert decode.capture == graphs
+        views = sequences_in(cache, starts, 3)
+        with torch.inference_mode():
+            rows, _ = decode.verify(tokens, views)
+            decode.commit(accepted)
+        hidden.append(rows.clone())
+    kernel_model.to("cpu")
+    torch.testing.assert_close(hidden[0], hidden[1], rtol=0, atol=0)
+    for a, b in zip(real_rows(caches[0]), real_rows(caches[1]), strict=True):  # scratch writes race
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def real_rows(cache: KVCache) -> list[torch.Tensor]:
+    """The pools without their scratch page and scratch conv slot."""
+    page = cache.page_size
+    kv = [t[:, : cache.scratch_page[sliding] * page] for pools in (cache.k, cache.v) for sliding, t in pools.items()]
+    return kv + [s[: cache.scratch_slot] for states in cache.conv for s in states]
