@@ -219,6 +219,9 @@ def attn_prefill_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_REL: tl.constexpr,
+    REL_WIDTH: tl.constexpr,
+    REL_PRECISION: tl.constexpr,
+    RANK1_BIAS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     USE_TAU: tl.constexpr,
 ):
@@ -229,9 +232,11 @@ def attn_prefill_kernel(
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)
     kv_head = head // GROUP
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = m_block * BLOCK_M + rows
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_r = tl.arange(0, D_REL)
     m_mask = offs_m < n_queries
     pos_q = q_start + offs_m
     q = tl.load(
@@ -240,6 +245,7 @@ def attn_prefill_kernel(
         other=0.0,
     )
     r_rows = R + offs_m.to(tl.int64) * stride_rm + head * stride_rh  # [BLOCK_M] pointers to r_head(p)[0]
+    r = tl.load(r_rows[:, None] + offs_r[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, D_REL]
     # Logits in log2 units: (q.k * sm_scale + bias) * tau(p) * log2(e), tau per query row.
     row_scale = tl.full((BLOCK_M,), 1.4426950408889634, dtype=tl.float32)
     if USE_TAU:
@@ -253,6 +259,10 @@ def attn_prefill_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(p_first - window + 1 - k_first, 0)
     hi = tl.minimum(p_last - k_first + 1, n_keys)
+    # The distance of pair (row i, key column j) of a block is d0 + i - j + BLOCK_N - 1, with d0 the block's
+    # smallest (first row, last key): column i - j + BLOCK_N - 1 of the block's distance window d0.. .
+    skew = rows[:, None] - offs_n[None, :] + (BLOCK_N - 1)  # [BLOCK_M, BLOCK_N] in [0, BLOCK_M + BLOCK_N - 1)
+    offs_w = tl.arange(0, REL_WIDTH)
 
     K_h = K + kv_head * stride_kh
     V_h = V + kv_head * stride_vh
@@ -265,16 +275,29 @@ def attn_prefill_kernel(
         k = tl.load(K_h + offs_s.to(tl.int64)[:, None] * stride_km + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_M, BLOCK_N] fp32
         delta = pos_q[:, None] - (k_first + offs_s)[None, :]  # backward distance query - key
-        if p_first - (k_first + s0 + BLOCK_N - 1) < rel_extent:  # some pair of the block is within the bias extent
-            # L(p, delta) = sum_d r(p)[d] * P[d, delta]: one rank-1 update per d, P's columns gathered per pair
-            # (P is d_rel x R, cache resident); pairs at delta outside [0, R) get 0.
-            near = (delta >= 0) & (delta < rel_extent)
-            bias = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for d in tl.static_range(D_REL):
-                r_d = tl.load(r_rows + d, mask=m_mask, other=0.0).to(tl.float32)
-                p_d = tl.load(P + d * stride_pd + delta, mask=near, other=0.0).to(tl.float32)
-                bias += r_d[:, None] * p_d
-            s += bias
+        d0 = p_first - (k_first + s0 + BLOCK_N - 1)
+        if d0 < rel_extent:  # some pair of the block is within the bias extent
+            if RANK1_BIAS:
+                # L(p, delta) = sum_d r(p)[d] * P[d, delta]: one rank-1 update per d, P's columns gathered per
+                # pair (P is d_rel x R, cache resident); pairs at delta outside [0, R) get 0.
+                near = (delta >= 0) & (delta < rel_extent)
+                bias = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for d in tl.static_range(D_REL):
+                    r_d = tl.load(r_rows + d, mask=m_mask, other=0.0).to(tl.float32)
+                    p_d = tl.load(P + d * stride_pd + delta, mask=near, other=0.0).to(tl.float32)
+                    bias += r_d[:, None] * p_d
+                s += bias
+            else:
+                # The block's rows against every distance of its window on the tensor cores, then each pair
+                # picks its own column: L(p, delta) = (r @ P[:, d0 + c])[row, c] at c = skew (0 outside [0, R)).
+                dist = d0 + offs_w
+                p_win = tl.load(
+                    P + offs_r[:, None] * stride_pd + dist[None, :],
+                    mask=((dist >= 0) & (dist < rel_extent))[None, :],
+                    other=0.0,
+                )  # [D_REL, REL_WIDTH]
+                rel = tl.dot(r, p_win, input_precision=REL_PRECISION)  # [BLOCK_M, REL_WIDTH] fp32
+                s += tl.gather(rel, skew, axis=1)
         visible = (delta >= 0) & s_mask[None, :]
         if HAS_WINDOW:
             visible = visible & (delta < window)

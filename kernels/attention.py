@@ -22,6 +22,7 @@ prefill launch, speculative verify (several queries per sequence in a decode bat
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -313,11 +314,23 @@ def _check_prefill(q, r, rel_proj, keys, values, q_start, k_first):
     return _check_common(q, r, rel_proj, keys, values, keys.shape[1])
 
 
-def _prefill_tiles(n: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): 128 x 64 tiles, 8 warps (FA2's Hopper shape at hd 128, BLOCK_N kept at 64
-    for the fp32 bias tile); fp32 halves BLOCK_M (shared memory); short chunks shrink BLOCK_M to cover n."""
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tiles of ``prefill_attention``; ``rank1_bias`` forms the bias as D_REL rank-1 updates with P gathered per
+    pair (the first kernel) instead of one ``r @ P`` product per block whose columns each pair picks."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    rank1_bias: bool = False
+
+
+def _prefill_config(n: int, dtype: torch.dtype) -> PrefillConfig:
+    """128 x 64 tiles, 8 warps (FA2's Hopper shape at hd 128); fp32 halves BLOCK_M (shared memory); short chunks
+    shrink BLOCK_M to cover n."""
     block_m = min(64 if dtype == torch.float32 else 128, max(16, 1 << (n - 1).bit_length()))
-    return block_m, 64, 8 if block_m >= 128 else 4
+    return PrefillConfig(block_m=block_m, num_warps=8 if block_m >= 128 else 4)
 
 
 def prefill_attention(
@@ -330,6 +343,7 @@ def prefill_attention(
     k_first: int,
     window: int | None = None,
     log_scaling: tuple[float, float] | None = None,
+    config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Attention of n queries of ONE sequence with the Inkling relative bias; returns ``[n, nH, hd]`` in q's dtype.
 
@@ -347,7 +361,8 @@ def prefill_attention(
 
     d_rel, rel_extent = rel_proj.shape
     alpha, n_floor = log_scaling if log_scaling is not None else (0.0, 1.0)
-    block_m, block_n, num_warps = _prefill_tiles(n, q.dtype)
+    config = config or _prefill_config(n, q.dtype)
+    block_m, block_n = config.block_m, config.block_n
     tk.attn_prefill_kernel[(n_heads, -(-n // block_m))](
         q,
         r,
@@ -380,10 +395,13 @@ def prefill_attention(
         BLOCK_N=block_n,
         HEAD_DIM=hd,
         D_REL=d_rel,
+        REL_WIDTH=1 << (block_m + block_n - 2).bit_length(),
+        REL_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        RANK1_BIAS=config.rank1_bias,
         HAS_WINDOW=window is not None,
         USE_TAU=log_scaling is not None,
-        num_warps=num_warps,
-        num_stages=2,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 

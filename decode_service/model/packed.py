@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from decode_service.model.batch import ForwardBatch, SequenceSlice
+from decode_service.model.state import K_CONV, V_CONV
 
 if TYPE_CHECKING:
     from decode_service.model.layers import Attention, ShortConv
@@ -72,7 +73,14 @@ class PackedBackend:
             rows.append(slice(offset, offset + seq.num_tokens))
             offset += seq.num_tokens
         one_token_each = bool(batch.sequences) and all(seq.num_tokens == 1 for seq in batch.sequences)
-        return PackedBatch(self.kernels, batch.sequences, rows, one_token_each)
+        segments = None
+        if self.kernels:
+            lengths = torch.tensor([seq.num_tokens for seq in batch.sequences], dtype=torch.int32)
+            cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # [B+1]
+            seq_ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)  # [T]
+            device = batch.token_ids.device
+            segments = (seq_ids.to(device, non_blocking=True), cu_seqlens.to(device, non_blocking=True))
+        return PackedBatch(self.kernels, batch.sequences, rows, one_token_each, segments)
 
 
 @dataclass
@@ -81,29 +89,34 @@ class PackedBatch:
     sequences: list[SequenceSlice]
     rows: list[slice]  # each sequence's rows of the packed T
     one_token_each: bool
+    segments: tuple[torch.Tensor, torch.Tensor] | None  # with kernels: seq_ids [T], cu_seqlens [B+1] (int32, device)
 
     def attention(
         self, attn: Attention, q: torch.Tensor, r: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor
     ) -> torch.Tensor:
         seqs = self.sequences
         q = attn.q_norm(q)
-        visible = [
-            attn.store_kv(k0[rows], v0[rows], seq.start_position, seq.layers[attn.layer])
-            for rows, seq in zip(self.rows, seqs, strict=True)
-        ]
-        attend = attn.attend
         if self.kernels and kernel_head_dim(attn.geo.head_dim):
+            visible = self._store_kv(attn, k0, v0)
             if self.one_token_each and (attn.log_scaling is None or all(first == 0 for _, _, first in visible)):
                 return decode_attention(attn, q, r, visible)  # [T, nH, hd]
             attend = partial(prefill_attention, attn)
-        return torch.cat(
-            [
-                attend(q[rows], r[rows], seq.start_position, *kv)
-                for rows, seq, kv in zip(self.rows, seqs, visible, strict=True)
+        else:
+            visible = [
+                attn.store_kv(k0[rows], v0[rows], seq.start_position, seq.layers[attn.layer])
+                for rows, seq in zip(self.rows, seqs, strict=True)
             ]
-        )  # [T, nH, hd]
+            attend = attn.attend
+        outs = [
+            attend(q[rows], r[rows], seq.start_position, *kv)
+            for rows, seq, kv in zip(self.rows, seqs, visible, strict=True)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, nH, hd]
 
     def conv(self, conv: ShortConv, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kernels:
+            y, _ = self._conv(conv.layer, conv.index, conv.weight, x, residual)
+            return y
         outputs = []
         for rows, seq in zip(self.rows, self.sequences, strict=True):
             cache = seq.layers[conv.layer]
@@ -112,6 +125,35 @@ class PackedBatch:
             outputs.append(y)
         y = torch.cat(outputs)  # [T, C]
         return y if residual is None else residual + y
+
+    def _conv(self, layer: int, index: int, weight: torch.Tensor, x: torch.Tensor, residual=None, norm=None):
+        """One `conv_prefill` launch over every sequence's rows, the states gathered from and stored back into
+        their caches; `norm` the per-head RMSNorm applied to the output."""
+        from kernels.short_conv_prefill import conv_prefill
+
+        caches = [seq.layers[layer] for seq in self.sequences]
+        states = torch.stack([cache.conv_state(index) for cache in caches])  # [B, K-1, C]
+        norm_weight, head_dim, eps = (
+            (None, None, 1e-6) if norm is None else (norm.weight, norm.weight.shape[0], norm.eps)
+        )
+        y, new_states = conv_prefill(
+            x, states, *self.segments, weight[:, 0, :], residual, norm_weight, head_dim, eps
+        )  # [T, C], [B, K-1, C]
+        for cache, state in zip(caches, new_states, strict=True):
+            cache.set_conv_state(index, state)
+        return y, new_states
+
+    def _store_kv(self, attn: Attention, k0: torch.Tensor, v0: torch.Tensor) -> list[VisibleKV]:
+        """`Attention.store_kv` of every sequence in two launches (k conv + k-norm, v conv), then the appends."""
+        geo = attn.geo
+        k, _ = self._conv(attn.layer, K_CONV, attn.k_sconv.weight, k0, norm=attn.k_norm)  # [T, nKV*hd]
+        v, _ = self._conv(attn.layer, V_CONV, attn.v_sconv.weight, v0)
+        k = k.view(-1, geo.num_kv_heads, geo.head_dim)  # [T, nKV, hd]
+        v = v.view(-1, geo.num_kv_heads, geo.head_dim)
+        return [
+            seq.layers[attn.layer].append_kv(k[rows], v[rows], seq.start_position)
+            for rows, seq in zip(self.rows, self.sequences, strict=True)
+        ]
 
 
 def decode_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, visible: Sequence[VisibleKV]) -> torch.Tensor:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kernels.attention import (
+    PrefillConfig,
     attention_reference,
     decode_attention,
     paged_attention_reference,
@@ -223,12 +224,12 @@ PREFILL_LAYOUTS = {
 }
 
 
-def check_prefill(n, layout, nkv, dtype, stacked=False, seed=0):
+def check_prefill(n, layout, nkv, dtype, stacked=False, seed=0, config=None):
     q_start, k_first, window, extent, log_scaling = PREFILL_LAYOUTS[layout]
     gen = torch.Generator().manual_seed(seed)
     m = q_start + n - k_first
     q, r, rel_proj, k, v = prefill_inputs(n, m, 8, nkv, 32, 16, extent, gen, dtype, stacked=stacked)
-    out = prefill_attention(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling)
+    out = prefill_attention(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling, config)
     ref = prefill_attention_reference(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling)
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.isfinite(out).all()
@@ -253,6 +254,19 @@ def test_prefill_attention_matches_reference(cpu_interpreter, n, layout):
 )
 def test_prefill_attention_groups_dtypes_strides(cpu_interpreter, n, layout, nkv, dtype, stacked):
     check_prefill(n, layout, nkv, dtype, stacked, seed=n + nkv)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        PrefillConfig(32, 16, 4, 2, rank1_bias=True),  # the rank-1 bias
+        PrefillConfig(16, 32, 4, 2),  # key blocks wider than query blocks
+        PrefillConfig(32, 32, 4, 3),
+    ],
+)
+@pytest.mark.parametrize("layout", ["later-global-tau", "later-window", "window-short-extent"])
+def test_prefill_attention_configs(cpu_interpreter, layout, config):
+    check_prefill(45, layout, 2, torch.float32, seed=3, config=config)
 
 
 def dense_attention(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling):
