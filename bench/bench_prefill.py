@@ -3,7 +3,7 @@
 Whole prefill: one `--tokens`-token prompt (default 8192) in `--chunk`-token steps (default 2048) on the packed
 path with the fast kernels, through a contiguous state; tokens/s and the share of the bf16 matmul peak measured in
 the same run (`bench/floors.py`) in model FLOPs (`bench_decode.prefill_flops`), then the GPU time by kernel of the
-last chunk of the prompt.
+first and the last chunk of the prompt.
 
 Attention: `prefill_attention` on the proxy's chunk shapes (2048 queries, 32 query / 8 KV heads of 128, d_rel 16,
 R 1024) for each `PrefillConfig` side by side: a sliding layer (W 512) on the first and on a later chunk, the global
@@ -26,12 +26,13 @@ from decode_service.model.batch import ForwardBatch, SequenceSlice
 from kernels.attention import PrefillConfig, prefill_attention, prefill_attention_reference
 
 CONFIGS = [
-    PrefillConfig(128, 64, 8, 2, rank1_bias=True),  # the first kernel
-    PrefillConfig(128, 64, 8, 2),
-    PrefillConfig(128, 64, 8, 3),
-    PrefillConfig(64, 64, 4, 2),
+    PrefillConfig(128, 64, 8, 2, bias="rank1"),  # the first kernel
+    PrefillConfig(64, 64, 4, 2),  # the default
     PrefillConfig(64, 64, 4, 3),
-    PrefillConfig(128, 128, 8, 2),
+    PrefillConfig(128, 64, 8, 2),
+    PrefillConfig(64, 32, 4, 2),
+    PrefillConfig(64, 64, 4, 2, bias="table"),
+    PrefillConfig(128, 64, 8, 2, bias="table"),
 ]
 # (name, q_start, k_first, window, log_scaling) of a 2048-token chunk of an 8192-token prompt
 LAYOUTS = [
@@ -55,7 +56,8 @@ def bench_attention(ceil: Ceilings, n: int = 2048, heads: int = 32, kv_heads: in
 
     print("# prefill_attention, 2048 queries, 32/8 heads of 128, d_rel 16, R 1024 (TFLOP/s, rel err vs fp32 ref)")
     names = [
-        f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}{' rank1' if c.rank1_bias else ''}" for c in CONFIGS
+        f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}{'' if c.bias == 'gather' else ' ' + c.bias}"
+        for c in CONFIGS
     ]
     print(f"# {'layout':<24} " + "  ".join(f"{name:>22}" for name in names), flush=True)
     for name, q_start, k_first, window, log_scaling in LAYOUTS:
@@ -105,17 +107,18 @@ def bench_model(ceil: Ceilings, tokens: int, chunk: int) -> None:
         f"({floor_ms / ms:.0%} of peak in model FLOPs)",
         flush=True,
     )
-    start = (tokens - 1) // chunk * chunk
-    state, _ = prefill(start)
+    for start in sorted({0, (tokens - 1) // chunk * chunk}):  # the first chunk and the last
+        state, _ = prefill(start)
+        n = min(chunk, tokens - start)
 
-    def last_chunk() -> None:
-        with torch.inference_mode():
-            model(ForwardBatch(ids[start:], [SequenceSlice(start, tokens - start, state.layers)]))
+        def one_chunk(start=start, n=n, state=state) -> None:
+            with torch.inference_mode():
+                model(ForwardBatch(ids[start : start + n], [SequenceSlice(start, n, state.layers)]))
 
-    kernels, copies, busy, top = count_launches(last_chunk)
-    by_kernel = "; ".join(f"{name[:40]} x{count} {us:.0f}" for name, count, us in top[:14])
-    print(f"# last {tokens - start}-token chunk: {kernels} kernels + {copies} copies, {busy:.1f} ms GPU busy; "
-          f"by kernel (launches, us): {by_kernel}", flush=True)  # fmt: skip
+        kernels, copies, busy, top = count_launches(one_chunk)
+        by_kernel = "; ".join(f"{name[:48]} x{count} {us:.0f}" for name, count, us in top[:16])
+        print(f"# chunk at {start} ({n} tokens): {kernels} kernels + {copies} copies, {busy:.1f} ms GPU busy; "
+              f"by kernel (launches, us): {by_kernel}", flush=True)  # fmt: skip
 
 
 def main() -> None:

@@ -191,6 +191,7 @@ def attn_prefill_kernel(
     Q,
     R,
     P,
+    Table,
     K,
     V,
     Out,
@@ -208,6 +209,8 @@ def attn_prefill_kernel(
     stride_rm,
     stride_rh,
     stride_pd,
+    stride_tm,
+    stride_th,
     stride_km,
     stride_kh,
     stride_vm,
@@ -221,7 +224,7 @@ def attn_prefill_kernel(
     D_REL: tl.constexpr,
     REL_WIDTH: tl.constexpr,
     REL_PRECISION: tl.constexpr,
-    RANK1_BIAS: tl.constexpr,
+    BIAS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     USE_TAU: tl.constexpr,
 ):
@@ -277,7 +280,11 @@ def attn_prefill_kernel(
         delta = pos_q[:, None] - (k_first + offs_s)[None, :]  # backward distance query - key
         d0 = p_first - (k_first + s0 + BLOCK_N - 1)
         if d0 < rel_extent:  # some pair of the block is within the bias extent
-            if RANK1_BIAS:
+            if BIAS == 2:  # the queries' rows of the precomputed table L[p, head, delta] (delta < rel_extent)
+                near = (delta >= 0) & (delta < rel_extent) & m_mask[:, None]
+                t_rows = Table + offs_m.to(tl.int64) * stride_tm + head * stride_th
+                s += tl.load(t_rows[:, None] + delta, mask=near, other=0.0)
+            elif BIAS == 1:
                 # L(p, delta) = sum_d r(p)[d] * P[d, delta]: one rank-1 update per d, P's columns gathered per
                 # pair (P is d_rel x R, cache resident); pairs at delta outside [0, R) get 0.
                 near = (delta >= 0) & (delta < rel_extent)

@@ -316,21 +316,23 @@ def _check_prefill(q, r, rel_proj, keys, values, q_start, k_first):
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Tiles of ``prefill_attention``; ``rank1_bias`` forms the bias as D_REL rank-1 updates with P gathered per
-    pair (the first kernel) instead of one ``r @ P`` product per block whose columns each pair picks."""
+    """Tiles of ``prefill_attention`` and how the relative bias is formed per block: "gather" (one ``r @ P``
+    product over the block's distances, each pair picking its column), "rank1" (D_REL rank-1 updates with P gathered
+    per pair, the first kernel) or "table" (``r @ P`` precomputed for every query, read per pair)."""
 
-    block_m: int = 128
+    block_m: int = 64
     block_n: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
-    rank1_bias: bool = False
+    bias: str = "gather"
 
 
-def _prefill_config(n: int, dtype: torch.dtype) -> PrefillConfig:
-    """128 x 64 tiles, 8 warps (FA2's Hopper shape at hd 128); fp32 halves BLOCK_M (shared memory); short chunks
-    shrink BLOCK_M to cover n."""
-    block_m = min(64 if dtype == torch.float32 else 128, max(16, 1 << (n - 1).bit_length()))
-    return PrefillConfig(block_m=block_m, num_warps=8 if block_m >= 128 else 4)
+_BIAS_MODES = ("gather", "rank1", "table")
+
+
+def _prefill_config(n: int) -> PrefillConfig:
+    """64 x 64 tiles, 4 warps, the r @ P product per block; short chunks shrink BLOCK_M to cover n."""
+    return PrefillConfig(block_m=min(64, max(16, 1 << (n - 1).bit_length())), block_n=64, num_warps=4)
 
 
 def prefill_attention(
@@ -361,12 +363,18 @@ def prefill_attention(
 
     d_rel, rel_extent = rel_proj.shape
     alpha, n_floor = log_scaling if log_scaling is not None else (0.0, 1.0)
-    config = config or _prefill_config(n, q.dtype)
+    config = config or _prefill_config(n)
     block_m, block_n = config.block_m, config.block_n
+    bias = _BIAS_MODES.index(config.bias)
+    table = q  # a dummy pointer, never read unless bias == "table"
+    if config.bias == "table":  # distances >= W are never visible: the table stops there
+        rel_extent = min(rel_extent, window) if window is not None else rel_extent
+        table = torch.matmul(r.float(), rel_proj[:, :rel_extent].float())  # [n, nH, R']
     tk.attn_prefill_kernel[(n_heads, -(-n // block_m))](
         q,
         r,
         rel_proj,
+        table,
         keys,
         values,
         out,
@@ -384,6 +392,8 @@ def prefill_attention(
         r.stride(0),
         r.stride(1),
         rel_proj.stride(0),
+        table.stride(0),
+        table.stride(1),
         keys.stride(0),
         keys.stride(1),
         values.stride(0),
@@ -397,7 +407,7 @@ def prefill_attention(
         D_REL=d_rel,
         REL_WIDTH=1 << (block_m + block_n - 2).bit_length(),
         REL_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        RANK1_BIAS=config.rank1_bias,
+        BIAS=bias,
         HAS_WINDOW=window is not None,
         USE_TAU=log_scaling is not None,
         num_warps=config.num_warps,

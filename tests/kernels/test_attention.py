@@ -259,7 +259,8 @@ def test_prefill_attention_groups_dtypes_strides(cpu_interpreter, n, layout, nkv
 @pytest.mark.parametrize(
     "config",
     [
-        PrefillConfig(32, 16, 4, 2, rank1_bias=True),  # the rank-1 bias
+        PrefillConfig(32, 16, 4, 2, bias="rank1"),
+        PrefillConfig(16, 32, 4, 2, bias="table"),
         PrefillConfig(16, 32, 4, 2),  # key blocks wider than query blocks
         PrefillConfig(32, 32, 4, 3),
     ],
