@@ -13,10 +13,14 @@ position s of sequence b lives at row ``table[b, s // PAGE_SIZE] * PAGE_SIZE + s
 entries of visible keys are loaded, so pages outside the window (released to a scratch page) are never read.
 
 Prefill (``attn_prefill_kernel``): program (query head, block of BLOCK_M queries) walks the key blocks of the
-causal/window band of its queries (blocks wholly outside it are never visited), online softmax in fp32. The bias
-of a (query, key) pair needs column ``p - s`` of P, a different column per pair: it is formed as D_REL rank-1
-updates ``r[:, d] x P[d, p - s]`` with P's row d gathered as a [BLOCK_M, BLOCK_N] tile (P is d_rel x R, so the
-gathers hit L1/L2), only on blocks that hold some pair closer than R.
+causal/window band of its queries (blocks wholly outside it are never visited), online softmax in fp32; keys are
+rows of a contiguous tensor or, with PAGED, of a paged pool through the sequence's pages. The bias of a (query,
+key) pair needs column ``p - s`` of P, a different column per pair. BIAS 0: the block's distances form a window of
+BLOCK_M + BLOCK_N - 1 columns of P, so one tensor-core product ``r [BLOCK_M, D_REL] @ P[:, window]`` gives every
+row's bias at every distance of the block and ``tl.gather`` picks each pair's column (i - j + BLOCK_N - 1).
+BIAS 1: D_REL rank-1 updates ``r[:, d] x P[d, p - s]`` with P's row d gathered per pair (P is d_rel x R, so the
+gathers hit L1/L2). BIAS 2: ``r @ P`` precomputed per query (``[n, nH, R']``), read per pair. Only blocks that hold
+some pair closer than R form a bias.
 """
 
 import triton
@@ -191,14 +195,16 @@ def attn_prefill_kernel(
     Q,
     R,
     P,
-    Table,
+    Bias,
     K,
     V,
+    Pages,
     Out,
     n_queries,
     n_keys,
     q_start,
     k_first,
+    page0,
     rel_extent,
     window,
     tau_alpha,
@@ -209,8 +215,8 @@ def attn_prefill_kernel(
     stride_rm,
     stride_rh,
     stride_pd,
-    stride_tm,
-    stride_th,
+    stride_bm,
+    stride_bh,
     stride_km,
     stride_kh,
     stride_vm,
@@ -227,6 +233,8 @@ def attn_prefill_kernel(
     BIAS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     USE_TAU: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     # Program (query head, query block): BLOCK_M queries of one sequence (absolute positions q_start + row) against
     # key rows j (position k_first + j) of the head's KV head, online softmax in fp32. Heads vary fastest over the
@@ -275,15 +283,22 @@ def attn_prefill_kernel(
     for s0 in range(lo, hi, BLOCK_N):
         offs_s = s0 + offs_n
         s_mask = offs_s < hi
-        k = tl.load(K_h + offs_s.to(tl.int64)[:, None] * stride_km + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        if PAGED:  # key j at position k_first + j lives in page Pages[pos // PAGE_SIZE - page0]
+            pos_k = k_first + offs_s
+            page = tl.load(Pages + pos_k // PAGE_SIZE - page0, mask=s_mask, other=0)
+            kv_rows = page.to(tl.int64) * PAGE_SIZE + pos_k % PAGE_SIZE
+        else:
+            kv_rows = offs_s.to(tl.int64)
+        k = tl.load(K_h + kv_rows[:, None] * stride_km + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        k = k.to(q.dtype)  # a pool may hold another float dtype than the activations
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_M, BLOCK_N] fp32
         delta = pos_q[:, None] - (k_first + offs_s)[None, :]  # backward distance query - key
         d0 = p_first - (k_first + s0 + BLOCK_N - 1)
         if d0 < rel_extent:  # some pair of the block is within the bias extent
             if BIAS == 2:  # the queries' rows of the precomputed table L[p, head, delta] (delta < rel_extent)
                 near = (delta >= 0) & (delta < rel_extent) & m_mask[:, None]
-                t_rows = Table + offs_m.to(tl.int64) * stride_tm + head * stride_th
-                s += tl.load(t_rows[:, None] + delta, mask=near, other=0.0)
+                b_rows = Bias + offs_m.to(tl.int64) * stride_bm + head * stride_bh
+                s += tl.load(b_rows[:, None] + delta, mask=near, other=0.0)
             elif BIAS == 1:
                 # L(p, delta) = sum_d r(p)[d] * P[d, delta]: one rank-1 update per d, P's columns gathered per
                 # pair (P is d_rel x R, cache resident); pairs at delta outside [0, R) get 0.
@@ -315,8 +330,8 @@ def attn_prefill_kernel(
         alpha = tl.exp2(m_i - m_shift)
         prob = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(prob, axis=1)
-        v = tl.load(V_h + offs_s.to(tl.int64)[:, None] * stride_vm + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+        v = tl.load(V_h + kv_rows[:, None] * stride_vm + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(

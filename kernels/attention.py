@@ -14,9 +14,10 @@ The kernel keeps logits in fp32 and does not round L or q*tau to bf16 in between
 differences. ``paged_decode_attention`` is the same kernel over one layer's paged pool ``[slots, nKV, hd]``
 addressed through a block table (positions stay absolute; pages before a sliding window may point anywhere).
 ``prefill_attention``: the same logits for n queries of one sequence at positions ``q_start..`` against its
-visible keys ``[m, nKV, hd]`` from position ``k_first``, flash-attention style (no ``[nH, n, m]`` scores).
-Excluded from this slice: ring-buffer sliding caches, prefill straight from the paged pool, several sequences per
-prefill launch, speculative verify (several queries per sequence in a decode batch).
+visible keys ``[m, nKV, hd]`` from position ``k_first``, flash-attention style (no ``[nH, n, m]`` scores);
+``paged_prefill_attention`` reads those keys in place from a paged pool through the sequence's pages.
+Excluded from this slice: ring-buffer sliding caches, several sequences per prefill launch, speculative verify
+(several queries per sequence in a decode batch).
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ _TARGET_PROGRAMS = 1056
 _NUM_WARPS, _NUM_STAGES = 4, 2
 
 
-def _check_common(q, r, rel_proj, k, v, n_kv):
+def _check_common(q, r, rel_proj, k, v, n_kv, kv_dtype_of_q=True):
     b, n_heads, hd = q.shape
     if n_heads % n_kv:
         raise ValueError(f"nH={n_heads} is not a multiple of nKV={n_kv}")
     if r.shape[:2] != (b, n_heads) or rel_proj.dim() != 2 or rel_proj.shape[0] != r.shape[2]:
         raise ValueError(f"r {tuple(r.shape)} / P {tuple(rel_proj.shape)} do not match q {tuple(q.shape)}")
-    if q.dtype != k.dtype or v.dtype != k.dtype:
+    if (kv_dtype_of_q and q.dtype != k.dtype) or v.dtype != k.dtype or not k.is_floating_point():
         raise ValueError(f"q and the caches must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     for name, t in (("q", q), ("r", r), ("P", rel_proj), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
@@ -297,7 +298,8 @@ def paged_attention_reference(
 # -- prefill: several queries of one sequence ---------------------------------------------------------------------
 
 
-def _check_prefill(q, r, rel_proj, keys, values, q_start, k_first):
+def _check_prefill(q, r, rel_proj, keys, values, q_start, k_first, paged=False):
+    """Shapes, dtypes and the key range (keys ending with the queries' own; for a pool, any rows)."""
     if q.dim() != 3 or r.dim() != 3 or keys.dim() != 3:
         raise ValueError(
             f"q [n,nH,hd], r [n,nH,d_rel], keys [m,nKV,hd] expected, got {tuple(q.shape)}, {tuple(r.shape)}, "
@@ -306,12 +308,12 @@ def _check_prefill(q, r, rel_proj, keys, values, q_start, k_first):
     if keys.shape != values.shape or keys.shape[2] != q.shape[2]:
         raise ValueError(f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match q {tuple(q.shape)}")
     n, m = q.shape[0], keys.shape[0]
-    if q_start < 0 or k_first < 0 or k_first + m != q_start + n:
+    if q_start < 0 or k_first < 0 or k_first > q_start or (not paged and k_first + m != q_start + n):
         raise ValueError(
             f"keys at positions {k_first}..{k_first + m - 1} must end with the queries' own "
             f"(positions {q_start}..{q_start + n - 1})"
         )
-    return _check_common(q, r, rel_proj, keys, values, keys.shape[1])
+    return _check_common(q, r, rel_proj, keys, values, keys.shape[1], kv_dtype_of_q=not paged)
 
 
 @dataclass(frozen=True)
@@ -355,51 +357,65 @@ def prefill_attention(
     last one (q and r may be views of one stacked projection). ``window``/``log_scaling`` as in
     ``decode_attention``. Flash-attention style: no ``[nH, n, m]`` tensor; the bias is formed per key block.
     """
-    n, n_heads, hd, n_kv = _check_prefill(q, r, rel_proj, keys, values, q_start, k_first)
+    _check_prefill(q, r, rel_proj, keys, values, q_start, k_first)
+    return _prefill_launch(q, r, rel_proj, keys, values, None, 1, q_start, k_first, window, log_scaling, config)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    r: torch.Tensor,
+    rel_proj: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    q_start: int,
+    k_first: int,
+    window: int | None = None,
+    log_scaling: tuple[float, float] | None = None,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """``prefill_attention`` with the visible keys read in place from one layer's paged pool ``[slots, nKV, hd]``:
+    key position s (``k_first <= s < q_start + n``) lives at pool row ``pages[s // page_size - k_first //
+    page_size] * page_size + s % page_size`` (``pages`` int ``[visible pages]``, from the page holding k_first).
+    The pools may hold another float dtype than q: keys and values are cast to q's dtype as they are loaded."""
+    n = q.shape[0]
+    if k_pool.dim() != 3 or v_pool.shape != k_pool.shape or page_size < 1 or k_pool.shape[0] % page_size:
+        raise ValueError(f"k/v pools [pages * {page_size}, nKV, hd] expected, got {tuple(k_pool.shape)}, "
+                         f"{tuple(v_pool.shape)}")  # fmt: skip
+    n_pages = (q_start + n - 1) // page_size - k_first // page_size + 1
+    if pages.dim() != 1 or pages.shape[0] < n_pages or pages.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"pages must be int32/int64 [>= {n_pages}] (positions {k_first}..{q_start + n - 1}), "
+                         f"got {pages.dtype} {tuple(pages.shape)}")  # fmt: skip
+    _check_prefill(q, r, rel_proj, k_pool, v_pool, q_start, k_first, paged=True)
+    return _prefill_launch(
+        q, r, rel_proj, k_pool, v_pool, pages, page_size, q_start, k_first, window, log_scaling, config
+    )
+
+
+def _prefill_launch(q, r, rel_proj, keys, values, pages, page_size, q_start, k_first, window, log_scaling, config):
+    """``attn_prefill_kernel`` over contiguous visible keys (``pages`` None) or a paged pool."""
+    from kernels import _triton_attention as tk
+
+    n, n_heads, hd = q.shape
+    n_kv = keys.shape[1]
     out = torch.empty((n, n_heads, hd), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    from kernels import _triton_attention as tk
-
     d_rel, rel_extent = rel_proj.shape
     alpha, n_floor = log_scaling if log_scaling is not None else (0.0, 1.0)
     config = config or _prefill_config(n)
     block_m, block_n = config.block_m, config.block_n
-    bias = _BIAS_MODES.index(config.bias)
-    table = q  # a dummy pointer, never read unless bias == "table"
+    bias = q  # a dummy pointer, never read unless config.bias == "table"
     if config.bias == "table":  # distances >= W are never visible: the table stops there
         rel_extent = min(rel_extent, window) if window is not None else rel_extent
-        table = torch.matmul(r.float(), rel_proj[:, :rel_extent].float())  # [n, nH, R']
+        bias = torch.matmul(r.float(), rel_proj[:, :rel_extent].float())  # [n, nH, R']
     tk.attn_prefill_kernel[(n_heads, -(-n // block_m))](
-        q,
-        r,
-        rel_proj,
-        table,
-        keys,
-        values,
-        out,
-        n,
-        keys.shape[0],
-        q_start,
-        k_first,
-        rel_extent,
-        window or 0,
-        float(alpha),
-        1.0 / float(n_floor),
-        1.0 / hd,
-        q.stride(0),
-        q.stride(1),
-        r.stride(0),
-        r.stride(1),
-        rel_proj.stride(0),
-        table.stride(0),
-        table.stride(1),
-        keys.stride(0),
-        keys.stride(1),
-        values.stride(0),
-        values.stride(1),
-        out.stride(0),
-        out.stride(1),
+        q, r, rel_proj, bias, keys, values, pages if pages is not None else q, out,
+        n, q_start + n - k_first, q_start, k_first, k_first // page_size, rel_extent, window or 0,
+        float(alpha), 1.0 / float(n_floor), 1.0 / hd,
+        q.stride(0), q.stride(1), r.stride(0), r.stride(1), rel_proj.stride(0), bias.stride(0), bias.stride(1),
+        keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), out.stride(0), out.stride(1),
         GROUP=n_heads // n_kv,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -407,13 +423,36 @@ def prefill_attention(
         D_REL=d_rel,
         REL_WIDTH=1 << (block_m + block_n - 2).bit_length(),
         REL_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BIAS=bias,
+        BIAS=_BIAS_MODES.index(config.bias),
         HAS_WINDOW=window is not None,
         USE_TAU=log_scaling is not None,
+        PAGED=pages is not None,
+        PAGE_SIZE=page_size,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-    )
+    )  # fmt: skip
     return out
+
+
+def paged_prefill_attention_reference(
+    q: torch.Tensor,
+    r: torch.Tensor,
+    rel_proj: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    q_start: int,
+    k_first: int,
+    window: int | None = None,
+    log_scaling: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """fp32 reference of ``paged_prefill_attention``: gathers the visible keys, then ``prefill_attention_reference``."""
+    pos = torch.arange(k_first, q_start + q.shape[0], device=q.device)
+    rows = pages.long()[pos // page_size - k_first // page_size] * page_size + pos % page_size
+    return prefill_attention_reference(
+        q, r, rel_proj, k_pool[rows], v_pool[rows], q_start, k_first, window, log_scaling
+    )
 
 
 def prefill_attention_reference(

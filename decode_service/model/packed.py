@@ -1,18 +1,20 @@
 """The packed attention backend: the sequences of a `ForwardBatch` back to back, each against its own `LayerCache`.
 
-Any mix of prefill chunks and decode tokens. Per sequence, the k/v convs run on its conv states and the new keys
-and values are appended to its cache, which returns every key still visible; then attention over those keys, by
-one of three ops fixed when the model is built and by the batch:
+Any mix of prefill chunks and decode tokens. With the kernels, the k/v convs (with the k-norm) and the residual
+convs run once over all the packed rows (`conv_prefill`, the states gathered from and stored back into the
+caches), the new keys and values are appended to each sequence's cache, then attention, by one of four ops fixed
+when the model is built and by the batch:
 
-* torch (`Attention.attend`, the reference) without attention kernels, or for a head_dim the kernels do not take
-  (they want a power of two >= 16);
+* torch (`Attention.attend`, the reference, per sequence: convs, KV append, attention) without attention kernels,
+  or for a head_dim the kernels do not take (they want a power of two >= 16);
 * with kernels, a batch in which every sequence brings one token: `decode_attention` over the visible keys padded
   into one `[B, S, nKV, hd]` buffer (two copies of the visible KV per layer; the paged backend avoids them), unless
   a log-scaled layer's cache does not start at position 0 (the kernel addresses keys by position);
-* otherwise `prefill_attention`, one flash-style launch per sequence.
+* otherwise, over the engine's paged caches (`PagedLayerCache`): `paged_prefill_attention` per sequence, the
+  visible keys read in place from the pools through the sequence's pages;
+* otherwise `prefill_attention` per sequence over the visible keys its cache returns.
 
-Not yet here: prefill over the paged pools in place (the engine's cache gathers a chunk's visible keys first), and
-one launch for all the sequences of a packed batch.
+Not yet here: one attention launch for all the sequences of a packed batch.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from decode_service.model.batch import ForwardBatch, SequenceSlice
-from decode_service.model.state import K_CONV, V_CONV
+from decode_service.model.state import K_CONV, V_CONV, PagedKV, PagedLayerCache
 
 if TYPE_CHECKING:
     from decode_service.model.layers import Attention, ShortConv
@@ -96,22 +98,36 @@ class PackedBatch:
     ) -> torch.Tensor:
         seqs = self.sequences
         q = attn.q_norm(q)
-        if self.kernels and kernel_head_dim(attn.geo.head_dim):
-            visible = self._store_kv(attn, k0, v0)
-            if self.one_token_each and (attn.log_scaling is None or all(first == 0 for _, _, first in visible)):
-                return decode_attention(attn, q, r, visible)  # [T, nH, hd]
-            attend = partial(prefill_attention, attn)
-        else:
+        if not (self.kernels and kernel_head_dim(attn.geo.head_dim)):
             visible = [
                 attn.store_kv(k0[rows], v0[rows], seq.start_position, seq.layers[attn.layer])
                 for rows, seq in zip(self.rows, seqs, strict=True)
             ]
-            attend = attn.attend
-        outs = [
-            attend(q[rows], r[rows], seq.start_position, *kv)
-            for rows, seq, kv in zip(self.rows, seqs, visible, strict=True)
+            return self._per_sequence(attn.attend, q, r, visible)
+        k, v = self._convolve_kv(attn, k0, v0)  # [T, nKV, hd] x2
+        caches = [seq.layers[attn.layer] for seq in seqs]
+        if not self.one_token_each and all(isinstance(cache, PagedLayerCache) for cache in caches):
+            paged = [
+                cache.append_kv_paged(k[rows], v[rows], seq.start_position)
+                for rows, seq, cache in zip(self.rows, seqs, caches, strict=True)
+            ]
+            return self._per_sequence(partial(paged_prefill_attention, attn), q, r, paged)
+        visible = [
+            cache.append_kv(k[rows], v[rows], seq.start_position)
+            for rows, seq, cache in zip(self.rows, seqs, caches, strict=True)
         ]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, nH, hd]
+        if self.one_token_each and (attn.log_scaling is None or all(first == 0 for _, _, first in visible)):
+            return decode_attention(attn, q, r, visible)  # [T, nH, hd]
+        return self._per_sequence(partial(prefill_attention, attn), q, r, visible)
+
+    def _per_sequence(self, attend, q: torch.Tensor, r: torch.Tensor, visible: list) -> torch.Tensor:
+        """`attend(q, r, start, keys...)` of each sequence's rows (keys: a `VisibleKV` or a `PagedKV`),
+        concatenated -> `[T, nH, hd]`."""
+        outs = [
+            attend(q[rows], r[rows], seq.start_position, *(kv if isinstance(kv, tuple) else (kv,)))
+            for rows, seq, kv in zip(self.rows, self.sequences, visible, strict=True)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def conv(self, conv: ShortConv, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.kernels:
@@ -143,17 +159,12 @@ class PackedBatch:
             cache.set_conv_state(index, state)
         return y, new_states
 
-    def _store_kv(self, attn: Attention, k0: torch.Tensor, v0: torch.Tensor) -> list[VisibleKV]:
-        """`Attention.store_kv` of every sequence in two launches (k conv + k-norm, v conv), then the appends."""
+    def _convolve_kv(self, attn: Attention, k0: torch.Tensor, v0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`Attention.store_kv`'s convs and k-norm for every sequence in two launches -> k, v `[T, nKV, hd]`."""
         geo = attn.geo
         k, _ = self._conv(attn.layer, K_CONV, attn.k_sconv.weight, k0, norm=attn.k_norm)  # [T, nKV*hd]
         v, _ = self._conv(attn.layer, V_CONV, attn.v_sconv.weight, v0)
-        k = k.view(-1, geo.num_kv_heads, geo.head_dim)  # [T, nKV, hd]
-        v = v.view(-1, geo.num_kv_heads, geo.head_dim)
-        return [
-            seq.layers[attn.layer].append_kv(k[rows], v[rows], seq.start_position)
-            for rows, seq in zip(self.rows, self.sequences, strict=True)
-        ]
+        return k.view(-1, geo.num_kv_heads, geo.head_dim), v.view(-1, geo.num_kv_heads, geo.head_dim)
 
 
 def decode_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, visible: Sequence[VisibleKV]) -> torch.Tensor:
@@ -185,5 +196,17 @@ def prefill_attention(
     rel_proj, r = rel_bank(attn, r)
     return kernel(
         q, r, rel_proj, keys.to(q.dtype), values.to(q.dtype), start, first,
+        window=attn.geo.window, log_scaling=log_scaling(attn),
+    )  # fmt: skip
+
+
+def paged_prefill_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, start: int, kv: PagedKV) -> torch.Tensor:
+    """`prefill_attention` with the visible keys read in place from the layer's paged pools (in q's dtype, as the
+    engine allocates them)."""
+    from kernels.attention import paged_prefill_attention as kernel
+
+    rel_proj, r = rel_bank(attn, r)
+    return kernel(
+        q, r, rel_proj, kv.k_pool, kv.v_pool, kv.pages, kv.page_size, start, kv.first,
         window=attn.geo.window, log_scaling=log_scaling(attn),
     )  # fmt: skip

@@ -9,6 +9,8 @@ from kernels.attention import (
     decode_attention,
     paged_attention_reference,
     paged_decode_attention,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
     prefill_attention,
     prefill_attention_reference,
 )
@@ -270,6 +272,48 @@ def test_prefill_attention_configs(cpu_interpreter, layout, config):
     check_prefill(45, layout, 2, torch.float32, seed=3, config=config)
 
 
+def paged_keys(keys, values, k_first, page_size, gen):
+    """Keys/values ``[m, nKV, hd]`` from position k_first scattered into shuffled pages of a NaN-filled pool
+    ``[pages * page_size, nKV, hd]`` (a few spare pages) -> (k_pool, v_pool, pages of the visible positions)."""
+    m = keys.shape[0]
+    page0, last = k_first // page_size, (k_first + m - 1) // page_size
+    n_pages = last - page0 + 1
+    perm = torch.randperm(n_pages + 3, generator=gen)
+    pages = perm[:n_pages].int()
+    pos = torch.arange(k_first, k_first + m)
+    rows = pages.long()[pos // page_size - page0] * page_size + pos % page_size
+    pools = torch.full((2, (n_pages + 3) * page_size, *keys.shape[1:]), float("nan"), dtype=keys.dtype)
+    pools[0, rows], pools[1, rows] = keys, values
+    return pools[0], pools[1], pages
+
+
+@pytest.mark.parametrize("page_size", [16, 5])
+@pytest.mark.parametrize("layout", ["later-global-tau", "later-window", "window-short-extent"])
+def test_paged_prefill_attention_reads_the_pool_in_place(cpu_interpreter, layout, page_size):
+    q_start, k_first, window, extent, log_scaling = PREFILL_LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(page_size)
+    n = 45
+    m = q_start + n - k_first
+    q, r, rel_proj, k, v = prefill_inputs(n, m, 8, 2, 32, 16, extent, gen, torch.float32)
+    k_pool, v_pool, pages = paged_keys(k, v, k_first, page_size, gen)
+    args = (q, r, rel_proj, k_pool, v_pool, pages, page_size, q_start, k_first, window, log_scaling)
+    out = paged_prefill_attention(*args)
+    torch.testing.assert_close(paged_prefill_attention_reference(*args), prefill_attention_reference(
+        q, r, rel_proj, k, v, q_start, k_first, window, log_scaling), rtol=0, atol=0)  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, prefill_attention(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling))
+
+
+def test_paged_prefill_attention_casts_a_pool_of_another_dtype(cpu_interpreter):
+    q_start, k_first, window, extent, log_scaling = PREFILL_LAYOUTS["later-window"]
+    gen = torch.Generator().manual_seed(9)
+    n = 20
+    q, r, rel_proj, k, v = prefill_inputs(n, q_start + n - k_first, 8, 2, 32, 16, extent, gen, torch.float16)
+    k_pool, v_pool, pages = paged_keys(k.float(), v.float(), k_first, 8, gen)  # an fp32 pool
+    out = paged_prefill_attention(q, r, rel_proj, k_pool, v_pool, pages, 8, q_start, k_first, window)
+    assert torch.equal(out, prefill_attention(q, r, rel_proj, k, v, q_start, k_first, window))
+
+
 def dense_attention(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling):
     """The spec's formula pair by pair: logit = tau(p) * (q.k / hd + L(p, p - s) [p - s < R]), masked, softmax."""
     n, nh, hd = q.shape
@@ -339,3 +383,14 @@ def test_prefill_attention_gpu_full_heads(cuda_device, n, q_start, k_first, wind
     err = rel_err(out, ref)
     print(f"prefill_attention n={n} q_start={q_start} m={m} window={window} tau={log_scaling}: rel {err:.2e}")
     assert torch.isfinite(out).all() and err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,q_start,k_first,window", [(2048, 6144, 5633, 512), (2048, 6144, 0, None)])
+def test_paged_prefill_attention_gpu_equals_contiguous(cuda_device, n, q_start, k_first, window):
+    gen = torch.Generator().manual_seed(n + q_start)
+    m = q_start + n - k_first
+    q, r, rel_proj, k, v = prefill_inputs(n, m, 32, 8, 128, 16, 1024, gen, torch.bfloat16, cuda_device, True)
+    k_pool, v_pool, pages = (t.to(cuda_device) for t in paged_keys(k.cpu(), v.cpu(), k_first, 16, gen))
+    out = paged_prefill_attention(q, r, rel_proj, k_pool, v_pool, pages, 16, q_start, k_first, window)
+    assert torch.equal(out, prefill_attention(q, r, rel_proj, k, v, q_start, k_first, window))
