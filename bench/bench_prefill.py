@@ -1,17 +1,17 @@
 """Prefill of the Small-L6 proxy (bench/proxy.py) against its FLOP floor, and the prefill attention kernel's tiles.
 
 Whole prefill: one `--tokens`-token prompt (default 8192) in `--chunk`-token steps (default 2048) on the packed
-path with the fast kernels, through a contiguous state (attention over the keys its cache returns) and through the
-engine's paged KV cache (attention over the pools in place); tokens/s and the share of the bf16 matmul peak measured in
-the same run (`bench/floors.py`) in model FLOPs (`bench_decode.prefill_flops`), then the GPU time by kernel of the
-first and the last chunk of the prompt.
+path with the fast kernels, through a contiguous state (attention over the keys its cache returns) and through
+the engine's paged KV cache (attention over the pools in place); tokens/s and the share of the bf16 matmul peak
+measured in the same run (`bench/floors.py`) in model FLOPs (`bench_decode.prefill_flops`), then the GPU time by
+kernel of the first and the last chunk of the prompt.
 
 Attention: `prefill_attention` on the proxy's chunk shapes (2048 queries, 32 query / 8 KV heads of 128, d_rel 16,
-R 1024) for each `PrefillConfig` side by side: a sliding layer (W 512), the global layer (tau) on the first and the last
-chunk of the prompt; attention FLOPs (4 nH hd per visible pair) over time,
-next to the bf16 peak, and the error against the fp32 reference.
+R 1024) for each `PrefillConfig` side by side: a sliding layer (W 512), the global layer (tau) on the first and
+the last chunk of the prompt; attention FLOPs (4 nH hd per visible pair) over time, next to the bf16 peak, and
+the error against the fp32 reference.
 
-    python3 -m bench.bench_prefill [--tokens 8192] [--chunk 2048] [--no-model]
+    python3 -m bench.bench_prefill [--tokens 8192] [--chunk 2048] [--no-model] [--no-attention]
 """
 
 from __future__ import annotations

@@ -200,6 +200,8 @@ def attn_prefill_kernel(
     V,
     Pages,
     Out,
+    Blocks,
+    Seqs,
     n_queries,
     n_keys,
     q_start,
@@ -223,6 +225,7 @@ def attn_prefill_kernel(
     stride_vh,
     stride_om,
     stride_oh,
+    stride_pages,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -239,9 +242,26 @@ def attn_prefill_kernel(
     # Program (query head, query block): BLOCK_M queries of one sequence (absolute positions q_start + row) against
     # key rows j (position k_first + j) of the head's KV head, online softmax in fp32. Heads vary fastest over the
     # grid, so the GROUP heads of a KV head read the same K/V blocks at about the same time (L2 hits); query
-    # blocks run last-first, the longest key ranges first.
+    # blocks run last-first, the longest key ranges first. PAGED: the block is (sequence, query block) of a packed
+    # batch (Blocks, heaviest first), the sequence's (first row, queries, q_start, k_first) in Seqs and its pages
+    # in row `sequence` of Pages; the scalar arguments are then unused.
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)
+    if PAGED:
+        block = tl.program_id(1)
+        seq = tl.load(Blocks + 2 * block)
+        m_block = tl.load(Blocks + 2 * block + 1)
+        row0 = tl.load(Seqs + 4 * seq).to(tl.int64)
+        n_queries = tl.load(Seqs + 4 * seq + 1)
+        q_start = tl.load(Seqs + 4 * seq + 2)
+        k_first = tl.load(Seqs + 4 * seq + 3)
+        n_keys = q_start + n_queries - k_first
+        page0 = k_first // PAGE_SIZE
+        Q += row0 * stride_qm
+        R += row0 * stride_rm
+        Out += row0 * stride_om
+        Bias += row0 * stride_bm
+        Pages += seq.to(tl.int64) * stride_pages
     kv_head = head // GROUP
     rows = tl.arange(0, BLOCK_M)
     offs_m = m_block * BLOCK_M + rows

@@ -23,6 +23,7 @@ Excluded from this slice: ring-buffer sliding caches, several sequences per pref
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -367,34 +368,71 @@ def paged_prefill_attention(
     rel_proj: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    pages: torch.Tensor,
+    page_table: torch.Tensor,
     page_size: int,
-    q_start: int,
-    k_first: int,
+    lengths: Sequence[int],
+    q_starts: Sequence[int],
+    k_firsts: Sequence[int],
     window: int | None = None,
     log_scaling: tuple[float, float] | None = None,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
-    """``prefill_attention`` with the visible keys read in place from one layer's paged pool ``[slots, nKV, hd]``:
-    key position s (``k_first <= s < q_start + n``) lives at pool row ``pages[s // page_size - k_first //
-    page_size] * page_size + s % page_size`` (``pages`` int ``[visible pages]``, from the page holding k_first).
-    The pools may hold another float dtype than q: keys and values are cast to q's dtype as they are loaded."""
-    n = q.shape[0]
+    """``prefill_attention`` of a packed batch of sequences in one launch, their visible keys read in place from one
+    layer's paged pool ``[slots, nKV, hd]``; returns ``[T, nH, hd]``.
+
+    Sequence b owns ``lengths[b]`` consecutive rows of q ``[T, nH, hd]`` / r ``[T, nH, d_rel]`` (queries at positions
+    ``q_starts[b]..``) and sees keys from position ``k_firsts[b]``: position s lives at pool row ``page_table[b,
+    s // page_size - k_firsts[b] // page_size] * page_size + s % page_size`` (``page_table`` int ``[B, max_pages]``,
+    row b from the page holding ``k_firsts[b]``). The pools may hold another float dtype than q: keys and values are
+    cast to q's dtype as they are loaded. The lists are host ints (one small upload of the launch's block list).
+    """
+    b = len(lengths)
+    if not len(q_starts) == len(k_firsts) == b or sum(lengths) != q.shape[0] or min(lengths, default=1) < 1:
+        raise ValueError(f"lengths {list(lengths)}, q_starts {list(q_starts)}, k_firsts {list(k_firsts)}: one of "
+                         f"each per sequence, lengths >= 1 summing to q's {q.shape[0]} rows")  # fmt: skip
     if k_pool.dim() != 3 or v_pool.shape != k_pool.shape or page_size < 1 or k_pool.shape[0] % page_size:
         raise ValueError(f"k/v pools [pages * {page_size}, nKV, hd] expected, got {tuple(k_pool.shape)}, "
                          f"{tuple(v_pool.shape)}")  # fmt: skip
-    n_pages = (q_start + n - 1) // page_size - k_first // page_size + 1
-    if pages.dim() != 1 or pages.shape[0] < n_pages or pages.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"pages must be int32/int64 [>= {n_pages}] (positions {k_first}..{q_start + n - 1}), "
-                         f"got {pages.dtype} {tuple(pages.shape)}")  # fmt: skip
-    _check_prefill(q, r, rel_proj, k_pool, v_pool, q_start, k_first, paged=True)
+    spans = zip(lengths, q_starts, k_firsts, strict=True)
+    n_pages = max(((qs + n - 1) // page_size - kf // page_size + 1 for n, qs, kf in spans), default=0)
+    if (
+        page_table.dim() != 2
+        or page_table.shape[0] != b
+        or page_table.shape[1] < n_pages
+        or (page_table.dtype not in (torch.int32, torch.int64) or page_table.stride(-1) != 1)
+    ):
+        raise ValueError(f"page_table must be int32/int64 [B={b}, >= {n_pages}] with a unit last stride, got "
+                         f"{page_table.dtype} {tuple(page_table.shape)} strides {page_table.stride()}")  # fmt: skip
+    _check_prefill(q, r, rel_proj, k_pool, v_pool, 0, 0, paged=True)
+    if not all(0 <= kf <= qs for qs, kf in zip(q_starts, k_firsts, strict=True)):
+        raise ValueError(f"q_starts {list(q_starts)} / k_firsts {list(k_firsts)}: need 0 <= k_first <= q_start")
     return _prefill_launch(
-        q, r, rel_proj, k_pool, v_pool, pages, page_size, q_start, k_first, window, log_scaling, config
-    )
+        q, r, rel_proj, k_pool, v_pool, page_table, page_size, (lengths, q_starts, k_firsts), 0, window,
+        log_scaling, config,
+    )  # fmt: skip
+
+
+def _block_list(lengths, q_starts, k_firsts, block_m, window, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Blocks int32 [num_blocks, 2] = (sequence, query block), heaviest key range first; Seqs int32 [B, 4] =
+    (first row, queries, q_start, k_first)) on `device`, in one upload."""
+    blocks, row = [], 0
+    seqs = []
+    for b, (n, qs, kf) in enumerate(zip(lengths, q_starts, k_firsts, strict=True)):
+        seqs.append((row, n, qs, kf))
+        row += n
+        for m in range(-(-n // block_m)):
+            last = qs + min((m + 1) * block_m, n) - 1
+            lo = max(kf, qs + m * block_m - window + 1) if window is not None else kf
+            blocks.append((last - lo, b, m))
+    blocks.sort(key=lambda blk: -blk[0])
+    flat = [v for _, b, m in blocks for v in (b, m)] + [v for seq in seqs for v in seq]
+    meta = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
+    return meta[: 2 * len(blocks)], meta[2 * len(blocks) :]
 
 
 def _prefill_launch(q, r, rel_proj, keys, values, pages, page_size, q_start, k_first, window, log_scaling, config):
-    """``attn_prefill_kernel`` over contiguous visible keys (``pages`` None) or a paged pool."""
+    """``attn_prefill_kernel`` over one sequence's contiguous visible keys (``pages`` None, q_start/k_first ints) or
+    a packed batch over a paged pool (``pages`` the page table, q_start = (lengths, q_starts, k_firsts))."""
     from kernels import _triton_attention as tk
 
     n, n_heads, hd = q.shape
@@ -404,18 +442,25 @@ def _prefill_launch(q, r, rel_proj, keys, values, pages, page_size, q_start, k_f
         return out
     d_rel, rel_extent = rel_proj.shape
     alpha, n_floor = log_scaling if log_scaling is not None else (0.0, 1.0)
-    config = config or _prefill_config(n)
+    paged = pages is not None
+    config = config or _prefill_config(max(q_start[0]) if paged else n)
     block_m, block_n = config.block_m, config.block_n
     bias = q  # a dummy pointer, never read unless config.bias == "table"
     if config.bias == "table":  # distances >= W are never visible: the table stops there
         rel_extent = min(rel_extent, window) if window is not None else rel_extent
         bias = torch.matmul(r.float(), rel_proj[:, :rel_extent].float())  # [n, nH, R']
-    tk.attn_prefill_kernel[(n_heads, -(-n // block_m))](
-        q, r, rel_proj, bias, keys, values, pages if pages is not None else q, out,
-        n, q_start + n - k_first, q_start, k_first, k_first // page_size, rel_extent, window or 0,
-        float(alpha), 1.0 / float(n_floor), 1.0 / hd,
+    if paged:
+        blocks, seqs = _block_list(*q_start, block_m, window, q.device)
+        grid, scalars = (n_heads, blocks.shape[0] // 2), (0, 0, 0, 0, 0)
+    else:
+        blocks = seqs = q  # dummy pointers
+        grid, scalars = (n_heads, -(-n // block_m)), (n, q_start + n - k_first, q_start, k_first, 0)
+    tk.attn_prefill_kernel[grid](
+        q, r, rel_proj, bias, keys, values, pages if paged else q, out, blocks, seqs,
+        *scalars, rel_extent, window or 0, float(alpha), 1.0 / float(n_floor), 1.0 / hd,
         q.stride(0), q.stride(1), r.stride(0), r.stride(1), rel_proj.stride(0), bias.stride(0), bias.stride(1),
         keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), out.stride(0), out.stride(1),
+        pages.stride(0) if paged else 0,
         GROUP=n_heads // n_kv,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -426,7 +471,7 @@ def _prefill_launch(q, r, rel_proj, keys, values, pages, page_size, q_start, k_f
         BIAS=_BIAS_MODES.index(config.bias),
         HAS_WINDOW=window is not None,
         USE_TAU=log_scaling is not None,
-        PAGED=pages is not None,
+        PAGED=paged,
         PAGE_SIZE=page_size,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -440,19 +485,26 @@ def paged_prefill_attention_reference(
     rel_proj: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    pages: torch.Tensor,
+    page_table: torch.Tensor,
     page_size: int,
-    q_start: int,
-    k_first: int,
+    lengths: Sequence[int],
+    q_starts: Sequence[int],
+    k_firsts: Sequence[int],
     window: int | None = None,
     log_scaling: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """fp32 reference of ``paged_prefill_attention``: gathers the visible keys, then ``prefill_attention_reference``."""
-    pos = torch.arange(k_first, q_start + q.shape[0], device=q.device)
-    rows = pages.long()[pos // page_size - k_first // page_size] * page_size + pos % page_size
-    return prefill_attention_reference(
-        q, r, rel_proj, k_pool[rows], v_pool[rows], q_start, k_first, window, log_scaling
-    )
+    """fp32 reference of ``paged_prefill_attention``: each sequence's visible keys gathered, then
+    ``prefill_attention_reference``."""
+    outs, row = [], 0
+    for b, (n, q_start, k_first) in enumerate(zip(lengths, q_starts, k_firsts, strict=True)):
+        pos = torch.arange(k_first, q_start + n, device=q.device)
+        rows = page_table[b].long()[pos // page_size - k_first // page_size] * page_size + pos % page_size
+        one = slice(row, row + n)
+        outs.append(prefill_attention_reference(
+            q[one], r[one], rel_proj, k_pool[rows], v_pool[rows], q_start, k_first, window, log_scaling
+        ))  # fmt: skip
+        row += n
+    return torch.cat(outs)
 
 
 def prefill_attention_reference(

@@ -10,11 +10,12 @@ when the model is built and by the batch:
 * with kernels, a batch in which every sequence brings one token: `decode_attention` over the visible keys padded
   into one `[B, S, nKV, hd]` buffer (two copies of the visible KV per layer; the paged backend avoids them), unless
   a log-scaled layer's cache does not start at position 0 (the kernel addresses keys by position);
-* otherwise, over the engine's paged caches (`PagedLayerCache`): `paged_prefill_attention` per sequence, the
-  visible keys read in place from the pools through the sequence's pages;
+* otherwise, over the engine's paged caches (`PagedLayerCache`): `paged_prefill_attention`, one launch for all
+  the sequences, the visible keys read in place from the pools through each sequence's pages;
 * otherwise `prefill_attention` per sequence over the visible keys its cache returns.
 
-Not yet here: one attention launch for all the sequences of a packed batch.
+Not yet here: one attention launch for all the sequences of a packed batch over contiguous caches (each has its
+own tensors), and the KV writes of all sequences in one launch.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class PackedBatch:
                 cache.append_kv_paged(k[rows], v[rows], seq.start_position)
                 for rows, seq, cache in zip(self.rows, seqs, caches, strict=True)
             ]
-            return self._per_sequence(partial(paged_prefill_attention, attn), q, r, paged)
+            return paged_prefill_attention(attn, q, r, seqs, paged)  # [T, nH, hd]
         visible = [
             cache.append_kv(k[rows], v[rows], seq.start_position)
             for rows, seq, cache in zip(self.rows, seqs, caches, strict=True)
@@ -120,11 +121,10 @@ class PackedBatch:
             return decode_attention(attn, q, r, visible)  # [T, nH, hd]
         return self._per_sequence(partial(prefill_attention, attn), q, r, visible)
 
-    def _per_sequence(self, attend, q: torch.Tensor, r: torch.Tensor, visible: list) -> torch.Tensor:
-        """`attend(q, r, start, keys...)` of each sequence's rows (keys: a `VisibleKV` or a `PagedKV`),
-        concatenated -> `[T, nH, hd]`."""
+    def _per_sequence(self, attend, q: torch.Tensor, r: torch.Tensor, visible: list[VisibleKV]) -> torch.Tensor:
+        """`attend(q, r, start, keys, values, first)` of each sequence's rows, concatenated -> `[T, nH, hd]`."""
         outs = [
-            attend(q[rows], r[rows], seq.start_position, *(kv if isinstance(kv, tuple) else (kv,)))
+            attend(q[rows], r[rows], seq.start_position, *kv)
             for rows, seq, kv in zip(self.rows, self.sequences, visible, strict=True)
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -148,7 +148,10 @@ class PackedBatch:
         from kernels.short_conv_prefill import conv_prefill
 
         caches = [seq.layers[layer] for seq in self.sequences]
-        states = torch.stack([cache.conv_state(index) for cache in caches])  # [B, K-1, C]
+        if len(caches) == 1:
+            states = caches[0].conv_state(index)[None]  # [1, K-1, C], a view
+        else:
+            states = torch.stack([cache.conv_state(index) for cache in caches])  # [B, K-1, C]
         norm_weight, head_dim, eps = (
             (None, None, 1e-6) if norm is None else (norm.weight, norm.weight.shape[0], norm.eps)
         )
@@ -200,13 +203,20 @@ def prefill_attention(
     )  # fmt: skip
 
 
-def paged_prefill_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, start: int, kv: PagedKV) -> torch.Tensor:
-    """`prefill_attention` with the visible keys read in place from the layer's paged pools (in q's dtype, as the
-    engine allocates them)."""
+def paged_prefill_attention(
+    attn: Attention, q: torch.Tensor, r: torch.Tensor, seqs: Sequence[SequenceSlice], paged: Sequence[PagedKV]
+) -> torch.Tensor:
+    """`Attention.attend` of every sequence in one launch, the visible keys read in place from the layer's pools
+    (one pool for all: the sequences share the engine's cache); q `[T, nH, hd]` (q-normed), r `[T, nH, d_rel]`."""
     from kernels.attention import paged_prefill_attention as kernel
 
+    k_pool, v_pool, page_size = paged[0].k_pool, paged[0].v_pool, paged[0].page_size
+    assert all(kv.k_pool.data_ptr() == k_pool.data_ptr() for kv in paged), "sequences of one batch share the pools"
+    pages = [kv.pages for kv in paged]
+    table = pages[0][None] if len(pages) == 1 else pad_sequence(pages, batch_first=True)  # [B, max_pages]
     rel_proj, r = rel_bank(attn, r)
     return kernel(
-        q, r, rel_proj, kv.k_pool, kv.v_pool, kv.pages, kv.page_size, start, kv.first,
+        q, r, rel_proj, k_pool, v_pool, table, page_size,
+        [seq.num_tokens for seq in seqs], [seq.start_position for seq in seqs], [kv.first for kv in paged],
         window=attn.geo.window, log_scaling=log_scaling(attn),
     )  # fmt: skip

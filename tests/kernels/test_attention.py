@@ -288,30 +288,53 @@ def paged_keys(keys, values, k_first, page_size, gen):
 
 
 @pytest.mark.parametrize("page_size", [16, 5])
-@pytest.mark.parametrize("layout", ["later-global-tau", "later-window", "window-short-extent"])
-def test_paged_prefill_attention_reads_the_pool_in_place(cpu_interpreter, layout, page_size):
-    q_start, k_first, window, extent, log_scaling = PREFILL_LAYOUTS[layout]
+def test_paged_prefill_attention_packs_sequences_over_one_pool(cpu_interpreter, page_size):
+    """Four sequences (one of a single token) in one launch over one shuffled pool: each equals `prefill_attention`
+    over its own contiguous keys exactly, and the reference gathers the same keys."""
     gen = torch.Generator().manual_seed(page_size)
-    n = 45
-    m = q_start + n - k_first
-    q, r, rel_proj, k, v = prefill_inputs(n, m, 8, 2, 32, 16, extent, gen, torch.float32)
-    k_pool, v_pool, pages = paged_keys(k, v, k_first, page_size, gen)
-    args = (q, r, rel_proj, k_pool, v_pool, pages, page_size, q_start, k_first, window, log_scaling)
-    out = paged_prefill_attention(*args)
-    torch.testing.assert_close(paged_prefill_attention_reference(*args), prefill_attention_reference(
-        q, r, rel_proj, k, v, q_start, k_first, window, log_scaling), rtol=0, atol=0)  # fmt: skip
+    window, extent = 40, 40
+    spans = [(45, 50, 11), (30, 120, 81), (1, 70, 31), (20, 0, 0)]  # (n, q_start, k_first): keys from the window
+    inputs = [prefill_inputs(n, q_start + n - k_first, 8, 2, 32, 16, extent, gen, torch.float32)
+              for n, q_start, k_first in spans]  # fmt: skip
+    rel_proj = inputs[0][2]
+    num_pages = sum(k.shape[0] for *_, k, _ in inputs) // page_size + 2 * len(spans) + 3
+    pool = torch.full((2, num_pages * page_size, 2, 32), float("nan"))
+    perm, used, tables = torch.randperm(num_pages, generator=gen), 0, []
+    for (n, q_start, k_first), (*_, k, v) in zip(spans, inputs, strict=True):
+        n_pages = (q_start + n - 1) // page_size - k_first // page_size + 1
+        pages = perm[used : used + n_pages]
+        used += n_pages
+        pos = torch.arange(k_first, q_start + n)
+        slots = pages[pos // page_size - k_first // page_size] * page_size + pos % page_size
+        pool[0, slots], pool[1, slots] = k, v
+        tables.append(pages)
+    table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True).int()
+    lengths, q_starts, k_firsts = zip(*spans, strict=True)
+    q, r = torch.cat([x[0] for x in inputs]), torch.cat([x[1] for x in inputs])
+    args = (q, r, rel_proj, pool[0], pool[1], table, page_size, lengths, q_starts, k_firsts, window)
+    config = PrefillConfig(64, 32, 4, 2)  # the same tiles for each sequence alone: the same sums
+    out = paged_prefill_attention(*args, config=config)
+    ref = paged_prefill_attention_reference(*args)
     assert torch.isfinite(out).all()
-    assert torch.equal(out, prefill_attention(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling))
+    row = 0
+    for (n, q_start, k_first), (q1, r1, _, k, v) in zip(spans, inputs, strict=True):
+        alone = prefill_attention(q1, r1, rel_proj, k, v, q_start, k_first, window, config=config)
+        assert torch.equal(out[row : row + n], alone)
+        alone = prefill_attention_reference(q1, r1, rel_proj, k, v, q_start, k_first, window)
+        torch.testing.assert_close(ref[row : row + n], alone, rtol=0, atol=0)
+        row += n
 
 
-def test_paged_prefill_attention_casts_a_pool_of_another_dtype(cpu_interpreter):
-    q_start, k_first, window, extent, log_scaling = PREFILL_LAYOUTS["later-window"]
+def test_paged_prefill_attention_global_tau_and_a_pool_of_another_dtype(cpu_interpreter):
+    q_start, k_first, window, extent, log_scaling = PREFILL_LAYOUTS["later-global-tau"]
     gen = torch.Generator().manual_seed(9)
     n = 20
     q, r, rel_proj, k, v = prefill_inputs(n, q_start + n - k_first, 8, 2, 32, 16, extent, gen, torch.float16)
     k_pool, v_pool, pages = paged_keys(k.float(), v.float(), k_first, 8, gen)  # an fp32 pool
-    out = paged_prefill_attention(q, r, rel_proj, k_pool, v_pool, pages, 8, q_start, k_first, window)
-    assert torch.equal(out, prefill_attention(q, r, rel_proj, k, v, q_start, k_first, window))
+    out = paged_prefill_attention(
+        q, r, rel_proj, k_pool, v_pool, pages[None], 8, [n], [q_start], [k_first], window, log_scaling
+    )
+    assert torch.equal(out, prefill_attention(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling))
 
 
 def dense_attention(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling):
@@ -392,5 +415,5 @@ def test_paged_prefill_attention_gpu_equals_contiguous(cuda_device, n, q_start, 
     m = q_start + n - k_first
     q, r, rel_proj, k, v = prefill_inputs(n, m, 32, 8, 128, 16, 1024, gen, torch.bfloat16, cuda_device, True)
     k_pool, v_pool, pages = (t.to(cuda_device) for t in paged_keys(k.cpu(), v.cpu(), k_first, 16, gen))
-    out = paged_prefill_attention(q, r, rel_proj, k_pool, v_pool, pages, 16, q_start, k_first, window)
+    out = paged_prefill_attention(q, r, rel_proj, k_pool, v_pool, pages[None], 16, [n], [q_start], [k_first], window)
     assert torch.equal(out, prefill_attention(q, r, rel_proj, k, v, q_start, k_first, window))
