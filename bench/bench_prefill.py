@@ -32,11 +32,11 @@ from kernels.attention import PrefillConfig, prefill_attention, prefill_attentio
 
 CONFIGS = [
     PrefillConfig(128, 64, 8, 2, bias="rank1"),  # the first kernel
+    PrefillConfig(64, 64, 4, 3, bias="gather"),
     PrefillConfig(64, 64, 4, 2),  # the default
     PrefillConfig(64, 64, 4, 3),
     PrefillConfig(128, 64, 8, 2),
-    PrefillConfig(64, 32, 4, 2),
-    PrefillConfig(64, 64, 4, 2, bias="table"),
+    PrefillConfig(64, 128, 4, 2),
 ]
 # (name, q_start, k_first, window, log_scaling) of a 2048-token chunk of an 8192-token prompt
 LAYOUTS = [
@@ -59,7 +59,7 @@ def bench_attention(ceil: Ceilings, n: int = 2048, heads: int = 32, kv_heads: in
 
     print("# prefill_attention, 2048 queries, 32/8 heads of 128, d_rel 16, R 1024 (TFLOP/s, rel err vs fp32 ref)")
     names = [
-        f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}{'' if c.bias == 'gather' else ' ' + c.bias}"
+        f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}{'' if c.bias == 'table' else ' ' + c.bias}"
         for c in CONFIGS
     ]
     print(f"# {'layout':<24} " + "  ".join(f"{name:>22}" for name in names), flush=True)

@@ -293,14 +293,47 @@ def attn_prefill_kernel(
     # The distance of pair (row i, key column j) of a block is d0 + i - j + BLOCK_N - 1, with d0 the block's
     # smallest (first row, last key): column i - j + BLOCK_N - 1 of the block's distance window d0.. .
     skew = rows[:, None] - offs_n[None, :] + (BLOCK_N - 1)  # [BLOCK_M, BLOCK_N] in [0, BLOCK_M + BLOCK_N - 1)
-    offs_w = tl.arange(0, REL_WIDTH)
 
     K_h = K + kv_head * stride_kh
     V_h = V + kv_head * stride_vh
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    for s0 in range(lo, hi, BLOCK_N):
+    # Two passes over the band: the blocks wholly beyond the bias extent first (no bias), then those holding some
+    # pair closer than R, which form the bias every block (no branch in the loop, so its loads are pipelined).
+    d_first = p_first - k_first - BLOCK_N + 2 - rel_extent  # key blocks from here on hold a pair within R
+    near_lo = tl.minimum(lo + (tl.maximum(d_first - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, hi)
+    for near in tl.static_range(2):
+        m_i, l_i, acc = _prefill_blocks(
+            q, r, r_rows, P, Bias, K_h, V_h, Pages, m_i, l_i, acc, near_lo if near else lo, hi if near else near_lo,
+            hi, pos_q, offs_m, m_mask, row_scale, skew, p_first, k_first, page0, rel_extent, window, sm_scale,
+            stride_pd, stride_bm, stride_bh, stride_km, stride_vm, head, BLOCK_M, BLOCK_N, HEAD_DIM, D_REL,
+            REL_WIDTH, REL_PRECISION, BIAS, near == 1, HAS_WINDOW, PAGED, PAGE_SIZE,
+        )  # fmt: skip
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        Out + offs_m.to(tl.int64)[:, None] * stride_om + head * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_mask[:, None],
+    )
+
+
+@triton.jit
+def _prefill_blocks(
+    q, r, r_rows, P, Bias, K_h, V_h, Pages, m_i, l_i, acc, start, end, hi, pos_q, offs_m, m_mask, row_scale,
+    skew, p_first, k_first, page0, rel_extent, window, sm_scale, stride_pd, stride_bm, stride_bh, stride_km,
+    stride_vm, head,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_REL: tl.constexpr,
+    REL_WIDTH: tl.constexpr, REL_PRECISION: tl.constexpr, BIAS: tl.constexpr, NEAR: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Key blocks ``start, start + BLOCK_N, .. < end`` of one query block into its online softmax (m, l, acc);
+    NEAR: the blocks hold pairs closer than R, form the bias."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_r = tl.arange(0, D_REL)
+    offs_w = tl.arange(0, REL_WIDTH)
+    for s0 in range(start, end, BLOCK_N):
         offs_s = s0 + offs_n
         s_mask = offs_s < hi
         if PAGED:  # key j at position k_first + j lives in page Pages[pos // PAGE_SIZE - page0]
@@ -313,8 +346,8 @@ def attn_prefill_kernel(
         k = k.to(q.dtype)  # a pool may hold another float dtype than the activations
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_M, BLOCK_N] fp32
         delta = pos_q[:, None] - (k_first + offs_s)[None, :]  # backward distance query - key
-        d0 = p_first - (k_first + s0 + BLOCK_N - 1)
-        if d0 < rel_extent:  # some pair of the block is within the bias extent
+        d0 = p_first - (k_first + s0 + BLOCK_N - 1)  # the block's smallest distance
+        if NEAR:
             if BIAS == 2:  # the queries' rows of the precomputed table L[p, head, delta] (delta < rel_extent)
                 near = (delta >= 0) & (delta < rel_extent) & m_mask[:, None]
                 b_rows = Bias + offs_m.to(tl.int64) * stride_bm + head * stride_bh
@@ -353,9 +386,4 @@ def attn_prefill_kernel(
         v = tl.load(V_h + kv_rows[:, None] * stride_vm + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(prob.to(q.dtype), v.to(q.dtype))
         m_i = m_new
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(
-        Out + offs_m.to(tl.int64)[:, None] * stride_om + head * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=m_mask[:, None],
-    )
+    return m_i, l_i, acc

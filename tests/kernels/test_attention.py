@@ -262,8 +262,8 @@ def test_prefill_attention_groups_dtypes_strides(cpu_interpreter, n, layout, nkv
     "config",
     [
         PrefillConfig(32, 16, 4, 2, bias="rank1"),
-        PrefillConfig(16, 32, 4, 2, bias="table"),
-        PrefillConfig(16, 32, 4, 2),  # key blocks wider than query blocks
+        PrefillConfig(16, 32, 4, 2, bias="gather"),  # key blocks wider than query blocks
+        PrefillConfig(32, 16, 4, 2, bias="gather"),
         PrefillConfig(32, 32, 4, 3),
     ],
 )
