@@ -417,7 +417,7 @@ def paged_prefill_attention(
 
 def _block_list(lengths, q_starts, k_firsts, block_m, window, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(Blocks int32 [num_blocks, 2] = (sequence, query block), heaviest key range first; Seqs int32 [B, 4] =
-    (first row, queries, q_start, k_first)) on `device`, in one upload."""
+    (first row, queries, q_start, k_first)) on `device`, in one asynchronous upload."""
     blocks, row = [], 0
     seqs = []
     for b, (n, qs, kf) in enumerate(zip(lengths, q_starts, k_firsts, strict=True)):
@@ -429,7 +429,9 @@ def _block_list(lengths, q_starts, k_firsts, block_m, window, device) -> tuple[t
             blocks.append((last - lo, b, m))
     blocks.sort(key=lambda blk: -blk[0])
     flat = [v for _, b, m in blocks for v in (b, m)] + [v for seq in seqs for v in seq]
-    meta = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
+    meta = torch.tensor(flat, dtype=torch.int32)
+    if device.type == "cuda":  # from pinned memory the upload does not wait for the work queued before it
+        meta = meta.pin_memory().to(device, non_blocking=True)
     return meta[: 2 * len(blocks)], meta[2 * len(blocks) :]
 
 

@@ -81,8 +81,10 @@ class PackedBackend:
             lengths = torch.tensor([seq.num_tokens for seq in batch.sequences], dtype=torch.int32)
             cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # [B+1]
             seq_ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)  # [T]
+            meta = torch.cat([seq_ids, cu_seqlens])  # one upload, from pinned memory on CUDA (no wait on the queue)
             device = batch.token_ids.device
-            segments = (seq_ids.to(device, non_blocking=True), cu_seqlens.to(device, non_blocking=True))
+            meta = meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
+            segments = (meta[: len(seq_ids)], meta[len(seq_ids) :])
         return PackedBatch(self.kernels, batch.sequences, rows, one_token_each, segments)
 
 

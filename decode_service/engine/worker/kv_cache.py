@@ -249,9 +249,11 @@ class SequenceView:
         assert len(pages) == self._pages_for(start + n) - first // page_size, "KV written past the allocated pages"
         page_ids = torch.tensor(pages, dtype=torch.int64)
         slots = page_ids[positions // page_size - first // page_size] * page_size + positions % page_size
-        device = self.cache.spec.device
-        slots = slots.to(device)
-        indices = (slots[start - first :], slots, first, page_ids.to(device))
+        device = torch.device(self.cache.spec.device)
+        host = torch.cat([slots, page_ids])  # one upload, from pinned memory on CUDA (no wait on the queue)
+        host = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+        slots, page_ids = host[: slots.shape[0]], host[slots.shape[0] :]
+        indices = (slots[start - first :], slots, first, page_ids)
         self._index[sliding] = ((start, n), indices)
         return indices
 
