@@ -28,7 +28,7 @@ from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
-from kernels.attention import PrefillConfig, prefill_attention, prefill_attention_reference
+from kernels.prefill_attention import PrefillConfig, prefill_attention, prefill_attention_reference
 
 CONFIGS = [
     PrefillConfig(128, 64, 8, 2, bias="rank1"),  # the first kernel

@@ -1,5 +1,5 @@
 """Triton code for Inkling attention: decode (one new query per sequence) and prefill (a chunk of queries of one
-sequence). Public entry: kernels/attention.py.
+sequence). Public entries: kernels/attention.py (decode), kernels/prefill_attention.py.
 
 Split-KV ("flash-decoding"): program (b, kv head, split) walks its chunk of visible keys for the GROUP query
 heads that share the KV head (padded to BLOCK_H rows so the products run on the tensor cores), keeps an

@@ -196,7 +196,7 @@ def prefill_attention(
 ) -> torch.Tensor:
     """`Attention.attend` on the prefill kernel: q `[n, nH, hd]` (q-normed) and r `[n, nH, d_rel]` of the queries at
     `start..`, the visible keys/values `[m, nKV, hd]` from position `first` (cast to q's dtype) -> `[n, nH, hd]`."""
-    from kernels.attention import prefill_attention as kernel
+    from kernels.prefill_attention import prefill_attention as kernel
 
     rel_proj, r = rel_bank(attn, r)
     return kernel(
@@ -210,7 +210,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """`Attention.attend` of every sequence in one launch, the visible keys read in place from the layer's pools
     (one pool for all: the sequences share the engine's cache); q `[T, nH, hd]` (q-normed), r `[T, nH, d_rel]`."""
-    from kernels.attention import paged_prefill_attention as kernel
+    from kernels.prefill_attention import paged_prefill_attention as kernel
 
     k_pool, v_pool, page_size = paged[0].k_pool, paged[0].v_pool, paged[0].page_size
     assert all(kv.k_pool.data_ptr() == k_pool.data_ptr() for kv in paged), "sequences of one batch share the pools"
