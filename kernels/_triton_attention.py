@@ -1,5 +1,5 @@
 """Triton code for Inkling attention: decode (one new query per sequence) and prefill (a chunk of queries of one
-sequence). Public entry: kernels/attention.py.
+sequence). Public entries: kernels/attention.py (decode), kernels/prefill_attention.py.
 
 Split-KV ("flash-decoding"): program (b, kv head, split) walks its chunk of visible keys for the GROUP query
 heads that share the KV head (padded to BLOCK_H rows so the products run on the tensor cores), keeps an
@@ -16,10 +16,14 @@ position s of sequence b lives at row ``table[b, s // PAGE_SIZE] * PAGE_SIZE + s
 entries of visible keys are loaded, so pages outside the window (released to a scratch page) are never read.
 
 Prefill (``attn_prefill_kernel``): program (query head, block of BLOCK_M queries) walks the key blocks of the
-causal/window band of its queries (blocks wholly outside it are never visited), online softmax in fp32. The bias
-of a (query, key) pair needs column ``p - s`` of P, a different column per pair: it is formed as D_REL rank-1
-updates ``r[:, d] x P[d, p - s]`` with P's row d gathered as a [BLOCK_M, BLOCK_N] tile (P is d_rel x R, so the
-gathers hit L1/L2), only on blocks that hold some pair closer than R.
+causal/window band of its queries (blocks wholly outside it are never visited), online softmax in fp32; keys are
+rows of a contiguous tensor or, with PAGED, of a paged pool through the sequence's pages. The bias of a (query,
+key) pair needs column ``p - s`` of P, a different column per pair. BIAS 0: the block's distances form a window of
+BLOCK_M + BLOCK_N - 1 columns of P, so one tensor-core product ``r [BLOCK_M, D_REL] @ P[:, window]`` gives every
+row's bias at every distance of the block and ``tl.gather`` picks each pair's column (i - j + BLOCK_N - 1).
+BIAS 1: D_REL rank-1 updates ``r[:, d] x P[d, p - s]`` with P's row d gathered per pair (P is d_rel x R, so the
+gathers hit L1/L2). BIAS 2: ``r @ P`` precomputed per query (``[n, nH, R']``), read per pair. Only blocks that hold
+some pair closer than R form a bias.
 """
 
 import triton
@@ -227,13 +231,18 @@ def attn_prefill_kernel(
     Q,
     R,
     P,
+    Bias,
     K,
     V,
+    Pages,
     Out,
+    Blocks,
+    Seqs,
     n_queries,
     n_keys,
     q_start,
     k_first,
+    page0,
     rel_extent,
     window,
     tau_alpha,
@@ -244,30 +253,57 @@ def attn_prefill_kernel(
     stride_rm,
     stride_rh,
     stride_pd,
+    stride_bm,
+    stride_bh,
     stride_km,
     stride_kh,
     stride_vm,
     stride_vh,
     stride_om,
     stride_oh,
+    stride_pages,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_REL: tl.constexpr,
+    REL_WIDTH: tl.constexpr,
+    REL_PRECISION: tl.constexpr,
+    BIAS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     USE_TAU: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     # Program (query head, query block): BLOCK_M queries of one sequence (absolute positions q_start + row) against
     # key rows j (position k_first + j) of the head's KV head, online softmax in fp32. Heads vary fastest over the
     # grid, so the GROUP heads of a KV head read the same K/V blocks at about the same time (L2 hits); query
-    # blocks run last-first, the longest key ranges first.
+    # blocks run last-first, the longest key ranges first. PAGED: the block is (sequence, query block) of a packed
+    # batch (Blocks, heaviest first), the sequence's (first row, queries, q_start, k_first) in Seqs and its pages
+    # in row `sequence` of Pages; the scalar arguments are then unused.
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)
+    if PAGED:
+        block = tl.program_id(1)
+        seq = tl.load(Blocks + 2 * block)
+        m_block = tl.load(Blocks + 2 * block + 1)
+        row0 = tl.load(Seqs + 4 * seq).to(tl.int64)
+        n_queries = tl.load(Seqs + 4 * seq + 1)
+        q_start = tl.load(Seqs + 4 * seq + 2)
+        k_first = tl.load(Seqs + 4 * seq + 3)
+        n_keys = q_start + n_queries - k_first
+        page0 = k_first // PAGE_SIZE
+        Q += row0 * stride_qm
+        R += row0 * stride_rm
+        Out += row0 * stride_om
+        Bias += row0 * stride_bm
+        Pages += seq.to(tl.int64) * stride_pages
     kv_head = head // GROUP
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = m_block * BLOCK_M + rows
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_r = tl.arange(0, D_REL)
     m_mask = offs_m < n_queries
     pos_q = q_start + offs_m
     q = tl.load(
@@ -276,6 +312,7 @@ def attn_prefill_kernel(
         other=0.0,
     )
     r_rows = R + offs_m.to(tl.int64) * stride_rm + head * stride_rh  # [BLOCK_M] pointers to r_head(p)[0]
+    r = tl.load(r_rows[:, None] + offs_r[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, D_REL]
     # Logits in log2 units: (q.k * sm_scale + bias) * tau(p) * log2(e), tau per query row.
     row_scale = tl.full((BLOCK_M,), 1.4426950408889634, dtype=tl.float32)
     if USE_TAU:
@@ -289,28 +326,89 @@ def attn_prefill_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(p_first - window + 1 - k_first, 0)
     hi = tl.minimum(p_last - k_first + 1, n_keys)
+    # The distance of pair (row i, key column j) of a block is d0 + i - j + BLOCK_N - 1, with d0 the block's
+    # smallest (first row, last key): column i - j + BLOCK_N - 1 of the block's distance window d0.. .
+    skew = rows[:, None] - offs_n[None, :] + (BLOCK_N - 1)  # [BLOCK_M, BLOCK_N] in [0, BLOCK_M + BLOCK_N - 1)
 
     K_h = K + kv_head * stride_kh
     V_h = V + kv_head * stride_vh
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    for s0 in range(lo, hi, BLOCK_N):
+    # Two passes over the band: the blocks wholly beyond the bias extent first (no bias), then those holding some
+    # pair closer than R, which form the bias every block (no branch in the loop, so its loads are pipelined).
+    d_first = p_first - k_first - BLOCK_N + 2 - rel_extent  # key blocks from here on hold a pair within R
+    near_lo = tl.minimum(lo + (tl.maximum(d_first - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, hi)
+    for near in tl.static_range(2):
+        m_i, l_i, acc = _prefill_blocks(
+            q, r, r_rows, P, Bias, K_h, V_h, Pages, m_i, l_i, acc, near_lo if near else lo, hi if near else near_lo,
+            hi, pos_q, offs_m, m_mask, row_scale, skew, p_first, k_first, page0, rel_extent, window, sm_scale,
+            stride_pd, stride_bm, stride_bh, stride_km, stride_vm, head, BLOCK_M, BLOCK_N, HEAD_DIM, D_REL,
+            REL_WIDTH, REL_PRECISION, BIAS, near == 1, HAS_WINDOW, PAGED, PAGE_SIZE,
+        )  # fmt: skip
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        Out + offs_m.to(tl.int64)[:, None] * stride_om + head * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_mask[:, None],
+    )
+
+
+@triton.jit
+def _prefill_blocks(
+    q, r, r_rows, P, Bias, K_h, V_h, Pages, m_i, l_i, acc, start, end, hi, pos_q, offs_m, m_mask, row_scale,
+    skew, p_first, k_first, page0, rel_extent, window, sm_scale, stride_pd, stride_bm, stride_bh, stride_km,
+    stride_vm, head,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_REL: tl.constexpr,
+    REL_WIDTH: tl.constexpr, REL_PRECISION: tl.constexpr, BIAS: tl.constexpr, NEAR: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Key blocks ``start, start + BLOCK_N, .. < end`` of one query block into its online softmax (m, l, acc);
+    NEAR: the blocks hold pairs closer than R, form the bias."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_r = tl.arange(0, D_REL)
+    offs_w = tl.arange(0, REL_WIDTH)
+    for s0 in range(start, end, BLOCK_N):
         offs_s = s0 + offs_n
         s_mask = offs_s < hi
-        k = tl.load(K_h + offs_s.to(tl.int64)[:, None] * stride_km + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        if PAGED:  # key j at position k_first + j lives in page Pages[pos // PAGE_SIZE - page0]
+            pos_k = k_first + offs_s
+            page = tl.load(Pages + pos_k // PAGE_SIZE - page0, mask=s_mask, other=0)
+            kv_rows = page.to(tl.int64) * PAGE_SIZE + pos_k % PAGE_SIZE
+        else:
+            kv_rows = offs_s.to(tl.int64)
+        k = tl.load(K_h + kv_rows[:, None] * stride_km + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        k = k.to(q.dtype)  # a pool may hold another float dtype than the activations
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_M, BLOCK_N] fp32
         delta = pos_q[:, None] - (k_first + offs_s)[None, :]  # backward distance query - key
-        if p_first - (k_first + s0 + BLOCK_N - 1) < rel_extent:  # some pair of the block is within the bias extent
-            # L(p, delta) = sum_d r(p)[d] * P[d, delta]: one rank-1 update per d, P's columns gathered per pair
-            # (P is d_rel x R, cache resident); pairs at delta outside [0, R) get 0.
-            near = (delta >= 0) & (delta < rel_extent)
-            bias = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for d in tl.static_range(D_REL):
-                r_d = tl.load(r_rows + d, mask=m_mask, other=0.0).to(tl.float32)
-                p_d = tl.load(P + d * stride_pd + delta, mask=near, other=0.0).to(tl.float32)
-                bias += r_d[:, None] * p_d
-            s += bias
+        d0 = p_first - (k_first + s0 + BLOCK_N - 1)  # the block's smallest distance
+        if NEAR:
+            if BIAS == 2:  # the queries' rows of the precomputed table L[p, head, delta] (delta < rel_extent)
+                near = (delta >= 0) & (delta < rel_extent) & m_mask[:, None]
+                b_rows = Bias + offs_m.to(tl.int64) * stride_bm + head * stride_bh
+                s += tl.load(b_rows[:, None] + delta, mask=near, other=0.0)
+            elif BIAS == 1:
+                # L(p, delta) = sum_d r(p)[d] * P[d, delta]: one rank-1 update per d, P's columns gathered per
+                # pair (P is d_rel x R, cache resident); pairs at delta outside [0, R) get 0.
+                near = (delta >= 0) & (delta < rel_extent)
+                bias = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for d in tl.static_range(D_REL):
+                    r_d = tl.load(r_rows + d, mask=m_mask, other=0.0).to(tl.float32)
+                    p_d = tl.load(P + d * stride_pd + delta, mask=near, other=0.0).to(tl.float32)
+                    bias += r_d[:, None] * p_d
+                s += bias
+            else:
+                # The block's rows against every distance of its window on the tensor cores, then each pair
+                # picks its own column: L(p, delta) = (r @ P[:, d0 + c])[row, c] at c = skew (0 outside [0, R)).
+                dist = d0 + offs_w
+                p_win = tl.load(
+                    P + offs_r[:, None] * stride_pd + dist[None, :],
+                    mask=((dist >= 0) & (dist < rel_extent))[None, :],
+                    other=0.0,
+                )  # [D_REL, REL_WIDTH]
+                rel = tl.dot(r, p_win, input_precision=REL_PRECISION)  # [BLOCK_M, REL_WIDTH] fp32
+                s += tl.gather(rel, skew, axis=1)
         visible = (delta >= 0) & s_mask[None, :]
         if HAS_WINDOW:
             visible = visible & (delta < window)
@@ -321,12 +419,7 @@ def attn_prefill_kernel(
         alpha = tl.exp2(m_i - m_shift)
         prob = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(prob, axis=1)
-        v = tl.load(V_h + offs_s.to(tl.int64)[:, None] * stride_vm + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+        v = tl.load(V_h + kv_rows[:, None] * stride_vm + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(q.dtype), v.to(q.dtype))
         m_i = m_new
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(
-        Out + offs_m.to(tl.int64)[:, None] * stride_om + head * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=m_mask[:, None],
-    )
+    return m_i, l_i, acc

@@ -222,3 +222,88 @@ def kv_prologue_kernel(
         qn = rms_apply(qf, q_rstd[:, None], tl.load(QNormW + offs)[None, :], Q.dtype.element_ty)
         q_ptrs = QOut + b * stride_qom + q_heads[:, None] * stride_qoh + offs[None, :]
         tl.store(q_ptrs, qn.to(QOut.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def conv_prefill_kernel(
+    X,
+    States,
+    NewStates,
+    SeqIds,
+    CuSeqlens,
+    W,
+    Res,
+    NormW,
+    Out,
+    n_rows,
+    n_cols,
+    eps,
+    stride_xm,
+    stride_sb,
+    stride_sk,
+    stride_nb,
+    stride_nk,
+    stride_wc,
+    stride_wk,
+    stride_rm,
+    stride_om,
+    KERNEL_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    # Program (row block, channel block) of the packed rows: row t of sequence b = SeqIds[t] sits at offset
+    # pos = t - cu[b] of its n_b new rows; tap j reads input pos - (K-1) + j, a row of X or, before the chunk,
+    # row K-1 + (pos - (K-1) + j) of the sequence's old state. New states go to their own tensor (other programs
+    # still read the old ones): the last K-1 rows of a sequence's window, from X where it has them, else from the
+    # old state (copied by the program holding the sequence's first row).
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_mask = t < n_rows
+    c_mask = cols < n_cols
+    mask = t_mask[:, None] & c_mask[None, :]
+    seq = tl.load(SeqIds + t, mask=t_mask, other=0).to(tl.int64)
+    begin = tl.load(CuSeqlens + seq, mask=t_mask, other=0)
+    n = tl.load(CuSeqlens + seq + 1, mask=t_mask, other=0) - begin
+    pos = t - begin
+    t64 = t.to(tl.int64)
+    x = tl.load(X + t64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    S_b = States + seq[:, None] * stride_sb + cols[None, :]
+    conv = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(KERNEL_SIZE):
+        w_j = tl.load(W + cols * stride_wc + j * stride_wk, mask=c_mask, other=0.0).to(tl.float32)
+        if j == KERNEL_SIZE - 1:
+            tap = xf
+        else:
+            o = pos - (KERNEL_SIZE - 1) + j  # this tap's input offset in the sequence
+            in_x = (o >= 0)[:, None]
+            from_x = tl.load(X + (t64 - (KERNEL_SIZE - 1) + j)[:, None] * stride_xm + cols[None, :],
+                             mask=mask & in_x, other=0.0)  # fmt: skip
+            from_s = tl.load(S_b + (KERNEL_SIZE - 1 + o)[:, None] * stride_sk, mask=mask & ~in_x, other=0.0)
+            tap = tl.where(in_x, from_x, from_s.to(x.dtype)).to(tl.float32)
+        conv += tap * w_j  # terms added in order j = 0..K-1 (no fused multiply-add), as ShortConv.step
+    y = (xf + conv).to(x.dtype)
+    if HAS_RESIDUAL:
+        r = tl.load(Res + t64[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(x.dtype)
+    if HAS_NORM:  # per row over this block's channels (one head)
+        yf = y.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(yf * yf, axis=1) / BLOCK_C + eps)
+        nw = tl.load(NormW + tl.arange(0, BLOCK_C))
+        out = rms_apply(yf, rstd[:, None], nw[None, :], x.dtype)
+    else:
+        out = y
+    tl.store(Out + t64[:, None] * stride_om + cols[None, :], out.to(Out.dtype.element_ty), mask=mask)
+
+    # New state row i = window row n + i: input n + i - (K-1), from X at offsets >= 0.
+    state_ty = NewStates.dtype.element_ty
+    N_b = NewStates + seq[:, None] * stride_nb + cols[None, :]
+    i_x = pos - (n - (KERNEL_SIZE - 1))
+    tl.store(N_b + i_x[:, None] * stride_nk, x.to(state_ty), mask=mask & (i_x >= 0)[:, None])
+    first = mask & (pos == 0)[:, None]
+    for i in tl.static_range(KERNEL_SIZE - 1):
+        keep = first & (n + i < KERNEL_SIZE - 1)[:, None]  # a chunk shorter than K-1 keeps old rows
+        old = tl.load(S_b + (n + i)[:, None] * stride_sk, mask=keep, other=0.0)
+        tl.store(N_b + i * stride_nk, old.to(x.dtype).to(state_ty), mask=keep)

@@ -1,5 +1,5 @@
-"""Inkling attention with the relative bias (spec inkling-text 3.3-3.5): decode (one new query per sequence against
-its cached keys) and prefill (a chunk of queries of one sequence).
+"""Inkling decode attention with the relative bias (spec inkling-text 3.3-3.5): one new query per sequence against
+its cached keys (prefill, a chunk of queries per sequence: kernels/prefill_attention.py).
 
 For sequence b with ``seq_lens[b]`` keys (the new token's k/v already written at slot ``seq_lens[b] - 1``,
 which is also the query's absolute position p), query head j and KV head ``j // (nH / nKV)``:
@@ -13,11 +13,9 @@ Inputs: q ``[B, nH, hd]`` (after q_norm, before tau), r ``[B, nH, d_rel]``, P ``
 The kernel keeps logits in fp32 and does not round L or q*tau to bf16 in between (HF does): rounding-level
 differences. ``paged_decode_attention`` is the same kernel over one layer's paged pool ``[slots, nKV, hd]``
 addressed through a block table (positions stay absolute; pages before a sliding window may point anywhere).
-``prefill_attention``: the same logits for n queries of one sequence at positions ``q_start..`` against its
-visible keys ``[m, nKV, hd]`` from position ``k_first``, flash-attention style (no ``[nH, n, m]`` scores).
 ``paged_decode_attention(..., rows_per_seq=W)``: W consecutive queries per sequence (an MTP verify), one program
-for all W rows of a sequence and KV head, so each key is read once for them. Excluded from this slice: ring-buffer
-sliding caches, prefill straight from the paged pool, several sequences per prefill launch.
+for all W rows of a sequence and KV head, so each key is read once for them. Prefill attention lives in
+``kernels/prefill_attention.py``. Excluded from this slice: ring-buffer sliding caches.
 """
 
 from __future__ import annotations
@@ -34,13 +32,13 @@ _TARGET_PROGRAMS = 1056
 _NUM_WARPS, _NUM_STAGES = 4, 2
 
 
-def _check_common(q, r, rel_proj, k, v, n_kv):
+def _check_common(q, r, rel_proj, k, v, n_kv, kv_dtype_of_q=True):
     b, n_heads, hd = q.shape
     if n_heads % n_kv:
         raise ValueError(f"nH={n_heads} is not a multiple of nKV={n_kv}")
     if r.shape[:2] != (b, n_heads) or rel_proj.dim() != 2 or rel_proj.shape[0] != r.shape[2]:
         raise ValueError(f"r {tuple(r.shape)} / P {tuple(rel_proj.shape)} do not match q {tuple(q.shape)}")
-    if q.dtype != k.dtype or v.dtype != k.dtype:
+    if (kv_dtype_of_q and q.dtype != k.dtype) or v.dtype != k.dtype or not k.is_floating_point():
         raise ValueError(f"q and the caches must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     for name, t in (("q", q), ("r", r), ("P", rel_proj), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
@@ -304,137 +302,4 @@ def paged_attention_reference(
         out[one] = attention_reference(
             q[one], r[one], rel_proj, k_pool[rows][None], v_pool[rows][None], seq_lens[one], window, log_scaling
         )
-    return out
-
-
-# -- prefill: several queries of one sequence ---------------------------------------------------------------------
-
-
-def _check_prefill(q, r, rel_proj, keys, values, q_start, k_first):
-    if q.dim() != 3 or r.dim() != 3 or keys.dim() != 3:
-        raise ValueError(
-            f"q [n,nH,hd], r [n,nH,d_rel], keys [m,nKV,hd] expected, got {tuple(q.shape)}, {tuple(r.shape)}, "
-            f"{tuple(keys.shape)}"
-        )
-    if keys.shape != values.shape or keys.shape[2] != q.shape[2]:
-        raise ValueError(f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match q {tuple(q.shape)}")
-    n, m = q.shape[0], keys.shape[0]
-    if q_start < 0 or k_first < 0 or k_first + m != q_start + n:
-        raise ValueError(
-            f"keys at positions {k_first}..{k_first + m - 1} must end with the queries' own "
-            f"(positions {q_start}..{q_start + n - 1})"
-        )
-    return _check_common(q, r, rel_proj, keys, values, keys.shape[1])
-
-
-def _prefill_tiles(n: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): 128 x 64 tiles, 8 warps (FA2's Hopper shape at hd 128, BLOCK_N kept at 64
-    for the fp32 bias tile); fp32 halves BLOCK_M (shared memory); short chunks shrink BLOCK_M to cover n."""
-    block_m = min(64 if dtype == torch.float32 else 128, max(16, 1 << (n - 1).bit_length()))
-    return block_m, 64, 8 if block_m >= 128 else 4
-
-
-def prefill_attention(
-    q: torch.Tensor,
-    r: torch.Tensor,
-    rel_proj: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    q_start: int,
-    k_first: int,
-    window: int | None = None,
-    log_scaling: tuple[float, float] | None = None,
-) -> torch.Tensor:
-    """Attention of n queries of ONE sequence with the Inkling relative bias; returns ``[n, nH, hd]`` in q's dtype.
-
-    q ``[n, nH, hd]`` (after q_norm, before tau) at absolute positions ``q_start .. q_start+n-1``, r ``[n, nH,
-    d_rel]``, P ``[d_rel, R]``, keys/values ``[m, nKV, hd]``: every key visible to these queries, row j at position
-    ``k_first + j``, ending with the queries' own keys (``k_first + m == q_start + n``). Any strides with a unit
-    last one (q and r may be views of one stacked projection). ``window``/``log_scaling`` as in
-    ``decode_attention``. Flash-attention style: no ``[nH, n, m]`` tensor; the bias is formed per key block.
-    """
-    n, n_heads, hd, n_kv = _check_prefill(q, r, rel_proj, keys, values, q_start, k_first)
-    out = torch.empty((n, n_heads, hd), dtype=q.dtype, device=q.device)
-    if n == 0:
-        return out
-    from kernels import _triton_attention as tk
-
-    d_rel, rel_extent = rel_proj.shape
-    alpha, n_floor = log_scaling if log_scaling is not None else (0.0, 1.0)
-    block_m, block_n, num_warps = _prefill_tiles(n, q.dtype)
-    tk.attn_prefill_kernel[(n_heads, -(-n // block_m))](
-        q,
-        r,
-        rel_proj,
-        keys,
-        values,
-        out,
-        n,
-        keys.shape[0],
-        q_start,
-        k_first,
-        rel_extent,
-        window or 0,
-        float(alpha),
-        1.0 / float(n_floor),
-        1.0 / hd,
-        q.stride(0),
-        q.stride(1),
-        r.stride(0),
-        r.stride(1),
-        rel_proj.stride(0),
-        keys.stride(0),
-        keys.stride(1),
-        values.stride(0),
-        values.stride(1),
-        out.stride(0),
-        out.stride(1),
-        GROUP=n_heads // n_kv,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        HEAD_DIM=hd,
-        D_REL=d_rel,
-        HAS_WINDOW=window is not None,
-        USE_TAU=log_scaling is not None,
-        num_warps=num_warps,
-        num_stages=2,
-    )
-    return out
-
-
-def prefill_attention_reference(
-    q: torch.Tensor,
-    r: torch.Tensor,
-    rel_proj: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    q_start: int,
-    k_first: int,
-    window: int | None = None,
-    log_scaling: tuple[float, float] | None = None,
-) -> torch.Tensor:
-    """fp32 reference of ``prefill_attention`` (same arguments), one KV head's query heads at a time."""
-    n, n_heads, hd = q.shape
-    m, n_kv = keys.shape[:2]
-    group = n_heads // n_kv
-    rel_extent = rel_proj.shape[1]
-    q_pos = torch.arange(q_start, q_start + n, device=q.device)
-    distance = q_pos[:, None] - torch.arange(k_first, k_first + m, device=q.device)[None, :]  # [n, m]
-    hidden = distance < 0
-    if window is not None:
-        hidden |= distance >= window  # a query sees itself and W-1 previous tokens
-    far = hidden | (distance >= rel_extent)  # pairs without a bias term
-    index = distance.clamp(0, rel_extent - 1).expand(group, n, m)
-    tau = torch.ones(n, device=q.device)
-    if log_scaling is not None:
-        alpha, n_floor = log_scaling
-        tau = 1.0 + alpha * torch.log(((q_pos + 1).float() / n_floor).clamp(min=1.0))
-    out = torch.empty_like(q)
-    for h in range(n_kv):
-        heads = slice(h * group, (h + 1) * group)
-        scores = q[:, heads].float().transpose(0, 1) @ keys[:, h].float().T / hd  # [g, n, m]
-        table = (r[:, heads].float() @ rel_proj.float()).transpose(0, 1)  # [g, n, R]
-        bias = table.gather(-1, index).masked_fill(far, 0.0)
-        logits = ((scores + bias) * tau[:, None]).masked_fill(hidden, -math.inf)
-        out[:, heads] = (torch.softmax(logits, dim=-1) @ values[:, h].float()).transpose(0, 1).to(q.dtype)
     return out

@@ -16,8 +16,8 @@ exactly as ``ShortConv.step`` of decode_service/model/layers.py:
 
 Slots are distinct, except that the padding rows of a CUDA-graph bucket may share one scratch slot (any of their
 writes wins). Grids come from shapes alone and nothing is read back to the host, so the kernels and the torch
-references (the non-Triton fallback) can be captured in a CUDA graph. Excluded: several tokens per sequence
-(prefill runs ``ShortConv.forward``).
+references (the non-Triton fallback) can be captured in a CUDA graph. Several tokens per sequence (prefill
+chunks): kernels/short_conv_prefill.py.
 """
 
 from __future__ import annotations

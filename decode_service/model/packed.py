@@ -1,18 +1,21 @@
 """The packed attention backend: the sequences of a `ForwardBatch` back to back, each against its own `LayerCache`.
 
-Any mix of prefill chunks and decode tokens. Per sequence, the k/v convs run on its conv states and the new keys
-and values are appended to its cache, which returns every key still visible; then attention over those keys, by
-one of three ops fixed when the model is built and by the batch:
+Any mix of prefill chunks and decode tokens. With the kernels, the k/v convs (with the k-norm) and the residual
+convs run once over all the packed rows (`conv_prefill`, the states gathered from and stored back into the
+caches), the new keys and values are appended to each sequence's cache, then attention, by one of four ops fixed
+when the model is built and by the batch:
 
-* torch (`Attention.attend`, the reference) without attention kernels, or for a head_dim the kernels do not take
-  (they want a power of two >= 16);
+* torch (`Attention.attend`, the reference, per sequence: convs, KV append, attention) without attention kernels,
+  or for a head_dim the kernels do not take (they want a power of two >= 16);
 * with kernels, a batch in which every sequence brings one token: `decode_attention` over the visible keys padded
   into one `[B, S, nKV, hd]` buffer (two copies of the visible KV per layer; the paged backend avoids them), unless
   a log-scaled layer's cache does not start at position 0 (the kernel addresses keys by position);
-* otherwise `prefill_attention`, one flash-style launch per sequence.
+* otherwise, over the engine's paged caches (`PagedLayerCache`): `paged_prefill_attention`, one launch for all
+  the sequences, the visible keys read in place from the pools through each sequence's pages;
+* otherwise `prefill_attention` per sequence over the visible keys its cache returns.
 
-Not yet here: prefill over the paged pools in place (the engine's cache gathers a chunk's visible keys first), and
-one launch for all the sequences of a packed batch.
+Not yet here: one attention launch for all the sequences of a packed batch over contiguous caches (each has its
+own tensors), and the KV writes of all sequences in one launch.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from decode_service.model.batch import ForwardBatch, SequenceSlice
+from decode_service.model.state import K_CONV, V_CONV, PagedKV, PagedLayerCache
 
 if TYPE_CHECKING:
     from decode_service.model.layers import Attention, ShortConv
@@ -72,7 +76,16 @@ class PackedBackend:
             rows.append(slice(offset, offset + seq.num_tokens))
             offset += seq.num_tokens
         one_token_each = bool(batch.sequences) and all(seq.num_tokens == 1 for seq in batch.sequences)
-        return PackedBatch(self.kernels, batch.sequences, rows, one_token_each)
+        segments = None
+        if self.kernels:
+            lengths = torch.tensor([seq.num_tokens for seq in batch.sequences], dtype=torch.int32)
+            cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))  # [B+1]
+            seq_ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)  # [T]
+            meta = torch.cat([seq_ids, cu_seqlens])  # one upload, from pinned memory on CUDA (no wait on the queue)
+            device = batch.token_ids.device
+            meta = meta.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else meta
+            segments = (meta[: len(seq_ids)], meta[len(seq_ids) :])
+        return PackedBatch(self.kernels, batch.sequences, rows, one_token_each, segments)
 
 
 @dataclass
@@ -81,29 +94,47 @@ class PackedBatch:
     sequences: list[SequenceSlice]
     rows: list[slice]  # each sequence's rows of the packed T
     one_token_each: bool
+    segments: tuple[torch.Tensor, torch.Tensor] | None  # with kernels: seq_ids [T], cu_seqlens [B+1] (int32, device)
 
     def attention(
         self, attn: Attention, q: torch.Tensor, r: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor
     ) -> torch.Tensor:
         seqs = self.sequences
         q = attn.q_norm(q)
-        visible = [
-            attn.store_kv(k0[rows], v0[rows], seq.start_position, seq.layers[attn.layer])
-            for rows, seq in zip(self.rows, seqs, strict=True)
-        ]
-        attend = attn.attend
-        if self.kernels and kernel_head_dim(attn.geo.head_dim):
-            if self.one_token_each and (attn.log_scaling is None or all(first == 0 for _, _, first in visible)):
-                return decode_attention(attn, q, r, visible)  # [T, nH, hd]
-            attend = partial(prefill_attention, attn)
-        return torch.cat(
-            [
-                attend(q[rows], r[rows], seq.start_position, *kv)
-                for rows, seq, kv in zip(self.rows, seqs, visible, strict=True)
+        if not (self.kernels and kernel_head_dim(attn.geo.head_dim)):
+            visible = [
+                attn.store_kv(k0[rows], v0[rows], seq.start_position, seq.layers[attn.layer])
+                for rows, seq in zip(self.rows, seqs, strict=True)
             ]
-        )  # [T, nH, hd]
+            return self._per_sequence(attn.attend, q, r, visible)
+        k, v = self._convolve_kv(attn, k0, v0)  # [T, nKV, hd] x2
+        caches = [seq.layers[attn.layer] for seq in seqs]
+        if not self.one_token_each and all(isinstance(cache, PagedLayerCache) for cache in caches):
+            paged = [
+                cache.append_kv_paged(k[rows], v[rows], seq.start_position)
+                for rows, seq, cache in zip(self.rows, seqs, caches, strict=True)
+            ]
+            return paged_prefill_attention(attn, q, r, seqs, paged)  # [T, nH, hd]
+        visible = [
+            cache.append_kv(k[rows], v[rows], seq.start_position)
+            for rows, seq, cache in zip(self.rows, seqs, caches, strict=True)
+        ]
+        if self.one_token_each and (attn.log_scaling is None or all(first == 0 for _, _, first in visible)):
+            return decode_attention(attn, q, r, visible)  # [T, nH, hd]
+        return self._per_sequence(partial(prefill_attention, attn), q, r, visible)
+
+    def _per_sequence(self, attend, q: torch.Tensor, r: torch.Tensor, visible: list[VisibleKV]) -> torch.Tensor:
+        """`attend(q, r, start, keys, values, first)` of each sequence's rows, concatenated -> `[T, nH, hd]`."""
+        outs = [
+            attend(q[rows], r[rows], seq.start_position, *kv)
+            for rows, seq, kv in zip(self.rows, self.sequences, visible, strict=True)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def conv(self, conv: ShortConv, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kernels:
+            y, _ = self._conv(conv.layer, conv.index, conv.weight, x, residual)
+            return y
         outputs = []
         for rows, seq in zip(self.rows, self.sequences, strict=True):
             cache = seq.layers[conv.layer]
@@ -112,6 +143,33 @@ class PackedBatch:
             outputs.append(y)
         y = torch.cat(outputs)  # [T, C]
         return y if residual is None else residual + y
+
+    def _conv(self, layer: int, index: int, weight: torch.Tensor, x: torch.Tensor, residual=None, norm=None):
+        """One `conv_prefill` launch over every sequence's rows, the states gathered from and stored back into
+        their caches; `norm` the per-head RMSNorm applied to the output."""
+        from kernels.short_conv_prefill import conv_prefill
+
+        caches = [seq.layers[layer] for seq in self.sequences]
+        if len(caches) == 1:
+            states = caches[0].conv_state(index)[None]  # [1, K-1, C], a view
+        else:
+            states = torch.stack([cache.conv_state(index) for cache in caches])  # [B, K-1, C]
+        norm_weight, head_dim, eps = (
+            (None, None, 1e-6) if norm is None else (norm.weight, norm.weight.shape[0], norm.eps)
+        )
+        y, new_states = conv_prefill(
+            x, states, *self.segments, weight[:, 0, :], residual, norm_weight, head_dim, eps
+        )  # [T, C], [B, K-1, C]
+        for cache, state in zip(caches, new_states, strict=True):
+            cache.set_conv_state(index, state)
+        return y, new_states
+
+    def _convolve_kv(self, attn: Attention, k0: torch.Tensor, v0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`Attention.store_kv`'s convs and k-norm for every sequence in two launches -> k, v `[T, nKV, hd]`."""
+        geo = attn.geo
+        k, _ = self._conv(attn.layer, K_CONV, attn.k_sconv.weight, k0, norm=attn.k_norm)  # [T, nKV*hd]
+        v, _ = self._conv(attn.layer, V_CONV, attn.v_sconv.weight, v0)
+        return k.view(-1, geo.num_kv_heads, geo.head_dim), v.view(-1, geo.num_kv_heads, geo.head_dim)
 
 
 def decode_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, visible: Sequence[VisibleKV]) -> torch.Tensor:
@@ -138,10 +196,29 @@ def prefill_attention(
 ) -> torch.Tensor:
     """`Attention.attend` on the prefill kernel: q `[n, nH, hd]` (q-normed) and r `[n, nH, d_rel]` of the queries at
     `start..`, the visible keys/values `[m, nKV, hd]` from position `first` (cast to q's dtype) -> `[n, nH, hd]`."""
-    from kernels.attention import prefill_attention as kernel
+    from kernels.prefill_attention import prefill_attention as kernel
 
     rel_proj, r = rel_bank(attn, r)
     return kernel(
         q, r, rel_proj, keys.to(q.dtype), values.to(q.dtype), start, first,
+        window=attn.geo.window, log_scaling=log_scaling(attn),
+    )  # fmt: skip
+
+
+def paged_prefill_attention(
+    attn: Attention, q: torch.Tensor, r: torch.Tensor, seqs: Sequence[SequenceSlice], paged: Sequence[PagedKV]
+) -> torch.Tensor:
+    """`Attention.attend` of every sequence in one launch, the visible keys read in place from the layer's pools
+    (one pool for all: the sequences share the engine's cache); q `[T, nH, hd]` (q-normed), r `[T, nH, d_rel]`."""
+    from kernels.prefill_attention import paged_prefill_attention as kernel
+
+    k_pool, v_pool, page_size = paged[0].k_pool, paged[0].v_pool, paged[0].page_size
+    assert all(kv.k_pool.data_ptr() == k_pool.data_ptr() for kv in paged), "sequences of one batch share the pools"
+    pages = [kv.pages for kv in paged]
+    table = pages[0][None] if len(pages) == 1 else pad_sequence(pages, batch_first=True)  # [B, max_pages]
+    rel_proj, r = rel_bank(attn, r)
+    return kernel(
+        q, r, rel_proj, k_pool, v_pool, table, page_size,
+        [seq.num_tokens for seq in seqs], [seq.start_position for seq in seqs], [kv.first for kv in paged],
         window=attn.geo.window, log_scaling=log_scaling(attn),
     )  # fmt: skip

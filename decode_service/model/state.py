@@ -8,7 +8,7 @@ next token is at `num_tokens`, and every write advances KV and conv state togeth
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -45,6 +45,26 @@ class LayerCache(Protocol):
         ...
 
     def set_conv_state(self, index: int, state: torch.Tensor) -> None: ...
+
+
+@dataclass
+class PagedKV:
+    """Where one layer's visible keys of a sequence live in the engine's paged pools (nothing copied)."""
+
+    k_pool: torch.Tensor  # [pages * page_size, nKV, hd], the layer's whole pool
+    v_pool: torch.Tensor
+    pages: torch.Tensor  # [n] int64 on the pools' device: the page of positions first // page_size ..
+    page_size: int
+    first: int  # absolute position of the first visible key
+
+
+@runtime_checkable
+class PagedLayerCache(LayerCache, Protocol):
+    """A `LayerCache` over paged pools, which can also hand out its visible keys in place."""
+
+    def append_kv_paged(self, k: torch.Tensor, v: torch.Tensor, start: int) -> PagedKV:
+        """Store k, v like `append_kv`; return where every key visible to these queries lives instead of a copy."""
+        ...
 
 
 @dataclass

@@ -1,5 +1,3 @@
-import math
-
 import pytest
 import torch
 
@@ -8,8 +6,6 @@ from kernels.attention import (
     decode_attention,
     paged_attention_reference,
     paged_decode_attention,
-    prefill_attention,
-    prefill_attention_reference,
 )
 
 
@@ -256,138 +252,4 @@ def test_paged_decode_attention_gpu_full_heads(cuda_device, b, window, log_scali
     ref = paged_attention_reference(q, r, rel_proj, kp, vp, table, seq_lens, 16, window, log_scaling)
     err = rel_err(out, ref)
     print(f"paged_decode_attention B={b} window={window} tau={log_scaling}: rel {err:.2e}")
-    assert torch.isfinite(out).all() and err < 1e-2
-
-
-# -- prefill: several queries of one sequence -------------------------------------------------------------------
-
-
-def prefill_inputs(n, m, nh, nkv, hd, d_rel, extent, gen, dtype, device="cpu", stacked=False):
-    """q, r, P, keys, values for n queries against m keys. ``stacked``: q and r are views of one ``[n, ...]``
-    projection output (as `Attention.project` leaves them) and keys/values views of one ``[2, m, nKV, hd]`` tensor."""
-    if stacked:
-        proj = torch.randn(n, nh * (hd + d_rel) + 8, generator=gen).to(dtype)
-        q = proj[:, : nh * hd].view(n, nh, hd)
-        r = proj[:, nh * hd : nh * (hd + d_rel)].view(n, nh, d_rel)
-        kv = torch.randn(m, 2, nkv, hd, generator=gen).to(dtype)
-        k, v = kv[:, 0], kv[:, 1]
-    else:
-        q = torch.randn(n, nh, hd, generator=gen).to(dtype)
-        r = torch.randn(n, nh, d_rel, generator=gen).to(dtype)
-        k = torch.randn(m, nkv, hd, generator=gen).to(dtype)
-        v = torch.randn(m, nkv, hd, generator=gen).to(dtype)
-    rel_proj = (torch.randn(d_rel, extent, generator=gen) * 0.5).to(dtype)
-    return [t.to(device) for t in (q, r, rel_proj, k, v)]
-
-
-# (q_start, k_first, window, extent, log_scaling): the keys always end with the chunk's own.
-PREFILL_LAYOUTS = {
-    "fresh": (0, 0, None, 48, None),  # global, first chunk; bias cut off beyond R = 48 once n > 48
-    "later-global-tau": (50, 0, None, 48, (0.5, 20.0)),  # tau active (p + 1 > n_floor), distances up to 149 > R
-    "later-window": (50, 11, 40, 40, None),  # keys from the window start of the chunk's first query
-    "window-keys-from-0": (120, 0, 40, 40, None),  # blocks wholly before every window are skipped
-    "window-short-extent": (70, 31, 40, 16, None),  # R < W: the farther visible keys get no bias
-}
-
-
-def check_prefill(n, layout, nkv, dtype, stacked=False, seed=0):
-    q_start, k_first, window, extent, log_scaling = PREFILL_LAYOUTS[layout]
-    gen = torch.Generator().manual_seed(seed)
-    m = q_start + n - k_first
-    q, r, rel_proj, k, v = prefill_inputs(n, m, 8, nkv, 32, 16, extent, gen, dtype, stacked=stacked)
-    out = prefill_attention(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling)
-    ref = prefill_attention_reference(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling)
-    assert out.dtype == dtype and out.shape == q.shape
-    assert torch.isfinite(out).all()
-    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
-
-
-@pytest.mark.parametrize("layout", list(PREFILL_LAYOUTS))
-@pytest.mark.parametrize("n", [1, 7, 64, 100])
-def test_prefill_attention_matches_reference(cpu_interpreter, n, layout):
-    check_prefill(n, layout, nkv=2, dtype=torch.float32)  # GQA group 4
-
-
-@pytest.mark.parametrize(
-    "n,layout,nkv,dtype,stacked",
-    [
-        (64, "fresh", 8, torch.float32, False),  # group 1
-        (100, "later-window", 8, torch.float32, True),  # strided q/r and k/v views
-        (100, "later-global-tau", 2, torch.float16, False),
-        (7, "window-keys-from-0", 2, torch.float16, True),
-        (64, "later-window", 8, torch.float16, False),
-    ],
-)
-def test_prefill_attention_groups_dtypes_strides(cpu_interpreter, n, layout, nkv, dtype, stacked):
-    check_prefill(n, layout, nkv, dtype, stacked, seed=n + nkv)
-
-
-def dense_attention(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling):
-    """The spec's formula pair by pair: logit = tau(p) * (q.k / hd + L(p, p - s) [p - s < R]), masked, softmax."""
-    n, nh, hd = q.shape
-    m, group, extent = k.shape[0], nh // k.shape[1], rel_proj.shape[1]
-    table = torch.einsum("nhd,dr->hnr", r.double(), rel_proj.double())  # [nH, n, R]
-    logits = torch.einsum("nhd,mhd->hnm", q.double(), k.double().repeat_interleave(group, 1)) / hd
-    for i in range(n):
-        p = q_start + i
-        tau = 1.0 if log_scaling is None else 1.0 + log_scaling[0] * math.log(max((p + 1) / log_scaling[1], 1.0))
-        for j in range(m):
-            dist = p - (k_first + j)
-            if dist < 0 or (window is not None and dist >= window):
-                logits[:, i, j] = -math.inf
-                continue
-            if dist < extent:
-                logits[:, i, j] += table[:, i, dist]
-            logits[:, i, j] *= tau
-    probs = torch.softmax(logits, dim=-1)
-    return torch.einsum("hnm,mhd->nhd", probs, v.double().repeat_interleave(group, 1))
-
-
-@pytest.mark.parametrize("layout", list(PREFILL_LAYOUTS))
-def test_prefill_attention_reference_is_the_dense_formula(layout):
-    q_start, k_first, window, extent, log_scaling = PREFILL_LAYOUTS[layout]
-    n = 9
-    m = q_start + n - k_first
-    q, r, rel_proj, k, v = prefill_inputs(n, m, 4, 2, 16, 16, extent, torch.Generator().manual_seed(5), torch.float32)
-    ref = prefill_attention_reference(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling)
-    dense = dense_attention(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling)
-    torch.testing.assert_close(ref.double(), dense, rtol=1e-5, atol=1e-5)
-    if k_first == 0:  # each query is also one decode step over the keys up to its own
-        for i in range(n):
-            lens = torch.tensor([q_start + i + 1])
-            step = attention_reference(
-                q[i : i + 1], r[i : i + 1], rel_proj, k[None], v[None], lens, window, log_scaling
-            )
-            torch.testing.assert_close(ref[i : i + 1], step, rtol=1e-5, atol=1e-5)
-
-
-def test_prefill_attention_rejects_bad_key_range():
-    gen = torch.Generator().manual_seed(0)
-    q, r, rel_proj, k, v = prefill_inputs(4, 10, 8, 2, 32, 16, 16, gen, torch.float32)
-    with pytest.raises(ValueError, match="must end with the queries' own"):
-        prefill_attention(q, r, rel_proj, k, v, 6, 1)  # keys 1..10, queries 6..9
-    with pytest.raises(ValueError, match="power of two"):
-        prefill_attention(q, r[..., :12], rel_proj[:12], k, v, 6, 0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "n,q_start,k_first,window,log_scaling",
-    [
-        (2048, 0, 0, 512, None),  # first chunk
-        (2048, 0, 0, None, (0.1, 100.0)),
-        (2048, 6144, 5633, 512, None),  # later chunk, keys from the window start
-        (2048, 6144, 0, 512, None),  # later chunk, all 8192 keys (most blocks skipped)
-        (2048, 6144, 0, None, (0.1, 100.0)),  # global + tau over 8192 keys, bias cut off beyond 1024
-    ],
-)
-def test_prefill_attention_gpu_full_heads(cuda_device, n, q_start, k_first, window, log_scaling):
-    gen = torch.Generator().manual_seed(n + q_start + k_first)
-    m = q_start + n - k_first
-    extent = window or 1024
-    q, r, rel_proj, k, v = prefill_inputs(n, m, 32, 8, 128, 16, extent, gen, torch.bfloat16, cuda_device, True)
-    out = prefill_attention(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling)
-    ref = prefill_attention_reference(q, r, rel_proj, k, v, q_start, k_first, window, log_scaling)
-    err = rel_err(out, ref)
-    print(f"prefill_attention n={n} q_start={q_start} m={m} window={window} tau={log_scaling}: rel {err:.2e}")
     assert torch.isfinite(out).all() and err < 1e-2

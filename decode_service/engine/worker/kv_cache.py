@@ -21,6 +21,7 @@ from common.config import TextConfig
 from common.errors import ConfigError
 from decode_service.engine.core.outputs import PageUpdate
 from decode_service.engine.core.pages import PoolSizes
+from decode_service.model.state import PagedKV
 
 NUM_CONVS = 4  # k, v, attention-output and MLP-output convs of every layer (spec inkling-text 4.1)
 
@@ -207,7 +208,7 @@ class SequenceView:
         self.num_tokens = 0
         self.tables: dict[bool, list[int | None]] = {True: [], False: []}
         self.layers = [_PagedLayer(self, i) for i in range(cache.config.num_layers)]
-        self._index: dict[bool, tuple[tuple[int, int], torch.Tensor, torch.Tensor, int]] = {}
+        self._index: dict[bool, tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]] = {}
         self._first_live = 0  # sliding table entries before this one are released
 
     def update(self, sliding: bool, update: PageUpdate) -> None:
@@ -233,12 +234,13 @@ class SequenceView:
     def _pages_for(self, total_tokens: int) -> int:
         return math.ceil(total_tokens / self.cache.page_size)
 
-    def _indices(self, sliding: bool, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Flat pool slots to write `[start, start+n)` and to read every visible position; memoised per step
-        because every layer of a kind uses the same ones."""
+    def _indices(self, sliding: bool, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """Flat pool slots to write `[start, start+n)` and to read every visible position, the first visible
+        position and the visible pages (from its page on); memoised per step because every layer of a kind uses
+        the same ones."""
         cached = self._index.get(sliding)
         if cached is not None and cached[0] == (start, n):
-            return cached[1], cached[2], cached[3]
+            return cached[1]
         page_size, table = self.cache.page_size, self.tables[sliding]
         first = max(0, start - (self.cache.window - 1)) if sliding else 0
         positions = torch.arange(first, start + n)
@@ -247,21 +249,33 @@ class SequenceView:
         assert len(pages) == self._pages_for(start + n) - first // page_size, "KV written past the allocated pages"
         page_ids = torch.tensor(pages, dtype=torch.int64)
         slots = page_ids[positions // page_size - first // page_size] * page_size + positions % page_size
-        slots = slots.to(self.cache.spec.device)
-        write, read = slots[start - first :], slots
-        self._index[sliding] = ((start, n), write, read, first)
-        return write, read, first
+        device = torch.device(self.cache.spec.device)
+        host = torch.cat([slots, page_ids])  # one upload, from pinned memory on CUDA (no wait on the queue)
+        host = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+        slots, page_ids = host[: slots.shape[0]], host[slots.shape[0] :]
+        indices = (slots[start - first :], slots, first, page_ids)
+        self._index[sliding] = ((start, n), indices)
+        return indices
 
     def append_kv(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        k_pool, v_pool, _, read, first = self._write_kv(layer, k, v, start)
+        return k_pool.index_select(0, read), v_pool.index_select(0, read), first
+
+    def append_kv_paged(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> PagedKV:
+        k_pool, v_pool, pages, _, first = self._write_kv(layer, k, v, start)
+        return PagedKV(k_pool, v_pool, pages, self.cache.page_size, first)
+
+    def _write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int):
+        """Write k, v `[n, nKV, hd]` at `start..` -> (k pool, v pool, visible pages, visible slots, first)."""
         assert start == self.num_tokens, f"KV append at {start} but the chunk starts at {self.num_tokens}"
         sliding, index = self.cache.layer_kind[layer]
-        write, read, first = self._indices(sliding, start, k.shape[0])
+        write, read, first, pages = self._indices(sliding, start, k.shape[0])
         k_pool, v_pool = self.cache.k[sliding][index], self.cache.v[sliding][index]  # [slots, nKV, hd]
         k_pool.index_copy_(0, write, k.to(k_pool.dtype))
         v_pool.index_copy_(0, write, v.to(v_pool.dtype))
-        return k_pool.index_select(0, read), v_pool.index_select(0, read), first
+        return k_pool, v_pool, pages, read, first
 
 
 class _PagedLayer:
@@ -273,6 +287,9 @@ class _PagedLayer:
 
     def append_kv(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         return self.view.append_kv(self.layer, k, v, start)
+
+    def append_kv_paged(self, k: torch.Tensor, v: torch.Tensor, start: int) -> PagedKV:
+        return self.view.append_kv_paged(self.layer, k, v, start)
 
     def conv_state(self, index: int) -> torch.Tensor:
         return self.view.cache.conv[self.layer][index][self.view.slot]

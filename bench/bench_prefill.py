@@ -1,0 +1,171 @@
+"""Prefill of the Small-L6 proxy (bench/proxy.py) against its FLOP floor, and the prefill attention kernel's tiles.
+
+Whole prefill: one `--tokens`-token prompt (default 8192) in `--chunk`-token steps (default 2048) on the packed
+path with the fast kernels, through a contiguous state (attention over the keys its cache returns) and through
+the engine's paged KV cache (attention over the pools in place); tokens/s and the share of the bf16 matmul peak
+measured in the same run (`bench/floors.py`) in model FLOPs (`bench_decode.prefill_flops`), then the GPU time by
+kernel of the first and the last chunk of the prompt.
+
+Attention: `prefill_attention` on the proxy's chunk shapes (2048 queries, 32 query / 8 KV heads of 128, d_rel 16,
+R 1024) for each `PrefillConfig` side by side: a sliding layer (W 512), the global layer (tau) on the first and
+the last chunk of the prompt; attention FLOPs (4 nH hd per visible pair) over time, next to the bf16 peak, and
+the error against the fp32 reference.
+
+    python3 -m bench.bench_prefill [--tokens 8192] [--chunk 2048] [--no-model] [--no-attention]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from bench.bench_decode import count_launches, prefill_flops
+from bench.floors import Ceilings, measure_ceilings, time_eager_ms
+from bench.proxy import NVFP4_LAYERS, PAGE, proxy_config, random_proxy
+from decode_service.engine.core.pages import KVAllocator
+from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
+from decode_service.model.batch import ForwardBatch, SequenceSlice
+from decode_service.model.inkling import InklingDecoder
+from kernels.prefill_attention import PrefillConfig, prefill_attention, prefill_attention_reference
+
+CONFIGS = [
+    PrefillConfig(128, 64, 8, 2, bias="rank1"),  # the first kernel
+    PrefillConfig(64, 64, 4, 3, bias="gather"),
+    PrefillConfig(64, 64, 4, 2),  # the default
+    PrefillConfig(64, 64, 4, 3),
+    PrefillConfig(128, 64, 8, 2),
+    PrefillConfig(64, 128, 4, 2),
+]
+# (name, q_start, k_first, window, log_scaling) of a 2048-token chunk of an 8192-token prompt
+LAYOUTS = [
+    ("sliding, first chunk", 0, 0, 512, None),
+    ("global+tau, first chunk", 0, 0, None, (0.1, 128000.0)),
+    ("global+tau, last chunk", 6144, 0, None, (0.1, 128000.0)),
+]
+
+
+def attention_pairs(n: int, q_start: int, k_first: int, window: int | None) -> int:
+    """(query, key) pairs visible to n queries at q_start.. over keys from k_first."""
+    return sum(min(p + 1 - k_first, window or p + 1) for p in range(q_start, q_start + n))
+
+
+def bench_attention(ceil: Ceilings, n: int = 2048, heads: int = 32, kv_heads: int = 8, hd: int = 128) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    print("# prefill_attention, 2048 queries, 32/8 heads of 128, d_rel 16, R 1024 (TFLOP/s, rel err vs fp32 ref)")
+    names = [
+        f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}{'' if c.bias == 'table' else ' ' + c.bias}"
+        for c in CONFIGS
+    ]
+    print(f"# {'layout':<24} " + "  ".join(f"{name:>22}" for name in names), flush=True)
+    for name, q_start, k_first, window, log_scaling in LAYOUTS:
+        m = q_start + n - k_first
+        q, r, keys, values = rand(n, heads, hd), rand(n, heads, 16), rand(m, kv_heads, hd), rand(m, kv_heads, hd)
+        rel_proj = rand(16, 1024, scale=0.5)
+        args = (q, r, rel_proj, keys, values, q_start, k_first, window, log_scaling)
+        ref = prefill_attention_reference(*args).float()
+        flops = 4.0 * heads * hd * attention_pairs(n, q_start, k_first, window)
+        cells = []
+        for config in CONFIGS:
+            try:
+                out = prefill_attention(*args, config=config).float()
+                err = ((out - ref).norm() / ref.norm()).item()
+                ms = time_eager_ms(lambda c=config, a=args: prefill_attention(*a, config=c), reps=10)
+                cells.append(f"{ms * 1e3:6.0f}us {flops / ms / 1e9:4.0f}TF {err:.0e}")
+            except Exception as e:  # a tile that does not compile on this GPU is reported, not fatal
+                cells.append(f"{type(e).__name__:>22}")
+        print(f"# {name:<24} " + "  ".join(f"{c:>22}" for c in cells), flush=True)
+    print(f"# (bf16 matmul peak {ceil.bf16_tflops:.0f} TFLOP/s)", flush=True)
+
+
+def bench_model(ceil: Ceilings, tokens: int, chunk: int) -> None:
+    model = random_proxy(proxy_config(), NVFP4_LAYERS)
+    dev = model.embed.weight.device
+    ids = torch.randint(0, model.config.unpadded_vocab_size, (tokens,), device=dev)
+
+    def prefill(end: int):
+        """The prompt's chunks up to token `end` on a fresh state -> (state, last hidden rows)."""
+        state, hidden = model.new_state(), None
+        with torch.inference_mode():
+            for start in range(0, end, chunk):
+                n = min(chunk, end - start)
+                hidden = model(ForwardBatch(ids[start : start + n], [SequenceSlice(start, n, state.layers)]))
+        return state, hidden
+
+    def run() -> None:
+        _, hidden = prefill(tokens)
+        with torch.inference_mode():
+            model.logits(hidden[-1:])
+
+    floor_ms = prefill_flops(model, tokens) / (ceil.bf16_tflops * 1e12) * 1e3
+    for where, fn in (("contiguous state", run), ("engine's paged cache", engine_prefill(model, ids, chunk))):
+        ms = time_eager_ms(fn, reps=3, warmup=1)
+        print(
+            f"# prefill {tokens} tokens in {chunk}-token chunks (packed path, fast kernels, {where}): "
+            f"{tokens / ms * 1e3:.0f} tokens/s = {ms:.1f} ms vs FLOP floor {floor_ms:.1f} ms at the measured bf16 "
+            f"peak ({floor_ms / ms:.0%} of peak in model FLOPs)",
+            flush=True,
+        )
+    for start in sorted({0, (tokens - 1) // chunk * chunk}):  # the first chunk and the last
+        state, _ = prefill(start)
+        n = min(chunk, tokens - start)
+
+        def one_chunk(start=start, n=n, state=state) -> None:
+            with torch.inference_mode():
+                model(ForwardBatch(ids[start : start + n], [SequenceSlice(start, n, state.layers)]))
+
+        kernels, copies, busy, top = count_launches(one_chunk)
+        by_kernel = "; ".join(f"{name[:48]} x{count} {us:.0f}" for name, count, us in top[:16])
+        print(f"# chunk at {start} ({n} tokens): {kernels} kernels + {copies} copies, {busy:.1f} ms GPU busy; "
+              f"by kernel (launches, us): {by_kernel}", flush=True)  # fmt: skip
+
+
+def engine_prefill(model: InklingDecoder, ids: torch.Tensor, chunk: int):
+    """A prefill of `ids` in chunks through the engine's KV cache (`SequenceView`: paged pools, attention over them
+    in place) on a fresh sequence each call, the lm_head on the last row."""
+    tokens = ids.shape[0]
+    pages = math.ceil(tokens / PAGE) + 2
+    spec = CacheSpec(PAGE, pages, pages, 1, model.dtype, str(ids.device))
+    cache, allocator = KVCache(model.config, spec), KVAllocator(model.config, spec)
+
+    def run() -> None:
+        seq = allocator.new_sequence()
+        cache.zero_conv(seq.slot)
+        view = SequenceView(cache, seq.slot)
+        with torch.inference_mode():
+            for start in range(0, tokens, chunk):
+                n = min(chunk, tokens - start)
+                seq.grow(start + n)
+                for sliding, update in zip((True, False), seq.take_updates(), strict=True):
+                    view.update(sliding, update)
+                hidden = model(ForwardBatch(ids[start : start + n], [SequenceSlice(start, n, view.layers)]))
+                view.num_tokens = start + n
+                seq.commit(start + n)
+            model.logits(hidden[-1:])
+        seq.release()
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--no-model", action="store_true", help="only the attention tiles")
+    parser.add_argument("--no-attention", action="store_true", help="only the whole prefill")
+    args = parser.parse_args()
+    ceil = measure_ceilings()
+    print(ceil.line(), flush=True)
+    if not args.no_model:
+        bench_model(ceil, args.tokens, args.chunk)
+    if not args.no_attention:
+        bench_attention(ceil)
+
+
+if __name__ == "__main__":
+    main()
