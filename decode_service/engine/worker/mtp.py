@@ -20,14 +20,19 @@ rows reach the depths through the trunk's hidden at those rows (decisions.md).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from decode_service.engine.worker.draft_graphs import DepthPools, DepthSequence, DraftGraphs
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.mtp import MTPDrafter
 from decode_service.model.state import ContiguousLayerCache, SequenceState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -144,15 +149,19 @@ class MTPSpeculator:
             self.valid[page * self.page_size : (page + 1) * self.page_size] = False
 
     def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
-        n = self.num_depths
         if start and self.rows is not None:
             flat = self._flat(pages, 0, start)
             if flat is not None and bool(self.valid[flat].all()):  # recompute the depths over the cached prefix
-                self.states[request_id] = _DrafterState(self.drafter.new_state(), [0] * n, [None] * n, [None] * n)
+                self.states[request_id] = self._fresh(request_id, 0)
                 self.extend([DraftInput(request_id, 0, self.rows.index_select(0, flat), token_ids, False)])
                 return
         # No prefix, or its rows are unknown (loaded from the shared tier): the depths start at `start`.
-        self.states[request_id] = _DrafterState(self.drafter.new_state(), [start] * n, [None] * n, [None] * n)
+        self.states[request_id] = self._fresh(request_id, start)
+
+    def _fresh(self, request_id: str, start: int) -> _DrafterState:
+        """A request's drafter state whose depths all begin at row `start`."""
+        n = self.num_depths
+        return _DrafterState(self.drafter.new_state(), [start] * n, [None] * n, [None] * n)
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -226,3 +235,134 @@ class MTPSpeculator:
         out = self.drafter(depth, torch.cat(hidden).to(self.drafter.embed.weight.dtype), batch)
         pieces = iter(out.split([p[3] - p[2] for p in live]))
         return [next(pieces) if p[3] > p[2] else p[4][:0] for p in parts]
+
+
+class PagedMTPSpeculator(MTPSpeculator):
+    """The same rounds over the depths' paged pools (`draft_graphs.DepthPools`): each depth's committed rows of
+    every request in one packed forward, then the provisional triangle and the drafts of every drafting request in
+    one `DraftGraphs` chain (a CUDA graph per batch bucket and D). The drafter needs the paged decode kernels
+    (`fast_path.supports_batched_decode` of its trunk). `depth_for(batch)`: the drafts per round for a round of
+    that many drafting requests (`num_depths` when not given); the depths past it only queue their rows
+    (`pending`) until a round needs them."""
+
+    def __init__(
+        self,
+        drafter: MTPDrafter,
+        num_depths: int,
+        pools: DepthPools,
+        graphs: DraftGraphs,
+        depth_for: Callable[[int], int] | None = None,
+    ):
+        super().__init__(drafter, num_depths)
+        self.pools, self.graphs = pools, graphs
+        self.depth_for = depth_for or (lambda batch: num_depths)
+        self.recent = self.depth_for(1)  # the depths a round without drafts runs: the last drafting round's
+        self.paged: dict[str, DepthSequence] = {}
+        self.stopped: set[str] = set()  # requests whose depth pages ran out: no drafts for them
+
+    def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
+        self.remove(request_id)
+        seq = self.pools.new_sequence()
+        if seq is None:
+            logger.warning("request %s: no free MTP depth slot; it runs without speculation", request_id)
+            self.stopped.add(request_id)
+            return
+        self.paged[request_id] = seq
+        super().reset(request_id, start, token_ids, pages)
+
+    def _fresh(self, request_id: str, start: int) -> _DrafterState:
+        n = self.num_depths
+        return _DrafterState(self.paged[request_id], [start] * n, [None] * n, [None] * n)
+
+    def remove(self, request_id: str) -> None:
+        super().remove(request_id)
+        self.stopped.discard(request_id)
+        seq = self.paged.pop(request_id, None)
+        if seq is not None:
+            seq.release()
+
+    def extend(self, inputs: list[DraftInput]) -> dict[str, tuple[int, ...]]:
+        work = []
+        for item in inputs:
+            if item.request_id in self.stopped:
+                continue
+            st = self.states[item.request_id]
+            assert item.first_row == st.committed[0], (
+                f"request {item.request_id}: trunk rows from {item.first_row}, depth 0 at {st.committed[0]}"
+            )
+            last = item.first_row + item.hidden.shape[0]  # one past the trunk's last row
+            assert item.draft <= (last == len(item.token_ids) - 1), "drafting needs the token after the last row"
+            seq = self.paged[item.request_id]
+            if not seq.fits(last):
+                logger.warning("request %s: MTP depth pages exhausted; it runs without speculation", item.request_id)
+                self.remove(item.request_id)
+                self.stopped.add(item.request_id)
+                continue
+            seq.grow(last, min(st.committed))
+            self.probs.pop(item.request_id, None)
+            work.append((item, st))
+        drafting = [(item, st) for item, st in work if item.draft]
+        depth = min(self.depth_for(len(drafting)), self.num_depths) if drafting else 0
+        # Depths past what any request needs this round only queue the rows of the depth before them.
+        needed = depth if drafting else self.recent
+        self.recent = needed
+        incoming = {item.request_id: item.hidden for item, _ in work}  # g_{d-1} of this round's committed rows
+        heads: dict[str, torch.Tensor] = {}
+        for d in range(self.num_depths):
+            if d >= needed:
+                for item, st in work:
+                    rows = incoming[item.request_id]
+                    if rows.shape[0]:
+                        st.pending[d] = rows if st.pending[d] is None else torch.cat([st.pending[d], rows])
+                break
+            parts = []
+            for item, st in work:
+                rows = incoming[item.request_id]
+                if st.pending[d] is not None:
+                    rows = torch.cat([st.pending[d], rows])
+                start = st.committed[d]
+                reach = start + rows.shape[0]
+                end = max(start, min(reach, len(item.token_ids) - 1 - d))  # rows whose token is known
+                parts.append((item, st, start, end, rows[: end - start], item.token_ids))
+                above = st.committed[d - 1] if d else end
+                st.pending[d] = rows[end - start : above - start] if above > end else None
+            for (item, st, _, end, _, _), out in zip(parts, self._run(d, parts), strict=True):
+                st.committed[d] = end
+                incoming[item.request_id] = out
+                if d == 0 and item.draft:
+                    heads[item.request_id] = out[-1]
+        if not drafting:
+            return {}
+        return self._chain(depth, drafting, heads)
+
+    def _chain(self, depth: int, drafting: list, heads: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+        """The provisional triangle and the drafts of the drafting requests (`DraftGraphs`)."""
+        graphs, h = self.graphs, self.drafter.config.hidden_size
+        width = graphs.buckets[-1]
+        sources, targets = [], []
+        known, provisional, slots, temperatures, generators = [], [], [], [], []
+        for i, (item, st) in enumerate(drafting):
+            k = len(item.token_ids)
+            counts = [k - 1 - st.committed[j] for j in range(depth)]
+            sources.append(heads[item.request_id][None])
+            targets.append(i)  # fixed[0, 0, i]
+            for j in range(1, depth):
+                if st.pending[j] is not None:  # g_{j-1}(p) committed, p = c_j .. c_{j-1} - 1
+                    offsets = [k - 2 - p for p in range(st.committed[j], st.committed[j] + st.pending[j].shape[0])]
+                    sources.append(st.pending[j])
+                    targets.extend((j * self.drafter.num_depths + o) * width + i for o in offsets)
+            known.append(k)
+            provisional.append(counts)
+            slots.append(st.state.slot)
+            temperatures.append(item.temperature)
+            generators.append(item.generator)
+        fixed = graphs.fixed.view(-1, h)
+        index = torch.tensor(targets, dtype=torch.int64).to(fixed.device, non_blocking=True)
+        fixed.index_copy_(0, index, torch.cat(sources).to(fixed.dtype))
+        drafts, q = graphs.run(depth, known, provisional, slots, temperatures, generators)
+        out = {}
+        for i, ((item, _), tokens) in enumerate(zip(drafting, drafts.t().tolist(), strict=True)):
+            out[item.request_id] = tuple(tokens)
+            if item.temperature > 0:
+                self.probs[item.request_id] = list(q[:, i].clone())
+        return out
