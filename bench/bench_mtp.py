@@ -272,9 +272,9 @@ class Row:
     plain_ms: float  # the packed path, eager (as the verify step runs)
     floor_ms: float
     plain_graph_ms: float | None = None  # CUDA: the engine's plain decode step replayed from its CUDA graph
-    chain_graph_ms: float | None = None  # the chain as the engine runs it (paged pools, CUDA graph); None: eager
     lm_plain_ms: float = 0.0  # the lm_head alone over the plain step's B rows
     lm_verify_ms: float = 0.0  # ... over the verify step's B(D+1) rows
+    chain_graph_ms: float | None = None  # the chain as the engine runs it (paged pools, CUDA graph); None: eager
 
     @property
     def draft_ms(self) -> float:
