@@ -21,6 +21,7 @@ rows reach the depths through the trunk's hidden at those rows (decisions.md).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,11 +29,14 @@ from typing import Protocol
 import torch
 
 from decode_service.engine.worker.draft_graphs import DepthPools, DepthSequence, DraftGraphs
+from decode_service.engine.worker.kv_cache import CacheSpec
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.mtp import MTPDrafter
 from decode_service.model.state import ContiguousLayerCache, SequenceState
 
 logger = logging.getLogger(__name__)
+
+_MAX_LAG = 64  # rows a depth past the round's drafts may queue before it catches up (PagedMTPSpeculator)
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class MTPSpeculator:
             raise ValueError(f"mtp_depth: expected 1..{drafter.num_depths} (the checkpoint's depths), got {num_depths}")
         self.drafter = drafter
         self.num_depths = num_depths
+        self.depth_for: Callable[[int], int] = lambda batch: num_depths  # drafts per round of `batch` drafting
         self.states: dict[str, _DrafterState] = {}
         self.probs: dict[str, list[torch.Tensor]] = {}  # the sampled drafts' distributions, per request
         self.rows: torch.Tensor | None = None  # see enable_prefix_rows
@@ -153,10 +158,14 @@ class MTPSpeculator:
             flat = self._flat(pages, 0, start)
             if flat is not None and bool(self.valid[flat].all()):  # recompute the depths over the cached prefix
                 self.states[request_id] = self._fresh(request_id, 0)
-                self.extend([DraftInput(request_id, 0, self.rows.index_select(0, flat), token_ids, False)])
+                self._recompute(request_id, self.rows.index_select(0, flat), token_ids)
                 return
         # No prefix, or its rows are unknown (loaded from the shared tier): the depths start at `start`.
         self.states[request_id] = self._fresh(request_id, start)
+
+    def _recompute(self, request_id: str, hidden: torch.Tensor, token_ids: list[int]) -> None:
+        """Run every depth over the trunk rows `hidden` of positions 0.. (a cached prefix)."""
+        self.extend([DraftInput(request_id, 0, hidden, token_ids, False)])
 
     def _fresh(self, request_id: str, start: int) -> _DrafterState:
         """A request's drafter state whose depths all begin at row `start`."""
@@ -178,6 +187,7 @@ class MTPSpeculator:
             assert item.draft <= (last == len(item.token_ids) - 1), "drafting needs the token after the last row"
             work.append((item, st))
         drafts: dict[str, list[int]] = {item.request_id: [] for item, _ in work if item.draft}
+        depth = min(self.depth_for(len(drafts)), self.num_depths) if drafts else 0  # the depths that draft
         for item, _ in work:
             self.probs.pop(item.request_id, None)
         incoming = {item.request_id: item.hidden for item, _ in work}  # g_{d-1} of this round's new rows
@@ -194,7 +204,7 @@ class MTPSpeculator:
                 end = max(start, min(reach, len(item.token_ids) - 1 - d))  # rows whose token is known
                 tokens = item.token_ids + drafts.get(item.request_id, [])
                 committed_part.append((item, st, start, end, rows[: end - start], tokens))
-                if item.draft and end < reach:
+                if item.draft and d < depth and end < reach:
                     provisional_part.append((item, st, end, reach, rows[end - start :], tokens))
                 # Committed rows of depth d - 1 this depth cannot commit yet wait for its next round.
                 above = st.committed[d - 1] if d else end
@@ -208,7 +218,7 @@ class MTPSpeculator:
             for (item, *_), g in zip(committed_part, out_c, strict=True):
                 rid = item.request_id
                 incoming[rid] = torch.cat([g, out_p[rid]]) if rid in out_p else g
-                if item.draft:
+                if item.draft and d < depth:
                     heads.append((rid, incoming[rid][-1], item))
             if heads:
                 logits = self.drafter.logits(torch.stack([h for _, h, _ in heads]))  # [N, Vu]
@@ -255,10 +265,33 @@ class PagedMTPSpeculator(MTPSpeculator):
     ):
         super().__init__(drafter, num_depths)
         self.pools, self.graphs = pools, graphs
-        self.depth_for = depth_for or (lambda batch: num_depths)
-        self.recent = self.depth_for(1)  # the depths a round without drafts runs: the last drafting round's
+        if depth_for is not None:
+            self.depth_for = depth_for
         self.paged: dict[str, DepthSequence] = {}
         self.stopped: set[str] = set()  # requests whose depth pages ran out: no drafts for them
+
+    @classmethod
+    def build(
+        cls,
+        drafter: MTPDrafter,
+        num_depths: int,
+        trunk: CacheSpec,
+        max_chunk: int,
+        max_model_len: int,
+        use_graphs: bool = True,
+    ) -> PagedMTPSpeculator:
+        """Pools for the trunk's sequences (`trunk`: its pool sizes, dtype and device): a conv slot per sequence,
+        sliding pages for a window plus a chunk (`max_chunk`, the step's token budget) each, and the trunk's global
+        page count plus one page per sequence (depth rows are not shared between requests; a request whose pages
+        run out stops speculating). Outside the KV budget, like the trunk rows kept for prefix hits."""
+        page, seqs = trunk.page_size, trunk.num_conv_slots
+        reach = drafter.config.sliding_window - 1 + max(max_chunk, _MAX_LAG) + num_depths + 1
+        sliding = seqs * (math.ceil(reach / page) + 2)
+        spec = CacheSpec(page, sliding, trunk.num_global_pages + seqs, seqs, trunk.dtype, trunk.device)
+        pools = DepthPools(drafter, spec, max_model_len)
+        graphs = DraftGraphs(drafter, pools, seqs, max_model_len, use_graphs)
+        graphs.capture_all([num_depths])  # fewer drafts (`depth_for`) capture on first use
+        return cls(drafter, num_depths, pools, graphs)
 
     def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
         self.remove(request_id)
@@ -273,6 +306,12 @@ class PagedMTPSpeculator(MTPSpeculator):
     def _fresh(self, request_id: str, start: int) -> _DrafterState:
         n = self.num_depths
         return _DrafterState(self.paged[request_id], [start] * n, [None] * n, [None] * n)
+
+    def _recompute(self, request_id: str, hidden: torch.Tensor, token_ids: list[int]) -> None:
+        """In chunks of `_MAX_LAG` rows, so a sliding depth never holds more than a window and a chunk of pages."""
+        for start in range(0, hidden.shape[0], _MAX_LAG):
+            rows = hidden[start : start + _MAX_LAG]
+            self.extend([DraftInput(request_id, start, rows, token_ids, False)])
 
     def remove(self, request_id: str) -> None:
         super().remove(request_id)
@@ -303,9 +342,10 @@ class PagedMTPSpeculator(MTPSpeculator):
             work.append((item, st))
         drafting = [(item, st) for item, st in work if item.draft]
         depth = min(self.depth_for(len(drafting)), self.num_depths) if drafting else 0
-        # Depths past what any request needs this round only queue the rows of the depth before them.
-        needed = depth if drafting else self.recent
-        self.recent = needed
+        # Depths past the round's drafts only queue the rows of the depth before them, up to _MAX_LAG rows (so a
+        # sliding depth's pages stay bounded); rounds without drafts (prefill) run every depth.
+        lagging = any(st.committed[0] - st.committed[-1] > _MAX_LAG for _, st in work)
+        needed = depth if drafting and not lagging else self.num_depths
         incoming = {item.request_id: item.hidden for item, _ in work}  # g_{d-1} of this round's committed rows
         heads: dict[str, torch.Tensor] = {}
         for d in range(self.num_depths):
@@ -331,8 +371,8 @@ class PagedMTPSpeculator(MTPSpeculator):
                 incoming[item.request_id] = out
                 if d == 0 and item.draft:
                     heads[item.request_id] = out[-1]
-        if not drafting:
-            return {}
+        if not depth:
+            return {item.request_id: () for item, _ in drafting}
         return self._chain(depth, drafting, heads)
 
     def _chain(self, depth: int, drafting: list, heads: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
