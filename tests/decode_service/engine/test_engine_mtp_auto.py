@@ -34,17 +34,18 @@ def test_the_flag_parses_into_the_engine_settings():
 
 def test_auto_measures_chooses_and_drafts_what_it_chose(tiny):  # noqa: F811
     trunk, mtp, config = tiny
-    specs = [SPECS[0], SPECS[2]]
-    auto = settings(max_num_seqs=2, mtp_depth=MTP_AUTO, mtp_acceptance=(0.9, 0.8, 0.7))
+    specs = [("a", SPECS[0][1], dataclasses.replace(SPECS[0][2], max_tokens=6), ())]
+    auto = settings(max_num_seqs=1, mtp_depth=MTP_AUTO, mtp_acceptance=(0.9, 0.8))
     engine = Engine(trunk, config, auto, drafter=mtp)
     table = engine.depth_table
-    assert engine.speculator.num_depths == 3 == engine.speculation_depth  # the table covers 3 of the 4 depths
-    assert table is not None and table.buckets == (1, 2) and all(0 <= d <= 3 for d in table.depths)
-    assert all(len(c.verify) == len(c.chain) == 3 and c.plain > 0 for c in table.costs)
-    engine.speculator.depth_for = lambda batch: batch  # a table of our own: 1 draft alone, 2 when both run
+    assert engine.speculator.num_depths == 2 == engine.speculation_depth  # the table covers 2 of the 4 depths
+    assert table is not None and table.buckets == (1,) and 0 <= table.depths[0] <= 2
+    assert len(table.costs[0].verify) == len(table.costs[0].chain) == 2 and table.costs[0].plain > 0
+    assert engine.speculator.depth_for(1) == table.depths[0]
+    engine.speculator.depth_for = lambda batch: 1  # a table of our own: one draft a round
     outs = [o.token_ids for o in engine.generate(fresh(specs))]
-    assert outs == run(tiny, fresh(specs), max_num_seqs=2, mtp_depth=0)
-    assert engine.speculation.num_rounds and len(engine.speculation.accepted_lengths) == 3  # 2 drafts at most
+    assert outs == run(tiny, fresh(specs), max_num_seqs=1, mtp_depth=0)
+    assert engine.speculation.num_rounds and len(engine.speculation.accepted_lengths) == 2  # 1 draft a round
 
 
 def test_auto_without_the_checkpoint_drafter_is_an_error(tiny):  # noqa: F811
