@@ -326,8 +326,8 @@ class PagedMTPSpeculator(MTPSpeculator):
             if item.request_id in self.stopped:
                 continue
             st = self.states[item.request_id]
-            assert item.first_row == st.committed[0], (
-                f"request {item.request_id}: trunk rows from {item.first_row}, depth 0 at {st.committed[0]}"
+            assert item.first_row == _rows_seen(st), (
+                f"request {item.request_id}: trunk rows from {item.first_row}, depth 0 has {_rows_seen(st)}"
             )
             last = item.first_row + item.hidden.shape[0]  # one past the trunk's last row
             assert item.draft <= (last == len(item.token_ids) - 1), "drafting needs the token after the last row"
@@ -344,7 +344,7 @@ class PagedMTPSpeculator(MTPSpeculator):
         depth = min(self.depth_for(len(drafting)), self.num_depths) if drafting else 0
         # Depths past the round's drafts only queue the rows of the depth before them, up to _MAX_LAG rows (so a
         # sliding depth's pages stay bounded); rounds without drafts (prefill) run every depth.
-        lagging = any(st.committed[0] - st.committed[-1] > _MAX_LAG for _, st in work)
+        lagging = any(_rows_seen(st) - st.committed[-1] > _MAX_LAG for _, st in work)
         needed = depth if drafting and not lagging else self.num_depths
         incoming = {item.request_id: item.hidden for item, _ in work}  # g_{d-1} of this round's committed rows
         heads: dict[str, torch.Tensor] = {}
@@ -406,3 +406,8 @@ class PagedMTPSpeculator(MTPSpeculator):
             if item.temperature > 0:
                 self.probs[item.request_id] = list(q[:, i].clone())
         return out
+
+
+def _rows_seen(st: _DrafterState) -> int:
+    """Trunk rows the drafter has been given: depth 0's committed rows and the ones queued before it."""
+    return st.committed[0] + (st.pending[0].shape[0] if st.pending[0] is not None else 0)

@@ -67,6 +67,7 @@ class Script:
             return None
         n, draft = self.steps[step]
         if step and self.steps[step - 1][1]:  # a verify round: the accepted drafts, then one new token
+            n = min(n, len(drafts) + 1)
             self.tokens += list(drafts[: n - 1]) + torch.randint(4, 200000, (1,), generator=self.gen).tolist()
         hidden = torch.randn(n, hidden_size, generator=self.gen).to(device)
         first, self.rows = self.rows, self.rows + n
@@ -83,14 +84,19 @@ def twin(item: DraftInput) -> DraftInput:
     return dataclasses.replace(item, generator=generator)
 
 
-def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool) -> None:
+def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool, schedule: list[int] = ()) -> None:
     """Drive both speculators with the same rounds; greedy drafts equal, the sampled request's depth-0 `q` close
-    (`exact`: every draft and every `q` bitwise equal)."""
+    (`exact`: every draft and every `q` bitwise equal). `schedule`: the drafts of each round (`depth_for`), else
+    `depth`."""
     device = drafter.embed.weight.device
+    at = [0]
+    if schedule:
+        for spec in (reference, batched):
+            spec.depth_for = lambda batch: schedule[at[0] % len(schedule)]
     scripts = [
-        Script("long", 21, [9], [depth, 0, 1, depth, min(2, depth), 0], 0.0, 1),
+        Script("long", 80 if schedule else 21, [] if schedule else [9], [depth, 0, 1, depth, 2, 0], 0.0, 1),
         Script("short", 2, [], [0, 1, depth, 0, 0, 1], 0.0, 2),
-        Script("hot", 6, [3], [1, 0, depth, 0, min(2, depth), 1], 0.8, 3),
+        Script("hot", 6, [3], [1, 0, depth, 0, 2, 1], 0.8, 3),
     ]
     h = drafter.config.hidden_size
     for spec in (reference, batched):
@@ -98,19 +104,20 @@ def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool) ->
             spec.reset(s.rid, 0, s.tokens, [])
     drafts: dict[str, tuple[int, ...]] = {}
     for step in range(9):
+        at[0] = step
         inputs = [i for s in scripts if (i := s.input(h, drafts.get(s.rid, ()), device)) is not None]
         want = reference.extend(inputs)
         got = batched.extend([twin(i) for i in inputs])
         assert set(got) == set(want) == {i.request_id for i in inputs if i.draft}
         for rid, tokens in want.items():
-            assert len(got[rid]) == depth
+            assert len(got[rid]) == (schedule[step % len(schedule)] if schedule else depth)
             if exact:
                 assert got[rid] == tokens, f"step {step} request {rid}"
                 q, p = batched.draft_probs(rid), reference.draft_probs(rid)
                 assert (q is None) == (p is None) and (q is None or torch.equal(q, p))
             elif rid != "hot":
                 assert got[rid] == tokens, f"step {step} request {rid}"
-            else:  # sampled drafts: the same distribution at depth 0 (later depths see the sampled d_1)
+            elif tokens:  # sampled drafts: the same distribution at depth 0 (later depths see the sampled d_1)
                 torch.testing.assert_close(batched.draft_probs(rid)[0], reference.draft_probs(rid)[0])
         drafts = {rid: got[rid] if rid == "hot" else want[rid] for rid in want}
         if step == 2:  # a finished request gives its depth slot and pages back; a new one takes them
@@ -120,9 +127,15 @@ def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool) ->
                 spec.reset("new", 0, scripts[-1].tokens, [])
 
 
-@pytest.mark.parametrize("depth", [1, 3])
-def test_paged_chain_equals_the_contiguous_speculator(cpu_interpreter, drafter, depth):
-    compare(MTPSpeculator(drafter, depth), paged(drafter, depth), drafter, depth, exact=False)
+def test_paged_chain_equals_the_contiguous_speculator(cpu_interpreter, drafter):
+    compare(MTPSpeculator(drafter, 3), paged(drafter, 3), drafter, 3, exact=False)
+
+
+def test_fewer_drafts_per_round_queue_the_deeper_depths_exactly(cpu_interpreter, drafter):
+    """`depth_for` of 1, 0, 3, 2 drafts: the paged speculator's deeper depths queue their rows (an 80-row prompt
+    drafted at D = 1 leaves them past the 64-row lag, so the next round catches them up) and draft what the
+    per-request speculator, which runs every depth every round, drafts."""
+    compare(MTPSpeculator(drafter, 3), paged(drafter, 3), drafter, 3, exact=False, schedule=[1, 0, 3, 2])
 
 
 @pytest.mark.gpu
