@@ -147,7 +147,13 @@ class DraftGraphs:
             for convs in self.cache.conv
         ]  # the last row: the scratch working slot
         assert all(w.shape[1] == k1 for convs in self.work for w in convs) and len(self.work[0]) == NUM_CONVS
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.max_rows = n + 2  # committed rows per sequence and depth a graphed catch-up takes (a verify: <= D + 1)
+        r = self.max_rows
+        self._host_c = torch.empty((3 * n + 1 + n * r, width), dtype=torch.int64, pin_memory=self.capture)
+        self._meta_c = torch.empty((3 * n + 1 + n * r, width), dtype=torch.int64, device=device)
+        self.cfixed = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: cell inputs from the host
+        self.cout = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: cell outputs
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def bucket(self, batch: int) -> int:
@@ -252,6 +258,88 @@ class DraftGraphs:
                 cells[o] = self.drafter(j, hidden, batch)  # [size, H]
             tokens.append(self._sample(j, cells[0], size))
             above = cells
+
+    def catch_up(
+        self,
+        depths: int,
+        rows: int,
+        start: list[list[int]],
+        count: list[list[int]],
+        shift: list[list[int]],
+        tokens: list[list[list[int]]],
+        slots: list[int],
+    ) -> None:
+        """The committed rows of depths 0..`depths`-1 of B sequences as one-row paged steps, `rows` steps per
+        depth: cell (j, m) of sequence i is its row `start[i][j] + m` when `m < count[i][j]`, with token
+        `tokens[i][j][m]` and as hidden `self.cfixed[j, m, i]` (filled by the caller) for `m < shift[i][j]`, else
+        depth j-1's cell `m - shift[i][j]`; outputs land in `self.cout[j, m, i]`. The conv states and KV rows are
+        the sequences' own (committed rows); cells past a sequence's count write the scratch page and slot."""
+        batch = len(slots)
+        size = self.bucket(batch)
+        key = ("catch", size, depths, rows)
+        if self.capture and key not in self._graphs:
+            self._graphs[key] = self._capture_with(key, lambda: self._catch_up_forward(size, depths, rows))
+        n, r, pad = self.drafter.num_depths, self.max_rows, size - batch
+        meta = []
+        for field, fill in ((start, 0), (count, 0), (shift, 0)):
+            for j in range(n):
+                meta.append([v[j] if j < len(v) else fill for v in field] + [fill] * pad)
+        meta.append(list(slots) + [self.cache.scratch_slot] * pad)
+        for j in range(n):
+            for m in range(r):
+                meta.append([t[j][m] if j < len(t) and m < len(t[j]) else 0 for t in tokens] + [0] * pad)
+        self._host_c[:, :size] = torch.tensor(meta, dtype=torch.int64)
+        self.tables.upload()
+        self._meta_c[:, :size].copy_(self._host_c[:, :size], non_blocking=self.capture)
+        if self.capture:
+            self._graphs[key].replay()
+        else:
+            self._catch_up_forward(size, depths, rows)
+
+    def _catch_up_forward(self, size: int, depths: int, rows: int) -> None:
+        n, page = self.drafter.num_depths, self.cache.page_size
+        meta = self._meta_c[:, :size]
+        start, count, shift, slots = meta[:n], meta[n : 2 * n], meta[2 * n : 3 * n], meta[3 * n]
+        tables = {kind: table.index_select(0, slots) for kind, table in self.tables.device.items()}
+        scratch_rows = {kind: p * page for kind, p in self.cache.scratch_page.items()}
+        lanes = torch.arange(size, device=slots.device)
+        for j in range(depths):
+            for m in range(rows):
+                p = start[j] + m  # [size] the row's position
+                active = m < count[j]
+                hidden = self.cfixed[j, m, :size]
+                if j:
+                    above = self.cout[j - 1, :, :size][(m - shift[j]).clamp(0, self.max_rows - 1), lanes]
+                    hidden = torch.where((m >= shift[j])[:, None], above, hidden)
+                kv_rows = {}
+                for kind, table in tables.items():
+                    row = table.gather(1, (p // page)[:, None])[:, 0] * page + p % page
+                    kv_rows[kind] = torch.where(active, row, scratch_rows[kind])
+                decode = PagedDecode(
+                    pools=self.cache,
+                    seq_lens=(p + 1).to(torch.int32),
+                    conv_slots=torch.where(active, slots, self.cache.scratch_slot),
+                    kv_rows=kv_rows,
+                    block_tables=tables,
+                    max_seq_len=self.max_model_len,
+                )
+                token = meta[3 * n + 1 + j * self.max_rows + m]
+                self.cout[j, m, :size].copy_(self.drafter(j, hidden, ForwardBatch(token, [], decode=decode)))
+
+    def _capture_with(self, key: tuple, forward) -> torch.cuda.CUDAGraph:
+        """Warm up (padding rows only: the scratch slot and pages) and record `forward`."""
+        size = key[1]
+        self._host_c[:, :size] = 0
+        n = self.drafter.num_depths
+        self._host_c[3 * n, :size] = self.cache.scratch_slot
+        self.tables.upload()
+        self._meta_c[:, :size].copy_(self._host_c[:, :size])
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            forward()
+        return graph
 
     def warm_up(self, size: int, depth: int) -> None:
         """One chain of `size` padding rows (compiles the kernels; touches only scratch pages and slots)."""

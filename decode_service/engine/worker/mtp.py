@@ -346,6 +346,16 @@ class PagedMTPSpeculator(MTPSpeculator):
         # sliding depth's pages stay bounded); rounds without drafts (prefill) run every depth.
         lagging = any(_rows_seen(st) - st.committed[-1] > _MAX_LAG for _, st in work)
         needed = depth if drafting and not lagging else self.num_depths
+        heads = self._graphed_catch_up(needed, work) if drafting and len(drafting) == len(work) else None
+        if heads is None:
+            heads = self._packed_catch_up(needed, work)
+        if not depth:
+            return {item.request_id: () for item, _ in drafting}
+        return self._chain(depth, drafting, heads)
+
+    def _packed_catch_up(self, needed: int, work: list) -> dict[str, torch.Tensor]:
+        """Each depth's committed rows of every request in one packed forward (any row counts); depths from
+        `needed` on queue their input rows. -> depth 0's last output row of each drafting request."""
         incoming = {item.request_id: item.hidden for item, _ in work}  # g_{d-1} of this round's committed rows
         heads: dict[str, torch.Tensor] = {}
         for d in range(self.num_depths):
@@ -371,9 +381,91 @@ class PagedMTPSpeculator(MTPSpeculator):
                 incoming[item.request_id] = out
                 if d == 0 and item.draft:
                     heads[item.request_id] = out[-1]
-        if not depth:
-            return {item.request_id: () for item, _ in drafting}
-        return self._chain(depth, drafting, heads)
+        return heads
+
+    def _graphed_catch_up(self, needed: int, work: list) -> dict[str, torch.Tensor] | None:
+        """The same rows as `_packed_catch_up` as one-row paged steps replayed from a graph (`DraftGraphs.catch_up`)
+        when no request brings more than `max_rows` rows to a depth (a verify round); None: not taken."""
+        graphs, n = self.graphs, self.num_depths
+        if not needed:
+            return None
+        plans = []  # per request and depth j < needed: (start, end, shift = rows queued before this round's inputs)
+        for item, st in work:
+            plan, arriving = [], item.hidden.shape[0]  # rows depth j receives from depth j - 1 this round
+            for j in range(needed):
+                shift = st.pending[j].shape[0] if st.pending[j] is not None else 0
+                start = st.committed[j]
+                end = max(start, min(start + shift + arriving, len(item.token_ids) - 1 - j))
+                if end - start > graphs.max_rows:
+                    return None
+                plan.append((start, end, shift))
+                arriving = end - start
+            plans.append(plan)
+        rows = max(end - start for plan in plans for start, end, _ in plan)
+        h, width, r = self.drafter.config.hidden_size, graphs.buckets[-1], graphs.max_rows
+        sources, targets = [], []  # host rows of the cells' fixed inputs
+        for i, ((item, st), plan) in enumerate(zip(work, plans, strict=True)):
+            start, end, shift = plan[0]
+            rows0 = item.hidden if st.pending[0] is None else torch.cat([st.pending[0], item.hidden])
+            sources.append(rows0[: end - start])
+            targets.extend(m * width + i for m in range(end - start))
+            for j in range(1, needed):
+                start, end, shift = plan[j]
+                k = min(shift, end - start)
+                if k:
+                    sources.append(st.pending[j][:k])
+                    targets.extend((j * r + m) * width + i for m in range(k))
+        if targets:
+            index = torch.tensor(targets, dtype=torch.int64).to(graphs.cfixed.device, non_blocking=True)
+            graphs.cfixed.view(-1, h).index_copy_(0, index, torch.cat(sources).to(graphs.cfixed.dtype))
+        tokens = [  # cell (j, m) pairs row start + m with token start + m + j + 1
+            [[item.token_ids[p + j + 1] for p in range(s, e)] for j, (s, e, _) in enumerate(plan)]
+            for (item, _), plan in zip(work, plans, strict=True)
+        ]
+        graphs.catch_up(
+            needed,
+            rows,
+            [[s for s, _, _ in plan] for plan in plans],
+            [[e - s for s, e, _ in plan] for plan in plans],
+            [[0] + [sh for _, _, sh in plan[1:]] for plan in plans],
+            tokens,
+            [st.state.slot for _, st in work],
+        )
+        # The rows to keep: depth 0's last output, and each depth's inputs it cannot commit yet (`pending`).
+        picks, wanted = [], []  # flat rows of cout; per request (head, {depth: (old rows, new count)})
+        for i, ((_, st), plan) in enumerate(zip(work, plans, strict=True)):
+            head = len(picks)
+            picks.append((plan[0][1] - plan[0][0] - 1) * width + i)  # cout[0, last row, i]
+            keep = {}
+            for j in range(1, n):
+                if j < needed:
+                    start, end, shift = plan[j]
+                    above = plan[j - 1][1]  # depth j - 1's committed end
+                    lo, hi = end - start, above - start  # input rows of depth j kept: [lo, hi)
+                    old = st.pending[j][lo:shift] if lo < shift else None
+                    first = max(lo, shift) - shift  # depth j - 1's cells kept from here
+                    count = max(0, hi - max(lo, shift))
+                elif j == needed:
+                    old, first, count = st.pending[j], 0, plan[j - 1][1] - plan[j - 1][0]
+                else:
+                    continue
+                keep[j] = (old, len(picks), count)
+                picks.extend((((j - 1) * r + first + m) * width + i) for m in range(count))
+            wanted.append((head, keep))
+        gathered = graphs.cout.view(-1, h).index_select(
+            0, torch.tensor(picks, dtype=torch.int64).to(graphs.cout.device)
+        )
+        heads = {}
+        for (item, st), plan, (head, keep) in zip(work, plans, wanted, strict=True):
+            heads[item.request_id] = gathered[head]
+            st.pending[0] = None
+            for j, (_, end, _) in enumerate(plan):
+                st.committed[j] = end
+            for j, (old, at, count) in keep.items():
+                new = gathered[at : at + count]
+                rows = new if old is None or not old.shape[0] else torch.cat([old, new])
+                st.pending[j] = rows if rows.shape[0] else None
+        return heads
 
     def _chain(self, depth: int, drafting: list, heads: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
         """The provisional triangle and the drafts of the drafting requests (`DraftGraphs`)."""
