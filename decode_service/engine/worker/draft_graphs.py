@@ -34,6 +34,7 @@ with graphs off, the same buffers run eagerly (the CPU tests, under the kernels'
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
 import torch
 
@@ -93,11 +94,17 @@ class DepthSequence:
 
 
 class DepthPools:
-    """The depths' KV pools, conv slots and device block tables, sized by the caller (`CacheSpec`)."""
+    """The depths' KV pools, conv slots and device block tables, sized by the caller (`CacheSpec`), for the first
+    `num_depths` depths (all by default)."""
 
-    def __init__(self, drafter: MTPDrafter, spec: CacheSpec, max_model_len: int):
-        self.cache = KVCache(drafter.config, spec)
-        self.allocator = KVAllocator(drafter.config, spec)
+    def __init__(self, drafter: MTPDrafter, spec: CacheSpec, max_model_len: int, num_depths: int | None = None):
+        config = drafter.config
+        n = num_depths or drafter.num_depths  # the first n depths (those the speculator drafts with)
+        config = dataclasses.replace(
+            config, num_layers=n, sliding_layers=config.sliding_layers[:n], dense_layers=config.dense_layers[:n]
+        )
+        self.cache = KVCache(config, spec)
+        self.allocator = KVAllocator(config, spec)
         self.cache.enable_block_tables(max_model_len)
 
     def new_sequence(self) -> DepthSequence | None:
@@ -130,7 +137,8 @@ class DraftGraphs:
         self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
         device = torch.device(self.cache.spec.device)
         self.capture = use_graphs and device.type == "cuda"
-        n, width = drafter.num_depths, self.buckets[-1]
+        self.num_depths = n = self.cache.config.num_layers  # the depths the pools hold
+        width = self.buckets[-1]
         h, vocab = drafter.config.hidden_size, drafter.config.unpadded_vocab_size
         dtype = drafter.embed.weight.dtype
         self._host = torch.empty((2 + n, width), dtype=torch.int64, pin_memory=self.capture)
@@ -198,7 +206,7 @@ class DraftGraphs:
     def _fill(
         self, known: list[int], provisional: list[list[int]], slots: list[int], size: int, temperatures: list[float]
     ) -> None:
-        n, pad = self.drafter.num_depths, size - len(known)
+        n, pad = self.num_depths, size - len(known)
         self._host_t[:size] = torch.tensor(list(temperatures) + [0.0] * pad, dtype=torch.float32)
         rows = [list(known) + [n + 1] * pad, list(slots) + [self.cache.scratch_slot] * pad]
         for j in range(n):
@@ -279,7 +287,7 @@ class DraftGraphs:
         key = ("catch", size, depths, rows)
         if self.capture and key not in self._graphs:
             self._graphs[key] = self._capture_with(key, lambda: self._catch_up_forward(size, depths, rows))
-        n, r, pad = self.drafter.num_depths, self.max_rows, size - batch
+        n, r, pad = self.num_depths, self.max_rows, size - batch
         meta = []
         for field, fill in ((start, 0), (count, 0), (shift, 0)):
             for j in range(n):
@@ -297,7 +305,7 @@ class DraftGraphs:
             self._catch_up_forward(size, depths, rows)
 
     def _catch_up_forward(self, size: int, depths: int, rows: int) -> None:
-        n, page = self.drafter.num_depths, self.cache.page_size
+        n, page = self.num_depths, self.cache.page_size
         meta = self._meta_c[:, :size]
         start, count, shift, slots = meta[:n], meta[n : 2 * n], meta[2 * n : 3 * n], meta[3 * n]
         tables = {kind: table.index_select(0, slots) for kind, table in self.tables.device.items()}
@@ -330,7 +338,7 @@ class DraftGraphs:
         """Warm up (padding rows only: the scratch slot and pages) and record `forward`."""
         size = key[1]
         self._host_c[:, :size] = 0
-        n = self.drafter.num_depths
+        n = self.num_depths
         self._host_c[3 * n, :size] = self.cache.scratch_slot
         self.tables.upload()
         self._meta_c[:, :size].copy_(self._host_c[:, :size])

@@ -288,7 +288,7 @@ class PagedMTPSpeculator(MTPSpeculator):
         reach = drafter.config.sliding_window - 1 + max(max_chunk, _MAX_LAG) + num_depths + 1
         sliding = seqs * (math.ceil(reach / page) + 2)
         spec = CacheSpec(page, sliding, trunk.num_global_pages + seqs, seqs, trunk.dtype, trunk.device)
-        pools = DepthPools(drafter, spec, max_model_len)
+        pools = DepthPools(drafter, spec, max_model_len, num_depths)
         graphs = DraftGraphs(drafter, pools, seqs, max_model_len, use_graphs)
         graphs.capture_all([num_depths])  # fewer drafts (`depth_for`) capture on first use
         return cls(drafter, num_depths, pools, graphs)
@@ -482,7 +482,7 @@ class PagedMTPSpeculator(MTPSpeculator):
                 if st.pending[j] is not None:  # g_{j-1}(p) committed, p = c_j .. c_{j-1} - 1
                     offsets = [k - 2 - p for p in range(st.committed[j], st.committed[j] + st.pending[j].shape[0])]
                     sources.append(st.pending[j])
-                    targets.extend((j * self.drafter.num_depths + o) * width + i for o in offsets)
+                    targets.extend((j * graphs.num_depths + o) * width + i for o in offsets)
             known.append(k)
             provisional.append(counts)
             slots.append(st.state.slot)

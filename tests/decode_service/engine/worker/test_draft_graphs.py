@@ -46,7 +46,7 @@ def drafter(checkpoint) -> MTPDrafter:
 def paged(drafter: MTPDrafter, depth: int, max_num_seqs: int = 3, use_graphs: bool = True) -> PagedMTPSpeculator:
     weight = drafter.embed.weight
     spec = CacheSpec(4, 64, 64, max_num_seqs, weight.dtype, str(weight.device))
-    pools = DepthPools(drafter, spec, max_model_len=128)
+    pools = DepthPools(drafter, spec, max_model_len=128, num_depths=depth)
     return PagedMTPSpeculator(drafter, depth, pools, DraftGraphs(drafter, pools, max_num_seqs, 128, use_graphs))
 
 
