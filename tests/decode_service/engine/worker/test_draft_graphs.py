@@ -30,17 +30,23 @@ def checkpoint(tmp_path_factory):
     return directory
 
 
-def build(directory, dtype: torch.dtype = torch.float32, device: str = "cpu") -> MTPDrafter:
+def build(directory, dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple:
+    """(trunk, drafter, config) of the checkpoint, on the kernels (`fast` ops)."""
     files, config = CheckpointFiles(directory), load_model_config(directory)
     weights, _ = load_decoder_weights(files, config, dtype=dtype)
     trunk = InklingDecoder.from_weights(config.text, weights, dtype, device).with_ops("fast")
     mtp, _ = load_mtp_weights(files, config, dtype=dtype)
-    return MTPDrafter.from_weights(mtp, config.mtp, trunk)
+    return trunk, MTPDrafter.from_weights(mtp, config.mtp, trunk), config
 
 
 @pytest.fixture(scope="module")
-def drafter(checkpoint) -> MTPDrafter:
+def models(checkpoint) -> tuple:
     return build(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def drafter(models) -> MTPDrafter:
+    return models[1]
 
 
 def paged(drafter: MTPDrafter, depth: int, max_num_seqs: int = 3, use_graphs: bool = True) -> PagedMTPSpeculator:
@@ -145,7 +151,7 @@ def test_fewer_drafts_per_round_queue_the_deeper_depths_exactly(cpu_interpreter,
 @pytest.mark.gpu
 def test_chain_from_its_cuda_graphs_equals_the_same_chain_eager(cuda_device, checkpoint):
     """bf16 on the GPU: the graph replays give exactly what the same static-buffer chain gives eagerly."""
-    drafter = build(checkpoint, torch.bfloat16, "cuda")
+    drafter = build(checkpoint, torch.bfloat16, "cuda")[1]
     graphed = paged(drafter, DEPTHS)
     assert graphed.graphs.capture
     compare(paged(drafter, DEPTHS, use_graphs=False), graphed, drafter, DEPTHS, exact=True)
@@ -162,3 +168,25 @@ def test_a_request_without_a_free_depth_slot_runs_without_drafts(cpu_interpreter
     batched.remove("a")
     batched.reset("b", 0, [5, 6, 7], [])
     assert set(batched.extend(inputs[1:])) == {"b"}
+
+
+def test_the_engine_speculates_through_the_paged_chain(cpu_interpreter, models):
+    """A trunk on the kernels gets the batched speculator; its greedy outputs equal the non-speculative run's."""
+    from decode_service.engine.engine import Engine, EngineSettings
+    from decode_service.engine.request import Request, SamplingParams
+
+    trunk, drafter, config = models
+    sampling = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompts = [[11, 12, 13], torch.randint(4, 200000, (19,), generator=torch.Generator().manual_seed(8)).tolist()]
+
+    def outputs(depth: int) -> tuple[Engine, list[list[int]]]:
+        settings = EngineSettings(
+            kv_cache_bytes=1 << 23, page_size=4, max_num_seqs=2, max_num_batched_tokens=24, mtp_depth=depth
+        )
+        engine = Engine(trunk, config, settings, drafter=drafter)
+        outs = engine.generate([Request(f"r{i}", list(p), sampling) for i, p in enumerate(prompts)])
+        return engine, [o.token_ids for o in outs]
+
+    engine, speculative = outputs(2)
+    assert isinstance(engine.speculator, PagedMTPSpeculator) and engine.speculation.num_rounds
+    assert speculative == outputs(0)[1]
