@@ -170,23 +170,27 @@ def test_a_request_without_a_free_depth_slot_runs_without_drafts(cpu_interpreter
     assert set(batched.extend(inputs[1:])) == {"b"}
 
 
-def test_the_engine_speculates_through_the_paged_chain(cpu_interpreter, models):
-    """A trunk on the kernels gets the batched speculator; its greedy outputs equal the non-speculative run's."""
+@pytest.mark.gpu
+def test_the_engine_speculates_through_the_paged_chain(cuda_device, checkpoint):
+    """fp32 on CUDA (the whole engine on the kernels is too slow for the CPU interpreter): the trunk on the kernels
+    gets the batched, graphed speculator; its greedy outputs equal the non-speculative run's."""
     from decode_service.engine.engine import Engine, EngineSettings
     from decode_service.engine.request import Request, SamplingParams
 
-    trunk, drafter, config = models
+    trunk, drafter, config = build(checkpoint, torch.float32, "cuda")
     sampling = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     prompts = [[11, 12, 13], torch.randint(4, 200000, (19,), generator=torch.Generator().manual_seed(8)).tolist()]
 
     def outputs(depth: int) -> tuple[Engine, list[list[int]]]:
         settings = EngineSettings(
-            kv_cache_bytes=1 << 23, page_size=4, max_num_seqs=2, max_num_batched_tokens=24, mtp_depth=depth
-        )
+            kv_cache_bytes=1 << 23, page_size=4, max_num_seqs=2, max_num_batched_tokens=24, device="cuda",
+            mtp_depth=depth,
+        )  # fmt: skip
         engine = Engine(trunk, config, settings, drafter=drafter)
         outs = engine.generate([Request(f"r{i}", list(p), sampling) for i, p in enumerate(prompts)])
         return engine, [o.token_ids for o in outs]
 
     engine, speculative = outputs(2)
-    assert isinstance(engine.speculator, PagedMTPSpeculator) and engine.speculation.num_rounds
+    assert isinstance(engine.speculator, PagedMTPSpeculator) and engine.speculator.graphs.capture
+    assert engine.speculation.num_rounds
     assert speculative == outputs(0)[1]
