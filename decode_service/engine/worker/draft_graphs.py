@@ -8,8 +8,12 @@ position, so a fixed buffer per slot would reserve max_model_len positions for e
 
 A round (`MTPSpeculator` semantics, worker/mtp.py). With K known tokens, depth j's committed rows end at
 `c_j = K-1-j` (or later, after a reset) and its provisional rows are `c_j .. K-2` (`n_j = K-1-c_j <= j` of them),
-row p pairing the depth-(j-1) hidden at p with draft `d_{p+j+2-K}`. The committed rows run first, one packed
-eager forward per depth over every request (`MTPSpeculator._run`); the provisional triangle then runs here:
+row p pairing the depth-(j-1) hidden at p with draft `d_{p+j+2-K}`. The committed rows run first: in a verify
+round (at most D + 1 new rows per sequence and depth) here, `catch_up`, as one-row paged steps of each depth over
+the whole batch, cell (j, m) being row `start_j + m` of every sequence, its hidden the row the depth queued
+(`pending`) or depth j-1's cell for that row; on the sequences' own conv slots and KV rows (cells past a
+sequence's row count on the scratch ones). Larger rounds (prefill) run one packed forward per depth over every
+request (`PagedMTPSpeculator._packed_catch_up`). The provisional triangle then runs here too (`run`):
 
     d_1 = sample(logits(g_0(K-2)))
     for j in 1..D-1, for p in c_j..K-2 (offset o = K-2-p from j-1 down to 0):
@@ -27,8 +31,9 @@ Sampling inside the graph, without device asserts: greedy rows take the argmax; 
 the request's generator (the exponential race, i.e. Gumbel-max: a draw from q). `q` is returned for rejection
 sampling.
 
-One graph per (batch bucket, D): every input lives in static buffers refilled before a replay. Without CUDA, or
-with graphs off, the same buffers run eagerly (the CPU tests, under the kernels' interpreter).
+One graph per (batch bucket, D) for the triangle and per (bucket, depths, rows) for the committed rows: every
+input lives in static buffers refilled before a replay. Without CUDA, or with graphs off, the same buffers run
+eagerly (the CPU tests, under the kernels' interpreter).
 """
 
 from __future__ import annotations
