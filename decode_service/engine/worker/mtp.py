@@ -249,11 +249,12 @@ class MTPSpeculator:
 
 class PagedMTPSpeculator(MTPSpeculator):
     """The same rounds over the depths' paged pools (`draft_graphs.DepthPools`): each depth's committed rows of
-    every request in one packed forward, then the provisional triangle and the drafts of every drafting request in
-    one `DraftGraphs` chain (a CUDA graph per batch bucket and D). The drafter needs the paged decode kernels
+    every request (a verify round: one-row paged steps from a graph, `DraftGraphs.catch_up`; larger rounds: one
+    packed forward per depth), then the provisional triangle and the drafts of every drafting request in one
+    `DraftGraphs.run` (a CUDA graph per batch bucket and D). The drafter needs the paged decode kernels
     (`fast_path.supports_batched_decode` of its trunk). `depth_for(batch)`: the drafts per round for a round of
     that many drafting requests (`num_depths` when not given); the depths past it only queue their rows
-    (`pending`) until a round needs them."""
+    (`pending`, at most `_MAX_LAG`) until a round needs them."""
 
     def __init__(
         self,
