@@ -200,6 +200,7 @@ class DraftGraphs:
             self._forward(size, depth)
         return self.drafts[:depth, :batch], self.q[:depth, :batch]
 
+    @torch.inference_mode()
     def capture_all(self, depths: list[int]) -> None:
         """Record every (bucket, D) graph now (engine start)."""
         if self.capture:
