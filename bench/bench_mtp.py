@@ -11,13 +11,17 @@ For each B (default 1/8/64) at context `--ctx`:
   and the lm_head of all B(D+1) rows, on CUDA replayed from the engine's verify CUDA graph (`DecodeGraphs` of
   width D+1) followed by its conv commit, on the CPU the packed path, eager;
 - draft chain: depth 0..D-1 each over `r` rows per sequence (the rows the round verified: 1 + the expected
-  accepted drafts, rounded) and its draft logits through the shared lm_head for the B last rows;
+  accepted drafts, rounded) and its draft logits through the shared lm_head for the B last rows. Timed twice: as
+  the engine runs it when the trunk has the paged decode kernels (`PagedMTPSpeculator`: the verified rows one
+  packed forward per depth over the depths' paged pools, then the provisional rows and the D drafts replayed
+  from the chain's CUDA graph for B's bucket and D; "from its CUDA graph", the figure used below) and the old
+  way (per-request contiguous caches, each depth's rows one eager packed forward: "eager per request");
 - a synthetic acceptor: per sequence and round one uniform u accepts draft k iff u < rate_k, with vLLM's
   published cumulative per-position rates for Inkling (GSM8K, concurrency 64, greedy: 75.7 / 60.1 / 49.8 / 41.1 /
   35.4 / 29.8 / 26.1 / 22.3 %), so a round emits 1 + accepted tokens and costs verify(D) + chain(D);
   tokens/s per sequence = mean tokens per round / round time, vs 1 / plain step without speculation (on CUDA
   the plain step replayed from the engine's decode CUDA graph, which is what the engine runs without drafts;
-  the chain runs eagerly, as in the engine today).
+  the verify step and the chain replayed from their CUDA graphs, as in the engine).
 The one-token byte floor (`bench.proxy.step_bytes`: every non-routed weight once, the routed experts the plain
 step touches, K/V and conv state, fp32 logits, over the copy bandwidth measured in the same run) is printed next
 to the per-token time: speculation is how the per-token time goes below it.
@@ -58,7 +62,10 @@ from bench.proxy import (
 from common.config import MtpConfig, parse_model_config
 from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
+from decode_service.engine.worker.draft_graphs import DepthPools, DraftGraphs
 from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
+from decode_service.engine.worker.mtp import DraftInput, PagedMTPSpeculator
+from decode_service.model import fast_path
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.mtp import MTPDrafter
@@ -222,6 +229,46 @@ class DraftChain:
         return run
 
 
+class GraphedChain:
+    """The same B sequences as the engine keeps them (`PagedMTPSpeculator`: the depths' paged pools), each depth
+    prefilled with `ctx` rows; `step(depth, rows)` times one round as the engine runs it: `rows` verified trunk rows
+    per sequence through every depth (one packed forward per depth), then the provisional rows and the D drafts
+    replayed from the chain's CUDA graph for (B's bucket, D). The sequences grow by the timed rows (`growth`)."""
+
+    def __init__(self, drafter: MTPDrafter, batch: int, ctx: int, growth: int):
+        config, device = drafter.config, drafter.embed.weight.device
+        self.hidden, self.vocab = config.hidden_size, config.unpadded_vocab_size
+        pages = batch * math.ceil((ctx + growth) / PAGE)
+        spec = CacheSpec(PAGE, pages, pages, batch, drafter.embed.weight.dtype, str(device))
+        pools = DepthPools(drafter, spec, ctx + growth)
+        self.depth = drafter.num_depths  # the prefill runs every depth
+        graphs = DraftGraphs(drafter, pools, batch, ctx + growth)
+        self.speculator = PagedMTPSpeculator(drafter, drafter.num_depths, pools, graphs, lambda _: self.depth)
+        self.device, self.dtype = device, drafter.embed.weight.dtype
+        self.tokens = {f"s{i}": torch.randint(0, self.vocab, (ctx + 1,)).tolist() for i in range(batch)}
+        self.rows = dict.fromkeys(self.tokens, ctx)
+        with torch.inference_mode():
+            for rid, tokens in self.tokens.items():
+                self.speculator.reset(rid, 0, tokens, [])
+            self.speculator.extend([DraftInput(rid, 0, self._hidden(ctx), t, False) for rid, t in self.tokens.items()])
+
+    def _hidden(self, rows: int) -> torch.Tensor:
+        return torch.randn(rows, self.hidden, device=self.device, dtype=self.dtype)
+
+    def step(self, depth: int, rows: int) -> Callable[[], None]:
+        def run() -> None:
+            self.depth = depth
+            inputs = []
+            for rid, tokens in self.tokens.items():
+                tokens += torch.randint(0, self.vocab, (rows,)).tolist()
+                inputs.append(DraftInput(rid, self.rows[rid], self._hidden(rows), list(tokens), True))
+                self.rows[rid] += rows
+            with torch.inference_mode():
+                self.speculator.extend(inputs)
+
+        return run
+
+
 def plain_graph_ms(model: InklingDecoder, batch: int, ctx: int, reps: int) -> float:
     """The engine's plain decode step (`DecodeGraphs` replay + lm_head) for B sequences at `ctx`, as in
     `bench.bench_decode`."""
@@ -261,10 +308,16 @@ class Row:
     plain_graph_ms: float | None = None  # CUDA: the engine's plain decode step replayed from its CUDA graph
     lm_plain_ms: float = 0.0  # the lm_head alone over the plain step's B rows
     lm_verify_ms: float = 0.0  # ... over the verify step's B(D+1) rows
+    chain_graph_ms: float | None = None  # the chain as the engine runs it (paged pools, CUDA graph); None: eager
+
+    @property
+    def draft_ms(self) -> float:
+        """The chain as the engine runs it: from its CUDA graph when measured, else the eager one."""
+        return self.chain_graph_ms if self.chain_graph_ms is not None else self.chain_ms
 
     @property
     def round_ms(self) -> float:
-        return self.verify_ms + self.chain_ms
+        return self.verify_ms + self.draft_ms
 
     @property
     def per_token_ms(self) -> float:
@@ -284,7 +337,7 @@ class Row:
         layers) and the lm_head and the draft chain as measured: a first-order estimate of full depth."""
         baseline = self.lm_plain_ms + (self.baseline_ms - self.lm_plain_ms) * layer_scale
         verify = self.lm_verify_ms + (self.verify_ms - self.lm_verify_ms) * layer_scale
-        return baseline / ((verify + self.chain_ms) / self.tokens_per_round)
+        return baseline / ((verify + self.draft_ms) / self.tokens_per_round)
 
 
 def lm_head_ms(model: InklingDecoder, rows: int, device: str, reps: int) -> float:
@@ -323,6 +376,8 @@ def run(
         graphed = plain_graph_ms(trunk, b, ctx, reps) if device == "cuda" else None
         lm_plain = lm_head_ms(trunk, b, device, reps)
         chain = DraftChain(drafter, b, ctx)
+        growth = 4 * (reps + 4) * sum(1 + round(expected_accepted(d)) for d in depths)
+        graphed_chain = GraphedChain(drafter, b, ctx, growth) if fast_path.supports_batched_decode(trunk) else None
         graph_text = f", from its CUDA graph {graphed:.3f} ms (the baseline below)" if graphed is not None else ""
         verify_how = "from its CUDA graph, with the conv commit" if device == "cuda" else "eager (packed path)"
         print(
@@ -337,13 +392,19 @@ def run(
                 verify = time_ms(trunk_step(trunk, paged_batch(trunk, b, ctx, d + 1)), device, reps)
             rows = 1 + round(expected_accepted(d))
             chain_ms = time_ms(chain.step(d, rows), device, reps)
+            chain_graph = time_ms(graphed_chain.step(d, rows), device, reps) if graphed_chain is not None else None
             tokens = 1.0 + simulate_accepted(d, b, rounds)
             lm_verify = lm_head_ms(trunk, b * (d + 1), device, reps)
-            row = Row(b, d, verify, chain_ms, rows, tokens, plain, floor, graphed, lm_plain, lm_verify)
+            row = Row(b, d, verify, chain_ms, rows, tokens, plain, floor, graphed, lm_plain, lm_verify, chain_graph)
             results.append(row)
+            chain_text = (
+                f"draft chain {chain_graph:.3f} ms from its CUDA graph (eager per request {chain_ms:.3f} ms)"
+                if chain_graph is not None
+                else f"draft chain {chain_ms:.3f} ms eager"
+            )
             print(
                 f"# B={b} D={d}: verify {verify:.3f} ms {verify_how} ({verify / row.baseline_ms:.2f}x the plain step), "
-                f"draft chain {chain_ms:.3f} ms "
+                f"{chain_text} "
                 f"({rows} rows/seq), {tokens:.2f} tokens/round (expected {1 + expected_accepted(d):.2f}); "
                 f"{1e3 / row.per_token_ms:.0f} tokens/s per sequence = {row.speedup:.2f}x no speculation "
                 f"({1e3 / row.baseline_ms:.0f}); "
@@ -358,7 +419,7 @@ def run(
             f"best D={full.depth}, ~{full.full_depth_speedup(layer_scale):.2f}x",
             flush=True,
         )
-        del plain_fb, chain
+        del plain_fb, chain, graphed_chain
     return results
 
 

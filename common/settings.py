@@ -309,6 +309,40 @@ def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
 # ---------------------------------------------------------------------------------------------------------
 # Decode replica
 
+MTP_AUTO = "auto"  # --mtp-depth auto: the drafts per step chosen by batch size from step costs measured at start
+# vLLM's published cumulative acceptance of draft positions 1..8 for Inkling (GSM8K, concurrency 64, greedy).
+VLLM_MTP_ACCEPTANCE = (0.757, 0.601, 0.498, 0.411, 0.354, 0.298, 0.261, 0.223)
+
+
+def mtp_depth_arg(text: str) -> int | str:
+    """`--mtp-depth`: a number of drafts per step, or `auto`."""
+    if text == MTP_AUTO:
+        return MTP_AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or {MTP_AUTO!r}, got {text!r}") from None
+
+
+def mtp_acceptance_arg(text: str) -> tuple[float, ...]:
+    """`--mtp-acceptance`: comma-separated cumulative acceptance rates of draft positions 1, 2, ..."""
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates, got {text!r}") from None
+
+
+def check_mtp_depth(depth: int | str, acceptance: tuple[float, ...]) -> None:
+    """`--mtp-depth` is an integer >= 0 or `auto`; the acceptance table is cumulative: in (0, 1], non-increasing."""
+    if isinstance(depth, str):
+        if depth != MTP_AUTO:
+            raise ConfigError(f"--mtp-depth: expected an integer >= 0 or {MTP_AUTO!r}, got {depth!r}")
+    else:
+        _positive("--mtp-depth", depth, allow_zero=True)
+    ok = acceptance and all(0 < r <= 1 for r in acceptance)
+    if not ok or any(b > a for a, b in zip(acceptance, acceptance[1:], strict=False)):
+        raise ConfigError(f"--mtp-acceptance: expected non-increasing rates in (0, 1], got {list(acceptance)}")
+
 
 @dataclass(frozen=True)
 class DecodeEngineSettings:
@@ -327,13 +361,18 @@ class DecodeEngineSettings:
     seed: int = 0  # seeds the generators of requests without their own seed
     tensor_parallel_size: int = 1  # ranks of the replica (decode_service/engine/parallel.py), one per GPU
     expert_parallel: bool = False  # routed experts partitioned over the ranks instead of split by width
-    mtp_depth: int = 0  # MTP speculation: drafts per step from the checkpoint's first D depths (0 = off)
+    mtp_depth: int | str = 0  # MTP speculation: drafts per step (0 = off; MTP_AUTO: by batch size, measured)
+    mtp_acceptance: tuple[float, ...] = VLLM_MTP_ACCEPTANCE  # --mtp-depth auto: cumulative acceptance per position
 
     def __post_init__(self) -> None:
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
         if self.expert_parallel and self.tensor_parallel_size == 1:
             raise ConfigError("--enable-expert-parallel needs --tensor-parallel-size > 1")
-        _positive("--mtp-depth", self.mtp_depth, allow_zero=True)
+        check_mtp_depth(self.mtp_depth, self.mtp_acceptance)
+        if self.mtp_depth == MTP_AUTO and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "--mtp-depth auto: the start-up cost measurement does not run under --tensor-parallel-size > 1 yet"
+            )
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"--dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         _positive("--kv-budget-mb", self.kv_cache_bytes)
@@ -438,6 +477,7 @@ def decode_settings(args: argparse.Namespace) -> DecodeSettings:
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.enable_expert_parallel,
         mtp_depth=args.mtp_depth,
+        mtp_acceptance=_flag(args, "mtp_acceptance", VLLM_MTP_ACCEPTANCE),
     )
     limits = ServiceLimits(
         max_prompt_tokens=args.max_prompt_tokens,

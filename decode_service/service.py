@@ -582,7 +582,7 @@ class DecodeService:
         self._load = LoadSnapshot(
             len(scheduler.running), len(scheduler.waiting), 1.0 - free / total if total else 0.0, free
         )
-        self._speculation = self.engine.speculation.snapshot(self.engine.settings.mtp_depth)
+        self._speculation = self.engine.speculation.snapshot(self.engine.speculation_depth)
 
 
 @dataclass(frozen=True)
@@ -673,6 +673,7 @@ def build_engine(
         model_fingerprint=model_fingerprint(checkpoint, settings.dtype),
         cuda_graphs=settings.cuda_graphs,
         mtp_depth=settings.mtp_depth,
+        mtp_acceptance=settings.mtp_acceptance,
     )
     if settings.tensor_parallel_size > 1:
         return launch_engine(

@@ -67,7 +67,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     _add_parallel_args(p.add_argument_group("tensor parallelism (--local)"))
-    p.add_argument("--mtp-depth", type=int, default=0, help="--local: MTP drafts per step (0 = off)")
+    from common.settings import mtp_depth_arg
+
+    p.add_argument(
+        "--mtp-depth",
+        type=mtp_depth_arg,
+        default=0,
+        help="--local: MTP drafts per step (0 = off, auto = by batch size)",
+    )
     from common.settings import add_security_args
 
     add_security_args(p, max_streams_per_client=None)  # token / TLS to dial --server
@@ -302,6 +309,8 @@ def _add_decode_args(parser: argparse.ArgumentParser) -> None:
         RedisPrefixSettings,
         ServiceLimits,
         add_message_size_args,
+        mtp_acceptance_arg,
+        mtp_depth_arg,
     )
 
     e, lim, rp = DecodeEngineSettings(), ServiceLimits(), RedisPrefixSettings()
@@ -345,9 +354,17 @@ def _add_decode_args(parser: argparse.ArgumentParser) -> None:
     _add_parallel_args(engine, e.tensor_parallel_size)
     engine.add_argument(
         "--mtp-depth",
-        type=int,
+        type=mtp_depth_arg,
         default=e.mtp_depth,
-        help="MTP speculation: drafts per step from the checkpoint (0 = off)",
+        help="MTP speculation: drafts per step from the checkpoint (0 = off; auto = by batch size, from step costs "
+        "measured at start and --mtp-acceptance)",
+    )
+    engine.add_argument(
+        "--mtp-acceptance",
+        type=mtp_acceptance_arg,
+        default=e.mtp_acceptance,
+        help="--mtp-depth auto: cumulative acceptance of draft positions 1, 2, ... (comma-separated; default "
+        "vLLM's published rates for Inkling)",
     )
     limits = parser.add_argument_group("request limits")
     limits.add_argument(

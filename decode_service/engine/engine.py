@@ -23,15 +23,17 @@ import torch
 from common.config import ModelConfig
 from common.errors import ConfigError, InvalidInputError, ResourceExhaustedError
 from common.fingerprint import config_fingerprint
+from common.settings import MTP_AUTO, VLLM_MTP_ACCEPTANCE
 from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.core.prefix_index import PrefixCache
 from decode_service.engine.core.scheduler import Scheduler, SchedulerConfig
+from decode_service.engine.core.speculation import DepthTable
 from decode_service.engine.core.stop import check_stop
 from decode_service.engine.request import FinishReason, Request, TokenLogprobs
-from decode_service.engine.worker.calibrate import measure_prefill_rate
-from decode_service.engine.worker.decode_graphs import DecodeGraphs
+from decode_service.engine.worker.calibrate import measure_prefill_rate, measure_speculation_costs
+from decode_service.engine.worker.decode_graphs import BUCKETS, DecodeGraphs
 from decode_service.engine.worker.kv_cache import CacheSpec, KVCache
-from decode_service.engine.worker.mtp import DraftModel, MTPSpeculator
+from decode_service.engine.worker.mtp import DraftModel, MTPSpeculator, PagedMTPSpeculator
 from decode_service.engine.worker.prefix_store import PrefixStore
 from decode_service.engine.worker.ranks import RankFailure, RankLeader
 from decode_service.engine.worker.redis_tier import RedisPrefixTier
@@ -59,7 +61,9 @@ class EngineSettings:
     seed: int = 0  # seeds the generators of requests without their own seed
     model_fingerprint: bytes | None = None  # build_engine: common.fingerprint.model_fingerprint; else config + dtype
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (fast path on CUDA); False: the same path eagerly
-    mtp_depth: int = 0  # MTP speculation: drafts per step from the checkpoint's first D depths (0 = off)
+    mtp_depth: int | str = 0  # MTP speculation: drafts per step from the checkpoint's first D depths (0 = off);
+    # MTP_AUTO: per batch bucket from step costs measured at start and `mtp_acceptance` (core/speculation.py)
+    mtp_acceptance: tuple[float, ...] = VLLM_MTP_ACCEPTANCE  # cumulative acceptance of draft positions 1, 2, ...
 
 
 @dataclass
@@ -176,11 +180,13 @@ class Engine:
             self.prefix_cache,
             self.redis_prefix,
         )
-        self.speculator = _speculator(drafter, settings.mtp_depth)
+        self.speculator = _speculator(drafter, model, settings, spec, self.max_model_len)
+        self.depth_table: DepthTable | None = None  # --mtp-depth auto: the chosen depth per batch bucket
         self.speculation = SpeculationStats()
         if isinstance(self.speculator, MTPSpeculator) and self.prefix_cache is not None and self.kv.has_global:
             self.speculator.enable_prefix_rows(spec.num_global_pages, spec.page_size)
-        decode_graphs = build_decode_graphs(model, self.kv, settings, self.max_model_len)
+        drafts = self.speculator.num_depths if self.speculator is not None else 0
+        decode_graphs = build_decode_graphs(model, self.kv, settings, self.max_model_len, drafts)
         self.runner = ModelRunner(
             model,
             self.kv,
@@ -195,12 +201,32 @@ class Engine:
             self.runner = ranks.lead(self.runner)
         if self.redis_prefix is not None and ranks is None:  # tensor parallel: once the followers run (parallel.py)
             self.calibrate_prefix_tier()
+        if settings.mtp_depth == MTP_AUTO:
+            self.calibrate_speculation()
         self.requests: dict[str, Request] = {}
 
     def calibrate_prefix_tier(self) -> None:
         """Measure the prefill rate the Redis prefix tier weighs fetches against (one scratch prefill chunk)."""
         chunk = min(self.settings.max_num_batched_tokens, 256)
         self.redis_prefix.calibrate(measure_prefill_rate(self.runner, self.cache, chunk))
+
+    def calibrate_speculation(self) -> None:
+        """`--mtp-depth auto`: measure the step costs of every batch bucket and choose its depth (logged)."""
+        n = self.settings.max_num_seqs
+        buckets = sorted({b for b in BUCKETS if b < n} | {n})  # the decode graphs' buckets
+        rates = self.settings.mtp_acceptance
+        costs = measure_speculation_costs(self.runner, self.cache, self.speculator, buckets, rates)
+        if not costs:
+            raise ConfigError("--mtp-depth auto: no free slot or pages to measure the speculation step costs")
+        self.depth_table = DepthTable.choose(costs, rates)
+        self.speculator.depth_for = self.depth_table.depth_for
+        for line in self.depth_table.lines():
+            logger.info("--mtp-depth auto: %s", line)
+
+    @property
+    def speculation_depth(self) -> int:
+        """The most drafts one step proposes (0 without speculation)."""
+        return self.speculator.num_depths if self.speculator is not None else 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -331,7 +357,20 @@ class Engine:
         return [final[rid] for rid in order]
 
 
-def _speculator(drafter: MTPDrafter | DraftModel | None, depth: int) -> DraftModel | None:
+def _speculator(
+    drafter: MTPDrafter | DraftModel | None,
+    model: DecoderModel,
+    settings: EngineSettings,
+    spec: CacheSpec,
+    max_model_len: int,
+) -> DraftModel | None:
+    """The checkpoint drafter's speculator (batched over paged depth pools when the trunk runs the paged decode
+    kernels, else per request) or the given `DraftModel`; `auto`: every depth the acceptance table covers."""
+    depth = settings.mtp_depth
+    if depth == MTP_AUTO:
+        if not isinstance(drafter, MTPDrafter):
+            raise ConfigError("mtp_depth=auto: needs the checkpoint's MTP drafter")
+        depth = min(drafter.num_depths, len(settings.mtp_acceptance))
     if depth < 0:
         raise ConfigError(f"mtp_depth={depth}: expected >= 0")
     if depth == 0:
@@ -339,6 +378,11 @@ def _speculator(drafter: MTPDrafter | DraftModel | None, depth: int) -> DraftMod
     if drafter is None:
         raise ConfigError(f"mtp_depth={depth}: the engine was given no MTP drafter (the checkpoint has none?)")
     if isinstance(drafter, MTPDrafter):
+        batched = isinstance(model, InklingDecoder) and fast_path.supports_batched_decode(model)
+        if batched and drafter.tp.size == 1:  # under TP the drafts are the leader's picks (`_leader_picks`)
+            return PagedMTPSpeculator.build(
+                drafter, depth, spec, settings.max_num_batched_tokens, max_model_len, settings.cuda_graphs
+            )
         return MTPSpeculator(drafter, depth)
     if drafter.num_depths != depth:
         raise ConfigError(f"mtp_depth={depth}: the drafter proposes {drafter.num_depths} tokens")
@@ -346,13 +390,13 @@ def _speculator(drafter: MTPDrafter | DraftModel | None, depth: int) -> DraftMod
 
 
 def build_decode_graphs(
-    model: DecoderModel, cache: KVCache, settings: EngineSettings, max_model_len: int
+    model: DecoderModel, cache: KVCache, settings: EngineSettings, max_model_len: int, max_drafts: int = 0
 ) -> DecodeGraphs | None:
     """The batched paged decode path when the model runs it (the one place the engine asks `fast_path`); with MTP
-    it also runs the verify steps of D drafts (width D+1)."""
+    it also runs the verify steps of up to `max_drafts` drafts (width max_drafts + 1; fewer drafts are padded)."""
     if not (isinstance(model, InklingDecoder) and fast_path.supports_batched_decode(model)):
         return None
-    widths = (1, settings.mtp_depth + 1)
+    widths = (1, max_drafts + 1)
     graphs = DecodeGraphs(
         model, cache, settings.max_num_seqs, max_model_len, use_graphs=settings.cuda_graphs, widths=widths
     )

@@ -20,14 +20,23 @@ rows reach the depths through the trunk's hidden at those rows (decisions.md).
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from decode_service.engine.worker.draft_graphs import DepthPools, DepthSequence, DraftGraphs
+from decode_service.engine.worker.kv_cache import CacheSpec
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.mtp import MTPDrafter
 from decode_service.model.state import ContiguousLayerCache, SequenceState
+
+logger = logging.getLogger(__name__)
+
+_MAX_LAG = 64  # rows a depth past the round's drafts may queue before it catches up (PagedMTPSpeculator)
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,7 @@ class MTPSpeculator:
             raise ValueError(f"mtp_depth: expected 1..{drafter.num_depths} (the checkpoint's depths), got {num_depths}")
         self.drafter = drafter
         self.num_depths = num_depths
+        self.depth_for: Callable[[int], int] = lambda batch: num_depths  # drafts per round of `batch` drafting
         self.states: dict[str, _DrafterState] = {}
         self.probs: dict[str, list[torch.Tensor]] = {}  # the sampled drafts' distributions, per request
         self.rows: torch.Tensor | None = None  # see enable_prefix_rows
@@ -153,15 +163,23 @@ class MTPSpeculator:
             self.valid[page * self.page_size : (page + 1) * self.page_size] = False
 
     def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
-        n = self.num_depths
         if start and self.rows is not None:
             flat = self._flat(pages, 0, start)
             if flat is not None and bool(self.valid[flat].all()):  # recompute the depths over the cached prefix
-                self.states[request_id] = _DrafterState(self.drafter.new_state(), [0] * n, [None] * n, [None] * n)
-                self.extend([DraftInput(request_id, 0, self.rows.index_select(0, flat), token_ids, False)])
+                self.states[request_id] = self._fresh(request_id, 0)
+                self._recompute(request_id, self.rows.index_select(0, flat), token_ids)
                 return
         # No prefix, or its rows are unknown (loaded from the shared tier): the depths start at `start`.
-        self.states[request_id] = _DrafterState(self.drafter.new_state(), [start] * n, [None] * n, [None] * n)
+        self.states[request_id] = self._fresh(request_id, start)
+
+    def _recompute(self, request_id: str, hidden: torch.Tensor, token_ids: list[int]) -> None:
+        """Run every depth over the trunk rows `hidden` of positions 0.. (a cached prefix)."""
+        self.extend([DraftInput(request_id, 0, hidden, token_ids, False)])
+
+    def _fresh(self, request_id: str, start: int) -> _DrafterState:
+        """A request's drafter state whose depths all begin at row `start`."""
+        n = self.num_depths
+        return _DrafterState(self.drafter.new_state(), [start] * n, [None] * n, [None] * n)
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -178,6 +196,7 @@ class MTPSpeculator:
             assert item.draft <= (last == len(item.token_ids) - 1), "drafting needs the token after the last row"
             work.append((item, st))
         drafts: dict[str, list[int]] = {item.request_id: [] for item, _ in work if item.draft}
+        depth = min(self.depth_for(len(drafts)), self.num_depths) if drafts else 0  # the depths that draft
         for item, _ in work:
             self.probs.pop(item.request_id, None)
         incoming = {item.request_id: item.hidden for item, _ in work}  # g_{d-1} of this round's new rows
@@ -194,7 +213,7 @@ class MTPSpeculator:
                 end = max(start, min(reach, len(item.token_ids) - 1 - d))  # rows whose token is known
                 tokens = item.token_ids + drafts.get(item.request_id, [])
                 committed_part.append((item, st, start, end, rows[: end - start], tokens))
-                if item.draft and end < reach:
+                if item.draft and d < depth and end < reach:
                     provisional_part.append((item, st, end, reach, rows[end - start :], tokens))
                 # Committed rows of depth d - 1 this depth cannot commit yet wait for its next round.
                 above = st.committed[d - 1] if d else end
@@ -208,7 +227,7 @@ class MTPSpeculator:
             for (item, *_), g in zip(committed_part, out_c, strict=True):
                 rid = item.request_id
                 incoming[rid] = torch.cat([g, out_p[rid]]) if rid in out_p else g
-                if item.draft:
+                if item.draft and d < depth:
                     heads.append((rid, incoming[rid][-1], item))
             if heads:
                 logits = self.drafter.logits(torch.stack([h for _, h, _ in heads]))  # [N, Vu]
@@ -238,3 +257,262 @@ class MTPSpeculator:
         out = self.drafter(depth, torch.cat(hidden).to(self.drafter.embed.weight.dtype), batch)
         pieces = iter(out.split([p[3] - p[2] for p in live]))
         return [next(pieces) if p[3] > p[2] else p[4][:0] for p in parts]
+
+
+class PagedMTPSpeculator(MTPSpeculator):
+    """The same rounds over the depths' paged pools (`draft_graphs.DepthPools`): each depth's committed rows of
+    every request (a verify round: one-row paged steps from a graph, `DraftGraphs.catch_up`; larger rounds: one
+    packed forward per depth), then the provisional triangle and the drafts of every drafting request in one
+    `DraftGraphs.run` (a CUDA graph per batch bucket and D). The drafter needs the paged decode kernels
+    (`fast_path.supports_batched_decode` of its trunk). `depth_for(batch)`: the drafts per round for a round of
+    that many drafting requests (`num_depths` when not given); the depths past it only queue their rows
+    (`pending`, at most `_MAX_LAG`) until a round needs them."""
+
+    def __init__(
+        self,
+        drafter: MTPDrafter,
+        num_depths: int,
+        pools: DepthPools,
+        graphs: DraftGraphs,
+        depth_for: Callable[[int], int] | None = None,
+    ):
+        super().__init__(drafter, num_depths)
+        self.pools, self.graphs = pools, graphs
+        if depth_for is not None:
+            self.depth_for = depth_for
+        self.paged: dict[str, DepthSequence] = {}
+        self.stopped: set[str] = set()  # requests whose depth pages ran out: no drafts for them
+
+    @classmethod
+    def build(
+        cls,
+        drafter: MTPDrafter,
+        num_depths: int,
+        trunk: CacheSpec,
+        max_chunk: int,
+        max_model_len: int,
+        use_graphs: bool = True,
+    ) -> PagedMTPSpeculator:
+        """Pools for the trunk's sequences (`trunk`: its pool sizes, dtype and device): a conv slot per sequence,
+        sliding pages for a window plus a chunk (`max_chunk`, the step's token budget) each, and the trunk's global
+        page count plus one page per sequence (depth rows are not shared between requests; a request whose pages
+        run out stops speculating). Outside the KV budget, like the trunk rows kept for prefix hits."""
+        page, seqs = trunk.page_size, trunk.num_conv_slots
+        reach = drafter.config.sliding_window - 1 + max(max_chunk, _MAX_LAG) + num_depths + 1
+        sliding = seqs * (math.ceil(reach / page) + 2)
+        spec = CacheSpec(page, sliding, trunk.num_global_pages + seqs, seqs, trunk.dtype, trunk.device)
+        pools = DepthPools(drafter, spec, max_model_len, num_depths)
+        graphs = DraftGraphs(drafter, pools, seqs, max_model_len, use_graphs)
+        graphs.capture_all([num_depths])  # fewer drafts (`depth_for`) capture on first use
+        return cls(drafter, num_depths, pools, graphs)
+
+    def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
+        self.remove(request_id)
+        seq = self.pools.new_sequence()
+        if seq is None:
+            logger.warning("request %s: no free MTP depth slot; it runs without speculation", request_id)
+            self.stopped.add(request_id)
+            return
+        self.paged[request_id] = seq
+        super().reset(request_id, start, token_ids, pages)
+
+    def _fresh(self, request_id: str, start: int) -> _DrafterState:
+        n = self.num_depths
+        return _DrafterState(self.paged[request_id], [start] * n, [None] * n, [None] * n)
+
+    def _recompute(self, request_id: str, hidden: torch.Tensor, token_ids: list[int]) -> None:
+        """In chunks of `_MAX_LAG` rows, so a sliding depth never holds more than a window and a chunk of pages."""
+        for start in range(0, hidden.shape[0], _MAX_LAG):
+            rows = hidden[start : start + _MAX_LAG]
+            self.extend([DraftInput(request_id, start, rows, token_ids, False)])
+
+    def remove(self, request_id: str) -> None:
+        super().remove(request_id)
+        self.stopped.discard(request_id)
+        seq = self.paged.pop(request_id, None)
+        if seq is not None:
+            seq.release()
+
+    def extend(self, inputs: list[DraftInput]) -> dict[str, tuple[int, ...]]:
+        work = []
+        for item in inputs:
+            if item.request_id in self.stopped:
+                continue
+            st = self.states[item.request_id]
+            assert item.first_row == _rows_seen(st), (
+                f"request {item.request_id}: trunk rows from {item.first_row}, depth 0 has {_rows_seen(st)}"
+            )
+            last = item.first_row + item.hidden.shape[0]  # one past the trunk's last row
+            assert item.draft <= (last == len(item.token_ids) - 1), "drafting needs the token after the last row"
+            seq = self.paged[item.request_id]
+            if not seq.fits(last):
+                logger.warning("request %s: MTP depth pages exhausted; it runs without speculation", item.request_id)
+                self.remove(item.request_id)
+                self.stopped.add(item.request_id)
+                continue
+            seq.grow(last, min(st.committed))
+            self.probs.pop(item.request_id, None)
+            work.append((item, st))
+        drafting = [(item, st) for item, st in work if item.draft]
+        depth = min(self.depth_for(len(drafting)), self.num_depths) if drafting else 0
+        # Depths past the round's drafts only queue the rows of the depth before them, up to _MAX_LAG rows (so a
+        # sliding depth's pages stay bounded); rounds without drafts (prefill) run every depth.
+        lagging = any(_rows_seen(st) - st.committed[-1] > _MAX_LAG for _, st in work)
+        needed = depth if drafting and not lagging else self.num_depths
+        heads = self._graphed_catch_up(needed, work) if drafting and len(drafting) == len(work) else None
+        if heads is None:
+            heads = self._packed_catch_up(needed, work)
+        if not depth:
+            return {item.request_id: () for item, _ in drafting}
+        return self._chain(depth, drafting, heads)
+
+    def _packed_catch_up(self, needed: int, work: list) -> dict[str, torch.Tensor]:
+        """Each depth's committed rows of every request in one packed forward (any row counts); depths from
+        `needed` on queue their input rows. -> depth 0's last output row of each drafting request."""
+        incoming = {item.request_id: item.hidden for item, _ in work}  # g_{d-1} of this round's committed rows
+        heads: dict[str, torch.Tensor] = {}
+        for d in range(self.num_depths):
+            if d >= needed:
+                for item, st in work:
+                    rows = incoming[item.request_id]
+                    if rows.shape[0]:
+                        st.pending[d] = rows if st.pending[d] is None else torch.cat([st.pending[d], rows])
+                break
+            parts = []
+            for item, st in work:
+                rows = incoming[item.request_id]
+                if st.pending[d] is not None:
+                    rows = torch.cat([st.pending[d], rows])
+                start = st.committed[d]
+                reach = start + rows.shape[0]
+                end = max(start, min(reach, len(item.token_ids) - 1 - d))  # rows whose token is known
+                parts.append((item, st, start, end, rows[: end - start], item.token_ids))
+                above = st.committed[d - 1] if d else end
+                st.pending[d] = rows[end - start : above - start] if above > end else None
+            for (item, st, _, end, _, _), out in zip(parts, self._run(d, parts), strict=True):
+                st.committed[d] = end
+                incoming[item.request_id] = out
+                if d == 0 and item.draft:
+                    heads[item.request_id] = out[-1]
+        return heads
+
+    def _graphed_catch_up(self, needed: int, work: list) -> dict[str, torch.Tensor] | None:
+        """The same rows as `_packed_catch_up` as one-row paged steps replayed from a graph (`DraftGraphs.catch_up`)
+        when no request brings more than `max_rows` rows to a depth (a verify round); None: not taken."""
+        graphs, n = self.graphs, self.num_depths
+        if not needed:
+            return None
+        plans = []  # per request and depth j < needed: (start, end, shift = rows queued before this round's inputs)
+        for item, st in work:
+            plan, arriving = [], item.hidden.shape[0]  # rows depth j receives from depth j - 1 this round
+            for j in range(needed):
+                shift = st.pending[j].shape[0] if st.pending[j] is not None else 0
+                start = st.committed[j]
+                end = max(start, min(start + shift + arriving, len(item.token_ids) - 1 - j))
+                if end - start > graphs.max_rows:
+                    return None
+                plan.append((start, end, shift))
+                arriving = end - start
+            plans.append(plan)
+        rows = max(end - start for plan in plans for start, end, _ in plan)
+        h, width, r = self.drafter.config.hidden_size, graphs.buckets[-1], graphs.max_rows
+        sources, targets = [], []  # host rows of the cells' fixed inputs
+        for i, ((item, st), plan) in enumerate(zip(work, plans, strict=True)):
+            start, end, shift = plan[0]
+            rows0 = item.hidden if st.pending[0] is None else torch.cat([st.pending[0], item.hidden])
+            sources.append(rows0[: end - start])
+            targets.extend(m * width + i for m in range(end - start))
+            for j in range(1, needed):
+                start, end, shift = plan[j]
+                k = min(shift, end - start)
+                if k:
+                    sources.append(st.pending[j][:k])
+                    targets.extend((j * r + m) * width + i for m in range(k))
+        if targets:
+            index = torch.tensor(targets, dtype=torch.int64).to(graphs.cfixed.device, non_blocking=True)
+            graphs.cfixed.view(-1, h).index_copy_(0, index, torch.cat(sources).to(graphs.cfixed.dtype))
+        tokens = [  # cell (j, m) pairs row start + m with token start + m + j + 1
+            [[item.token_ids[p + j + 1] for p in range(s, e)] for j, (s, e, _) in enumerate(plan)]
+            for (item, _), plan in zip(work, plans, strict=True)
+        ]
+        graphs.catch_up(
+            needed,
+            rows,
+            [[s for s, _, _ in plan] for plan in plans],
+            [[e - s for s, e, _ in plan] for plan in plans],
+            [[0] + [sh for _, _, sh in plan[1:]] for plan in plans],
+            tokens,
+            [st.state.slot for _, st in work],
+        )
+        # The rows to keep: depth 0's last output, and each depth's inputs it cannot commit yet (`pending`).
+        picks, wanted = [], []  # flat rows of cout; per request (head, {depth: (old rows, new count)})
+        for i, ((_, st), plan) in enumerate(zip(work, plans, strict=True)):
+            head = len(picks)
+            picks.append((plan[0][1] - plan[0][0] - 1) * width + i)  # cout[0, last row, i]
+            keep = {}
+            for j in range(1, n):
+                if j < needed:
+                    start, end, shift = plan[j]
+                    above = plan[j - 1][1]  # depth j - 1's committed end
+                    lo, hi = end - start, above - start  # input rows of depth j kept: [lo, hi)
+                    old = st.pending[j][lo:shift] if lo < shift else None
+                    first = max(lo, shift) - shift  # depth j - 1's cells kept from here
+                    count = max(0, hi - max(lo, shift))
+                elif j == needed:
+                    old, first, count = st.pending[j], 0, plan[j - 1][1] - plan[j - 1][0]
+                else:
+                    continue
+                keep[j] = (old, len(picks), count)
+                picks.extend((((j - 1) * r + first + m) * width + i) for m in range(count))
+            wanted.append((head, keep))
+        gathered = graphs.cout.view(-1, h).index_select(
+            0, torch.tensor(picks, dtype=torch.int64).to(graphs.cout.device)
+        )
+        heads = {}
+        for (item, st), plan, (head, keep) in zip(work, plans, wanted, strict=True):
+            heads[item.request_id] = gathered[head]
+            st.pending[0] = None
+            for j, (_, end, _) in enumerate(plan):
+                st.committed[j] = end
+            for j, (old, at, count) in keep.items():
+                new = gathered[at : at + count]
+                rows = new if old is None or not old.shape[0] else torch.cat([old, new])
+                st.pending[j] = rows if rows.shape[0] else None
+        return heads
+
+    def _chain(self, depth: int, drafting: list, heads: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+        """The provisional triangle and the drafts of the drafting requests (`DraftGraphs`)."""
+        graphs, h = self.graphs, self.drafter.config.hidden_size
+        width = graphs.buckets[-1]
+        sources, targets = [], []
+        known, provisional, slots, temperatures, generators = [], [], [], [], []
+        for i, (item, st) in enumerate(drafting):
+            k = len(item.token_ids)
+            counts = [k - 1 - st.committed[j] for j in range(depth)]
+            sources.append(heads[item.request_id][None])
+            targets.append(i)  # fixed[0, 0, i]
+            for j in range(1, depth):
+                if st.pending[j] is not None:  # g_{j-1}(p) committed, p = c_j .. c_{j-1} - 1
+                    offsets = [k - 2 - p for p in range(st.committed[j], st.committed[j] + st.pending[j].shape[0])]
+                    sources.append(st.pending[j])
+                    targets.extend((j * graphs.num_depths + o) * width + i for o in offsets)
+            known.append(k)
+            provisional.append(counts)
+            slots.append(st.state.slot)
+            temperatures.append(item.temperature)
+            generators.append(item.generator)
+        fixed = graphs.fixed.view(-1, h)
+        index = torch.tensor(targets, dtype=torch.int64).to(fixed.device, non_blocking=True)
+        fixed.index_copy_(0, index, torch.cat(sources).to(fixed.dtype))
+        drafts, q = graphs.run(depth, known, provisional, slots, temperatures, generators)
+        out = {}
+        for i, ((item, _), tokens) in enumerate(zip(drafting, drafts.t().tolist(), strict=True)):
+            out[item.request_id] = tuple(tokens)
+            if item.temperature > 0:
+                self.probs[item.request_id] = list(q[:, i].clone())
+        return out
+
+
+def _rows_seen(st: _DrafterState) -> int:
+    """Trunk rows the drafter has been given: depth 0's committed rows and the ones queued before it."""
+    return st.committed[0] + (st.pending[0].shape[0] if st.pending[0] is not None else 0)

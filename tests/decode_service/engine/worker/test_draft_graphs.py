@@ -1,0 +1,196 @@
+"""The batched, paged MTP speculator (`PagedMTPSpeculator` + `DraftGraphs`) against the contiguous per-request
+`MTPSpeculator` on the same drafter: every round's greedy drafts are equal and the sampled rows' depth-0 `q` is
+the same distribution, over prefill chunks, every acceptance length, a short prompt (fewer rows than depths) and
+page and window boundaries. Make-tiny with 4 depths (depth 0 sliding, window 16), fp32, the kernels in the CPU
+interpreter; the chain runs eagerly on its static buffers (no CUDA here)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from common.checkpoint import CheckpointFiles, load_decoder_weights, load_mtp_weights
+from common.config import load_model_config
+from decode_service.engine.worker.draft_graphs import DepthPools, DraftGraphs
+from decode_service.engine.worker.kv_cache import CacheSpec
+from decode_service.engine.worker.mtp import DraftInput, MTPSpeculator, PagedMTPSpeculator
+from decode_service.model.inkling import InklingDecoder
+from decode_service.model.mtp import MTPDrafter
+from tools.make_tiny_checkpoint import make_tiny_checkpoint
+
+DEPTHS = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mtp4")
+    make_tiny_checkpoint(directory, seed=7, mtp_config={"num_nextn_predict_layers": DEPTHS})
+    return directory
+
+
+def build(directory, dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple:
+    """(trunk, drafter, config) of the checkpoint, on the kernels (`fast` ops)."""
+    files, config = CheckpointFiles(directory), load_model_config(directory)
+    weights, _ = load_decoder_weights(files, config, dtype=dtype)
+    trunk = InklingDecoder.from_weights(config.text, weights, dtype, device).with_ops("fast")
+    mtp, _ = load_mtp_weights(files, config, dtype=dtype)
+    return trunk, MTPDrafter.from_weights(mtp, config.mtp, trunk), config
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint) -> tuple:
+    return build(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def drafter(models) -> MTPDrafter:
+    return models[1]
+
+
+def paged(drafter: MTPDrafter, depth: int, max_num_seqs: int = 3, use_graphs: bool = True) -> PagedMTPSpeculator:
+    weight = drafter.embed.weight
+    spec = CacheSpec(4, 64, 64, max_num_seqs, weight.dtype, str(weight.device))
+    pools = DepthPools(drafter, spec, max_model_len=128, num_depths=depth)
+    return PagedMTPSpeculator(drafter, depth, pools, DraftGraphs(drafter, pools, max_num_seqs, 128, use_graphs))
+
+
+class Script:
+    """Trunk rows and tokens of one request as the runner would feed them: a chunked prompt, then verify rounds
+    accepting `accepts[r]` of the round's drafts."""
+
+    def __init__(self, rid: str, prompt: int, chunks: list[int], accepts: list[int], temperature: float, seed: int):
+        self.rid, self.gen = rid, torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(4, 200000, (prompt + 1,), generator=self.gen).tolist()
+        self.rows = self.step = 0
+        self.steps = [(n, False) for n in chunks] + [(prompt - sum(chunks), True)] + [(a + 1, True) for a in accepts]
+        self.temperature = temperature
+
+    def input(self, hidden_size: int, drafts: tuple[int, ...], device: torch.device) -> DraftInput | None:
+        step, self.step = self.step, self.step + 1
+        if step >= len(self.steps):
+            return None
+        n, draft = self.steps[step]
+        if step and self.steps[step - 1][1]:  # a verify round: the accepted drafts, then one new token
+            n = min(n, len(drafts) + 1)
+            self.tokens += list(drafts[: n - 1]) + torch.randint(4, 200000, (1,), generator=self.gen).tolist()
+        hidden = torch.randn(n, hidden_size, generator=self.gen).to(device)
+        first, self.rows = self.rows, self.rows + n
+        known = self.tokens if draft else self.tokens[: len(self.tokens) - 1]
+        gen = torch.Generator(device).manual_seed(step) if self.temperature > 0 else None
+        return DraftInput(self.rid, first, hidden, list(known), draft, self.temperature, gen)
+
+
+def twin(item: DraftInput) -> DraftInput:
+    """The same input with its own generator in the state the original's started from."""
+    if item.generator is None:
+        return item
+    generator = torch.Generator(item.generator.device).manual_seed(item.generator.initial_seed())
+    return dataclasses.replace(item, generator=generator)
+
+
+def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool, schedule: list[int] = ()) -> None:
+    """Drive both speculators with the same rounds; greedy drafts equal, the sampled request's depth-0 `q` close
+    (`exact`: every draft and every `q` bitwise equal). `schedule`: the drafts of each round (`depth_for`), else
+    `depth`."""
+    device = drafter.embed.weight.device
+    at = [0]
+    if schedule:
+        for spec in (reference, batched):
+            spec.depth_for = lambda batch: schedule[at[0] % len(schedule)]
+    graphed = []  # rounds whose committed rows ran as the graphed catch-up
+    catch_up = batched.graphs.catch_up
+    batched.graphs.catch_up = lambda *a: graphed.append(a[0]) or catch_up(*a)
+    scripts = [
+        Script("long", 80 if schedule else 21, [] if schedule else [9], [depth, 0, 1, depth, 2, 0], 0.0, 1),
+        Script("short", 2, [], [0, 1, depth, 0, 0, 1], 0.0, 2),
+        Script("hot", 6, [3], [1, 0, depth, 0, 2, 1], 0.8, 3),
+    ]
+    h = drafter.config.hidden_size
+    for spec in (reference, batched):
+        for s in scripts:
+            spec.reset(s.rid, 0, s.tokens, [])
+    drafts: dict[str, tuple[int, ...]] = {}
+    for step in range(9):
+        at[0] = step
+        inputs = [i for s in scripts if (i := s.input(h, drafts.get(s.rid, ()), device)) is not None]
+        want = reference.extend(inputs)
+        got = batched.extend([twin(i) for i in inputs])
+        assert set(got) == set(want) == {i.request_id for i in inputs if i.draft}
+        for rid, tokens in want.items():
+            assert len(got[rid]) == (schedule[step % len(schedule)] if schedule else depth)
+            if exact:
+                assert got[rid] == tokens, f"step {step} request {rid}"
+                q, p = batched.draft_probs(rid), reference.draft_probs(rid)
+                assert (q is None) == (p is None) and (q is None or torch.equal(q, p))
+            elif rid != "hot":
+                assert got[rid] == tokens, f"step {step} request {rid}"
+            elif tokens:  # sampled drafts: the same distribution at depth 0 (later depths see the sampled d_1)
+                torch.testing.assert_close(batched.draft_probs(rid)[0], reference.draft_probs(rid)[0])
+        drafts = {rid: got[rid] if rid == "hot" else want[rid] for rid in want}
+        if step == 2:  # a finished request gives its depth slot and pages back; a new one takes them
+            scripts = [s for s in scripts if s.rid != "short"] + [Script("new", 3, [], [depth, 1, 0], 0.0, 4)]
+            for spec in (reference, batched):
+                spec.remove("short")
+                spec.reset("new", 0, scripts[-1].tokens, [])
+    assert len(graphed) >= 4, "the verify rounds take the graphed catch-up"
+
+
+def test_paged_chain_equals_the_contiguous_speculator(cpu_interpreter, drafter):
+    compare(MTPSpeculator(drafter, 3), paged(drafter, 3), drafter, 3, exact=False)
+
+
+def test_fewer_drafts_per_round_queue_the_deeper_depths_exactly(cpu_interpreter, drafter):
+    """`depth_for` of 1, 0, 3, 2 drafts: the paged speculator's deeper depths queue their rows (an 80-row prompt
+    drafted at D = 1 leaves them past the 64-row lag, so the next round catches them up) and draft what the
+    per-request speculator, which runs every depth every round, drafts."""
+    compare(MTPSpeculator(drafter, 3), paged(drafter, 3), drafter, 3, exact=False, schedule=[1, 0, 3, 2])
+
+
+@pytest.mark.gpu
+def test_chain_from_its_cuda_graphs_equals_the_same_chain_eager(cuda_device, checkpoint):
+    """bf16 on the GPU: the graph replays give exactly what the same static-buffer chain gives eagerly."""
+    drafter = build(checkpoint, torch.bfloat16, "cuda")[1]
+    graphed = paged(drafter, DEPTHS)
+    assert graphed.graphs.capture
+    compare(paged(drafter, DEPTHS, use_graphs=False), graphed, drafter, DEPTHS, exact=True)
+
+
+def test_a_request_without_a_free_depth_slot_runs_without_drafts(cpu_interpreter, drafter):
+    batched = paged(drafter, 2, max_num_seqs=1)
+    batched.reset("a", 0, [5, 6, 7], [])
+    batched.reset("b", 0, [5, 6, 7], [])
+    h = drafter.config.hidden_size
+    inputs = [DraftInput(rid, 0, torch.randn(2, h), [5, 6, 7], True) for rid in ("a", "b")]
+    out = batched.extend(inputs)
+    assert set(out) == {"a"} and len(out["a"]) == 2
+    batched.remove("a")
+    batched.reset("b", 0, [5, 6, 7], [])
+    assert set(batched.extend(inputs[1:])) == {"b"}
+
+
+@pytest.mark.gpu
+def test_the_engine_speculates_through_the_paged_chain(cuda_device, checkpoint):
+    """fp32 on CUDA (the whole engine on the kernels is too slow for the CPU interpreter): the trunk on the kernels
+    gets the batched, graphed speculator; its greedy outputs equal the non-speculative run's."""
+    from decode_service.engine.engine import Engine, EngineSettings
+    from decode_service.engine.request import Request, SamplingParams
+
+    trunk, drafter, config = build(checkpoint, torch.float32, "cuda")
+    sampling = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompts = [[11, 12, 13], torch.randint(4, 200000, (19,), generator=torch.Generator().manual_seed(8)).tolist()]
+
+    def outputs(depth: int) -> tuple[Engine, list[list[int]]]:
+        settings = EngineSettings(
+            kv_cache_bytes=1 << 23, page_size=4, max_num_seqs=2, max_num_batched_tokens=24, device="cuda",
+            mtp_depth=depth,
+        )  # fmt: skip
+        engine = Engine(trunk, config, settings, drafter=drafter)
+        outs = engine.generate([Request(f"r{i}", list(p), sampling) for i, p in enumerate(prompts)])
+        return engine, [o.token_ids for o in outs]
+
+    engine, speculative = outputs(2)
+    assert isinstance(engine.speculator, PagedMTPSpeculator) and engine.speculator.graphs.capture
+    assert engine.speculation.num_rounds
+    assert speculative == outputs(0)[1]
