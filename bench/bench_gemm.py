@@ -33,7 +33,6 @@ from kernels.skinny_gemm import (
     MAX_ROWS,
     SkinnyConfig,
     default_config,
-    preferred,
     skinny_linear,
     skinny_linear_reference,
     skinny_swiglu,
@@ -48,7 +47,6 @@ GEMV_SWEEP = [  # M <= 4; the bytes in flight per program are block_n * block_k 
     SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8),
     SkinnyConfig(dot=False, block_n=16, block_k=256, num_warps=4),
     SkinnyConfig(dot=False, block_n=16, block_k=512, num_warps=8),
-    SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8, split_k=2),
 ]
 DOT_SWEEP = [  # every M
     SkinnyConfig(dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4),
@@ -57,9 +55,6 @@ DOT_SWEEP = [  # every M
     SkinnyConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4),
     SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3),
     SkinnyConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3),
-    SkinnyConfig(dot=True, block_n=32, block_k=256, num_warps=4, num_stages=4, split_k=4),
-    SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=4),
-    SkinnyConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=8),
 ]
 
 
@@ -129,13 +124,12 @@ def per_launch_us(op, weights: list[torch.Tensor], reps: int = 3) -> float:
 
 
 def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
-    widths = [11, 3, 9, 16, 16, 16, 50]
+    widths = [11, 3, 9, 16, 16, 50]
     print("\n## part 1: tiles of the plain product x @ W^T (us; x floor)")
-    print(row(["linear", "M", "floor us", "cuBLAS", "default tile", "best kernel",
-               "best tile (dot, block_n, block_k, warps, stages, split)"], widths))  # fmt: skip
+    print(row(["linear", "M", "floor us", "cuBLAS", "best kernel", "best tile (dot, block_n, block_k, warps, stages)"],
+              widths))  # fmt: skip
     step_us: dict[int, dict[SkinnyConfig, float]] = {m: defaultdict(float) for m in rows}
     cublas_step: dict[int, float] = defaultdict(float)
-    default_step: dict[int, float] = defaultdict(float)
     for lin in lins:
         weights = weight_copies(lin, torch.bfloat16)
         for m in rows:
@@ -143,19 +137,18 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
             floor = ceil.floor_us(lin.rows * lin.k * 2 + m * (lin.k + lin.rows) * 2)
             cublas = per_launch_us(lambda w, x=x: torch.nn.functional.linear(x, w), weights)
             cublas_step[m] += cublas * lin.per_step
-            times: dict[SkinnyConfig, float] = {}
+            best = None
             if m <= MAX_ROWS:
-                chosen = default_config(m, lin.rows, lin.k)
-                for cfg in dict.fromkeys([*(GEMV_SWEEP if m <= 4 else []), *DOT_SWEEP, chosen]):
-                    times[cfg] = per_launch_us(lambda w, x=x, cfg=cfg: skinny_linear(x, w, config=cfg), weights)
-                    step_us[m][cfg] += times[cfg] * lin.per_step
-                default_step[m] += times[chosen] * lin.per_step
-            cells = ["-", "-", "-"]
-            if times:
-                best = min(times, key=times.get)
-                cells = [f"{t:.1f} ({t / floor:.2f}x)" for t in (times[chosen], times[best])] + [_tile(best)]
-            print(row([lin.name, str(m), f"{floor:.1f}", f"{cublas:.1f} ({cublas / floor:.2f}x)", *cells], widths),
-                  flush=True)  # fmt: skip
+                configs = (GEMV_SWEEP if m <= 4 else []) + DOT_SWEEP
+                for cfg in configs:
+                    us = per_launch_us(lambda w, x=x, cfg=cfg: skinny_linear(x, w, config=cfg), weights)
+                    step_us[m][cfg] += us * lin.per_step
+                    if best is None or us < best[0]:
+                        best = (us, cfg)
+            kernel = f"{best[0]:.1f} ({best[0] / floor:.2f}x)" if best else "-"
+            tile = _tile(best[1]) if best else "-"
+            print(row([lin.name, str(m), f"{floor:.1f}", f"{cublas:.1f} ({cublas / floor:.2f}x)", kernel, tile],
+                      widths), flush=True)  # fmt: skip
         del weights
         torch.cuda.empty_cache()
     print("\n# per M: the tile with the least summed time over one step's plain products (every linear x launches)")
@@ -164,21 +157,20 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
             print(f"# M={m}: cuBLAS {cublas_step[m]:.0f} us per step (beyond MAX_ROWS)")
             continue
         cfg, us = min(step_us[m].items(), key=lambda kv: kv[1])
-        print(f"# M={m}: best single tile {_tile(cfg)} {us:.0f} us per step; default_config (per shape) "
-              f"{default_step[m]:.0f} us; cuBLAS {cublas_step[m]:.0f} us", flush=True)  # fmt: skip
+        chosen = step_us[m].get(default_config(m, 4096, 4096), float("nan"))
+        print(f"# M={m}: best tile {_tile(cfg)} {us:.0f} us per step; default_config {chosen:.0f} us; "
+              f"cuBLAS {cublas_step[m]:.0f} us", flush=True)  # fmt: skip
 
 
 def _tile(cfg: SkinnyConfig) -> str:
-    kind = "dot" if cfg.dot else "gemv"
-    return f"({kind}, {cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages}, split {cfg.split_k})"
+    return f"({'dot' if cfg.dot else 'gemv'}, {cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages})"
 
 
 def model_ops(lins: list[Linear], rows: list[int], ceil) -> None:
-    """The fused ops at default tiles against the reference ops they replace; the fast path runs the kernel where
-    `preferred` says so, the reference elsewhere."""
-    widths = [11, 3, 9, 16, 16, 9, 6]
+    """The fused ops as the model calls them, default tiles, against the reference ops they replace."""
+    widths = [11, 3, 9, 16, 16, 9]
     print("\n## part 2: the model's ops at default_config vs the torch reference ops (cuBLAS + elementwise)")
-    print(row(["linear", "M", "floor us", "reference", "kernel", "rel err", "fast"], widths))
+    print(row(["linear", "M", "floor us", "reference", "kernel", "rel err"], widths))
     totals: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for lin in lins:
         weights = weight_copies(lin, torch.bfloat16)
@@ -203,18 +195,16 @@ def model_ops(lins: list[Linear], rows: list[int], ceil) -> None:
             err = ((got - want).norm() / want.norm()).item()
             floor = ceil.floor_us(lin.bytes(m))
             ref_us, us = per_launch_us(reference, weights), per_launch_us(kernel, weights)
-            fast = preferred(m, lin.rows)
             totals[m][0] += ref_us * lin.per_step
-            totals[m][1] += (us if fast else ref_us) * lin.per_step
+            totals[m][1] += us * lin.per_step
             print(row([lin.name, str(m), f"{floor:.1f}", f"{ref_us:.1f} ({ref_us / floor:.2f}x)",
-                       f"{us:.1f} ({us / floor:.2f}x)", f"{err:.1e}", "kernel" if fast else "cuBLAS"],
-                      widths), flush=True)  # fmt: skip
+                       f"{us:.1f} ({us / floor:.2f}x)", f"{err:.1e}"], widths), flush=True)  # fmt: skip
         del weights
         torch.cuda.empty_cache()
     for m, (ref_us, us) in totals.items():
         floor = sum(ceil.floor_us(lin.bytes(m)) * lin.per_step for lin in lins)
-        print(f"# M={m}: one step's dense linears {us:.0f} us on the fast path vs {ref_us:.0f} us on the reference "
-              f"ops, floor {floor:.0f} us ({us / floor:.2f}x)", flush=True)  # fmt: skip
+        print(f"# M={m}: one step's dense linears {us:.0f} us on the kernel vs {ref_us:.0f} us reference ops, "
+              f"floor {floor:.0f} us ({us / floor:.2f}x)", flush=True)  # fmt: skip
 
 
 def main() -> None:

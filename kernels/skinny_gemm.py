@@ -11,8 +11,7 @@
 
 round = to x's dtype, as the torch ops of the reference store their results; products accumulate in fp32. W is
 ``[N, K]`` with unit last stride (row slices such as the lm_head's unpadded vocabulary rows are views), x ``[M, K]``
-of W's dtype. Up to ``MAX_ROWS`` rows; ``preferred`` says where it beat cuBLAS (the callers in ``fast_path.py``
-ask it). One launch,
+of W's dtype. Up to ``MAX_ROWS`` rows; more belong to cuBLAS (the callers in ``fast_path.py`` decide). One launch,
 grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))`` from shapes only and no host reads: CUDA-graph safe.
 ``default_config`` holds the tiles measured best on an H200 (bench/bench_gemm.py).
 """
@@ -32,42 +31,30 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class SkinnyConfig:
     """Tiles of one launch: ``dot`` runs on the tensor cores (x padded to 16 rows, ``block_n``, ``block_k`` >= 16),
-    otherwise the GEMV over ``next_pow2(M)`` rows (at most 4) per program; ``split_k`` > 1 spreads K over that many
-    programs per tile."""
+    otherwise the GEMV over ``next_pow2(M)`` rows (at most 4) per program."""
 
     dot: bool
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
-    split_k: int = 1  # K splits per output tile, summed by the last split to finish (no reduce launch)
 
 
 _GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator column per row of x: beyond this, the tensor cores
-_WIDE_N = 65536  # output columns from which the tensor-core tiles beat cuBLAS at 2-16 rows (the lm_head)
 
 
 def preferred(m: int, n: int) -> bool:
     """Whether this kernel beat cuBLAS for ``m`` rows against ``n`` weight rows on an H200 (bench/bench_gemm.py,
-    Small-L6 decode linears): one row at every shape (the GEMV, 0.93-1.39x the byte floor where cuBLAS is at
-    1.01-1.70x), 2-16 rows only on the lm_head's ~200k rows (0.94-0.97x against 1.32x). At 2-16 rows and
-    N <= 32768 cuBLAS' split-K kernels win (1.0-1.7x the floor; these tiles 1.04-2.6x: too few programs)."""
-    return m == 1 or (m <= MAX_ROWS and n >= _WIDE_N)
+    Small-L6 decode linears): one row, at every shape (summed over a step 866 us against cuBLAS' 1020, floor 800).
+    At 2-16 rows cuBLAS' split-K kernels won every shape measured, the lm_head included at these tiles."""
+    return m == 1
 
 
 def default_config(m: int, n: int, k: int) -> SkinnyConfig:
-    """Best measured on an H200 for ``m`` rows against ``n`` weight rows (bench/bench_gemm.py over the Small-L6
-    proxy's decode linears, bf16): one row, the GEMV tile best on the wide weights (the lm_head, the dense
-    gate+up) or else the one with the least time over a step's other linears; more rows, the tensor-core tile best
-    on wide weights or else the one with the least time over a step's linears."""
-    wide = n >= 32768
-    if m == 1 and wide:
-        return SkinnyConfig(dot=False, block_n=16, block_k=256, num_warps=4)
-    if m == 1:
-        return SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8)
-    if wide:
-        return SkinnyConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3)
-    return SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3)
+    """Best measured on an H200 (bench/bench_gemm.py over the Small-L6 proxy's decode linears, bf16)."""
+    if m <= _GEMV_MAX_ROWS:
+        return SkinnyConfig(dot=False, block_n=8, block_k=512, num_warps=4)
+    return SkinnyConfig(dot=True, block_n=16 if n <= 16384 else 32, block_k=256, num_warps=4, num_stages=4)
 
 
 def _next_pow2(n: int) -> int:
@@ -85,18 +72,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"x has {x.shape[0]} rows: this kernel takes at most MAX_ROWS={MAX_ROWS} (use cuBLAS)")
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The split-K arrival counters of ``device`` (int32, zero between launches: the last split re-arms its tile's),
-    at least ``tiles`` of them. Shared by the launches of one stream, which run one after another."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
-        counters = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return counters
 
 
 def _launch(
@@ -120,15 +95,7 @@ def _launch(
     if config.dot and min(config.block_n, config.block_k) < 16:
         raise ValueError(f"tensor-core tiles need block_n and block_k >= 16, got {config}")
     block_m = _DOT_ROWS if config.dot else min(_next_pow2(m), _GEMV_MAX_ROWS)
-    k_blocks = -(-k // config.block_k)
-    chunk = max(1, -(-k_blocks // max(1, min(config.split_k, k_blocks)))) * config.block_k  # whole blocks
-    split = max(1, -(-k // chunk))  # K per split `chunk`, no split empty
-    grid = (-(-n // config.block_n), -(-m // block_m), split)
-    tiles = grid[0] * grid[1]
-    partial = counter = out
-    if split > 1:
-        partial = torch.empty(tiles * split * (2 if width else 1) * config.block_n * block_m, device=x.device)
-        counter = _counters(x.device, tiles)
+    grid = (-(-n // config.block_n), -(-m // block_m))
     tk.skinny_gemm_kernel[grid](
         x,
         weight,
@@ -136,13 +103,10 @@ def _launch(
         scale if scale is not None else out,
         residual if residual is not None else out,
         gammas if gammas is not None else out,
-        partial,
-        counter,
         m,
         n,
         k,
         width,
-        chunk,
         float(divisor or 1.0),
         x.stride(0),
         weight.stride(0),
@@ -152,10 +116,9 @@ def _launch(
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        SPLIT_K=split,
         USE_DOT=config.dot,
         DOT_IEEE=x.dtype == torch.float32,
-        EVEN_K=k % config.block_k == 0,  # then every split's K range is whole blocks too
+        EVEN_K=k % config.block_k == 0,
         SWIGLU=width > 0,
         HAS_GAMMA=gammas is not None,
         HAS_SCALE=scale is not None,
@@ -209,8 +172,9 @@ def skinny_swiglu(
     (m, k), groups = x.shape, w13.shape[0] // (2 * width)
     if gammas is not None and (gammas.shape != (m, groups) or gammas.dtype != torch.float32 or gammas.stride(-1) != 1):
         raise ValueError(f"gammas must be fp32 [M, G] = [{m}, {groups}], got {gammas.dtype} {tuple(gammas.shape)}")
-    out = torch.empty((m, groups * width), dtype=x.dtype, device=x.device)
-    return _launch(x, w13, out, config or default_config(m, w13.shape[0], k), width=width, gammas=gammas)
+    n = groups * width
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    return _launch(x, w13, out, config or default_config(m, n, k), width=width, gammas=gammas)
 
 
 def skinny_linear_reference(

@@ -228,9 +228,9 @@ def test_dense_ops_take_the_skinny_kernel_where_it_beats_cublas(cpu_interpreter,
 
 
 def test_skinny_kernel_crossover():
-    """The measured crossover: one row always, 2-16 rows only on the lm_head's width, cuBLAS beyond 16 rows."""
+    """The measured crossover: one row at every width, cuBLAS from two rows on (the lm_head too)."""
     assert skinny_gemm.preferred(1, 4096) and skinny_gemm.preferred(1, 200058)
-    assert skinny_gemm.preferred(8, 200058) and not skinny_gemm.preferred(8, 32768)
+    assert not skinny_gemm.preferred(2, 200058) and not skinny_gemm.preferred(8, 32768)
     assert not skinny_gemm.preferred(MAX_ROWS + 1, 200058)
 
 
