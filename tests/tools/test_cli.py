@@ -145,6 +145,7 @@ def test_decode_flags_build_the_settings_tree():
         (["--redis-prefix"], "--redis-prefix needs a Redis"),
         (["--encoders", "nohost"], "--encoders"),
         (["--metrics-port", "70000"], "--metrics-port"),
+        (["--mtp-depth", "auto", "--tensor-parallel-size", "2"], "--mtp-depth auto"),
     ],
 )
 def test_bad_decode_flags_name_the_flag(flags, message, monkeypatch):
