@@ -346,7 +346,7 @@ def check_mtp_depth(depth: int | str, acceptance: tuple[float, ...]) -> None:
 
 @dataclass(frozen=True)
 class DecodeEngineSettings:
-    """What `decode_service.service.build_engine` needs besides the checkpoint (plain data: no torch here)."""
+    """What `decode_service.engine.build.build_engine` needs besides the checkpoint (plain data: no torch here)."""
 
     device: str = "cpu"
     dtype: str = "bfloat16"

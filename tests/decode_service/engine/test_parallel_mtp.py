@@ -13,8 +13,8 @@ import torch
 
 from common.errors import ConfigError
 from common.settings import DecodeEngineSettings
+from decode_service.engine.build import build_engine
 from decode_service.engine.request import MultimodalItem, Request, SamplingParams
-from decode_service.service import build_engine
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
