@@ -414,7 +414,7 @@ class ServiceLimits:
 
 @dataclass(frozen=True)
 class RedisPrefixSettings:
-    """The shared Redis tier of KV prefixes (`decode_service.engine.redis_prefix`)."""
+    """The shared Redis tier of KV prefixes (`decode_service.engine.worker.redis_tier`)."""
 
     key_prefix: str = "ink:kvp:v1:"
     ttl_s: int | None = 3600

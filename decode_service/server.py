@@ -430,7 +430,7 @@ async def _serve(settings: DecodeSettings) -> None:
     redis = settings.redis
     prefix_store = None
     if settings.redis_prefix is not None:
-        from decode_service.engine.redis_prefix import PrefixStore
+        from decode_service.engine.worker.prefix_store import PrefixStore
 
         assert redis is not None  # DecodeSettings checks it
         prefix_store = PrefixStore.connect(redis, settings.redis_prefix)
