@@ -122,20 +122,6 @@ def cli_args(overlay: str, name: str) -> argparse.Namespace:
     return parse(expanded_args(pod_spec(overlay, name), container(overlay, name)))
 
 
-def subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
-    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return action.choices
-
-
-def has_api_command() -> bool:
-    return "api" in subcommands()
-
-
-def has_tensor_parallel() -> bool:
-    return "--tensor-parallel-size" in subcommands()["decode"]._option_string_actions
-
-
 def dns_target(value: str) -> tuple[str, int]:
     match = re.fullmatch(r"dns:///([a-z0-9-]+):(\d+)", value)
     assert match, f"{value!r} is not dns:///name:port"
@@ -167,15 +153,7 @@ def decoded(secret: dict) -> dict[str, str]:
     return {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
 
 
-def pool_case(overlay: str, name: str):
-    """(overlay, pool), expected to fail (strictly) while the CLI lacks what its args need."""
-    marks = []
-    if name == "api":
-        marks.append(pytest.mark.xfail(not has_api_command(), reason="api front lands with issue 18", strict=True))
-    return pytest.param(overlay, name, marks=marks, id=f"{overlay}-{name}")
-
-
-POOL_CASES = [pool_case(o, n) for o in OVERLAYS for n in POOLS]
+POOL_CASES = [pytest.param(o, n, id=f"{o}-{n}") for o in OVERLAYS for n in POOLS]  # (overlay, pool)
 
 
 @functools.cache

@@ -18,7 +18,6 @@ from tests.deploy.k8s_manifests import (
     container,
     decoded,
     expanded_args,
-    has_tensor_parallel,
     objects,
     parse,
     pod_spec,
@@ -61,16 +60,10 @@ def test_container_args_parse_with_the_real_cli(overlay, name, monkeypatch):
 
 @requires_kubectl
 @pytest.mark.parametrize("overlay", GPU_OVERLAYS)
-def test_gpu_decode_args_parse_apart_from_tensor_parallelism(overlay, monkeypatch):
-    """While --tensor-parallel-size is missing from the CLI (issue 14), the rest of the GPU decode args still
-    go through the real parser, so a typo there does not hide behind the expected failure."""
-    argv = expanded_args(pod_spec(overlay, "decode"), container(overlay, "decode"))
-    at = argv.index("--tensor-parallel-size")
-    assert argv[at + 1] == str(GPU_OVERLAYS[overlay])
-    if not has_tensor_parallel():
-        del argv[at : at + 2]
-    args = parse(argv)
+def test_gpu_decode_args_run_bf16_on_every_gpu_of_the_pod(overlay, monkeypatch):
+    args = parse(expanded_args(pod_spec(overlay, "decode"), container(overlay, "decode")))
     assert (args.command, args.device, args.dtype, args.kv_budget_mb) == ("decode", "cuda", "bfloat16", 40960.0)
+    assert args.tensor_parallel_size == GPU_OVERLAYS[overlay]
     monkeypatch.setenv("INKLING_REDIS_URL", "redis://redis:6379/0")
     check_server_settings("decode", args)
 
