@@ -40,21 +40,13 @@ from kernels.skinny_gemm import (
 )
 
 _L2_BYTES = 50 << 20
-GEMV_SWEEP = [  # M <= 4; the bytes in flight per program are block_n * block_k * 2
-    SkinnyConfig(dot=False, block_n=4, block_k=512, num_warps=4),
-    SkinnyConfig(dot=False, block_n=8, block_k=512, num_warps=4),
-    SkinnyConfig(dot=False, block_n=4, block_k=1024, num_warps=4),
-    SkinnyConfig(dot=False, block_n=8, block_k=1024, num_warps=8),
-    SkinnyConfig(dot=False, block_n=16, block_k=256, num_warps=4),
-    SkinnyConfig(dot=False, block_n=16, block_k=512, num_warps=8),
-]
-DOT_SWEEP = [  # every M
-    SkinnyConfig(dot=True, block_n=16, block_k=256, num_warps=4, num_stages=4),
-    SkinnyConfig(dot=True, block_n=16, block_k=512, num_warps=4, num_stages=3),
-    SkinnyConfig(dot=True, block_n=32, block_k=256, num_warps=4, num_stages=4),
-    SkinnyConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4),
-    SkinnyConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3),
-    SkinnyConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3),
+SWEEP = [  # the bytes in flight per program are block_n * block_k * 2
+    SkinnyConfig(block_n=4, block_k=512, num_warps=4),
+    SkinnyConfig(block_n=8, block_k=512, num_warps=4),
+    SkinnyConfig(block_n=4, block_k=1024, num_warps=4),
+    SkinnyConfig(block_n=8, block_k=1024, num_warps=8),
+    SkinnyConfig(block_n=16, block_k=256, num_warps=4),
+    SkinnyConfig(block_n=16, block_k=512, num_warps=8),
 ]
 
 
@@ -126,7 +118,7 @@ def per_launch_us(op, weights: list[torch.Tensor], reps: int = 3) -> float:
 def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
     widths = [11, 3, 9, 16, 16, 50]
     print("\n## part 1: tiles of the plain product x @ W^T (us; x floor)")
-    print(row(["linear", "M", "floor us", "cuBLAS", "best kernel", "best tile (dot, block_n, block_k, warps, stages)"],
+    print(row(["linear", "M", "floor us", "cuBLAS", "best kernel", "best tile (block_n, block_k, warps, stages)"],
               widths))  # fmt: skip
     step_us: dict[int, dict[SkinnyConfig, float]] = {m: defaultdict(float) for m in rows}
     cublas_step: dict[int, float] = defaultdict(float)
@@ -139,8 +131,7 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
             cublas_step[m] += cublas * lin.per_step
             best = None
             if m <= MAX_ROWS:
-                configs = (GEMV_SWEEP if m <= 4 else []) + DOT_SWEEP
-                for cfg in configs:
+                for cfg in SWEEP:
                     us = per_launch_us(lambda w, x=x, cfg=cfg: skinny_linear(x, w, config=cfg), weights)
                     step_us[m][cfg] += us * lin.per_step
                     if best is None or us < best[0]:
@@ -163,7 +154,7 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
 
 
 def _tile(cfg: SkinnyConfig) -> str:
-    return f"({'dot' if cfg.dot else 'gemv'}, {cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages})"
+    return f"({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages})"
 
 
 def model_ops(lins: list[Linear], rows: list[int], ceil) -> None:

@@ -31,8 +31,6 @@ from decode_service.model.inkling import InklingDecoder
 from kernels.prefill_attention import PrefillConfig, prefill_attention, prefill_attention_reference
 
 CONFIGS = [
-    PrefillConfig(128, 64, 8, 2, bias="rank1"),  # the first kernel
-    PrefillConfig(64, 64, 4, 3, bias="gather"),
     PrefillConfig(64, 64, 4, 2),  # the default
     PrefillConfig(64, 64, 4, 3),
     PrefillConfig(128, 64, 8, 2),
@@ -58,10 +56,7 @@ def bench_attention(ceil: Ceilings, n: int = 2048, heads: int = 32, kv_heads: in
         return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
 
     print("# prefill_attention, 2048 queries, 32/8 heads of 128, d_rel 16, R 1024 (TFLOP/s, rel err vs fp32 ref)")
-    names = [
-        f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}{'' if c.bias == 'table' else ' ' + c.bias}"
-        for c in CONFIGS
-    ]
+    names = [f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}" for c in CONFIGS]
     print(f"# {'layout':<24} " + "  ".join(f"{name:>22}" for name in names), flush=True)
     for name, q_start, k_first, window, log_scaling in LAYOUTS:
         m = q_start + n - k_first

@@ -22,10 +22,11 @@ import torch
 
 from common.checkpoint import CheckpointFiles, load_decoder_weights
 from common.config import ModelConfig, load_model_config
+from common.settings import RedisPrefixSettings
 from decode_service.engine.engine import Engine, EngineSettings
-from decode_service.engine.redis_prefix import PrefixStore, RedisPrefixSettings
 from decode_service.engine.request import MultimodalItem, Request, SamplingParams
 from decode_service.engine.worker.prefix_format import part_sizes
+from decode_service.engine.worker.prefix_store import PrefixStore
 from decode_service.model.inkling import InklingDecoder
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 

@@ -346,7 +346,7 @@ def check_mtp_depth(depth: int | str, acceptance: tuple[float, ...]) -> None:
 
 @dataclass(frozen=True)
 class DecodeEngineSettings:
-    """What `decode_service.service.build_engine` needs besides the checkpoint (plain data: no torch here)."""
+    """What `decode_service.engine.build.build_engine` needs besides the checkpoint (plain data: no torch here)."""
 
     device: str = "cpu"
     dtype: str = "bfloat16"
@@ -414,7 +414,7 @@ class ServiceLimits:
 
 @dataclass(frozen=True)
 class RedisPrefixSettings:
-    """The shared Redis tier of KV prefixes (`decode_service.engine.redis_prefix`)."""
+    """The shared Redis tier of KV prefixes (`decode_service.engine.worker.redis_tier`)."""
 
     key_prefix: str = "ink:kvp:v1:"
     ttl_s: int | None = 3600

@@ -110,10 +110,6 @@ class OutputParser:
     def finish_reason(self) -> str | None:
         return self._finish_reason
 
-    @property
-    def tool_call_count(self) -> int:
-        return self._tool_calls
-
     def feed(self, token_id: int) -> list[Delta]:
         assert self._finish_reason is None, "feed after finish"
         if self._done:

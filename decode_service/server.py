@@ -44,7 +44,8 @@ from common.wire import modality_to_proto
 from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingParams
 from decode_service.chat import ChatMessage, MediaPart, TextPart, ToolCall, ToolSpec, token_bytes
 from decode_service.encoder_client import ClientSettings, EncoderClient, EncoderPoolUnavailableError
-from decode_service.service import DecodeService, build_engine
+from decode_service.engine.build import build_engine
+from decode_service.service import DecodeService
 from decode_service.structured.constraint import constraint_from_proto
 from encoder_service.planner import MediaPlanner
 from proto.inkling_epd.v1 import generator_pb2 as pb
@@ -429,7 +430,7 @@ async def _serve(settings: DecodeSettings) -> None:
     redis = settings.redis
     prefix_store = None
     if settings.redis_prefix is not None:
-        from decode_service.engine.redis_prefix import PrefixStore
+        from decode_service.engine.worker.prefix_store import PrefixStore
 
         assert redis is not None  # DecodeSettings checks it
         prefix_store = PrefixStore.connect(redis, settings.redis_prefix)

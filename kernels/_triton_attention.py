@@ -6,7 +6,7 @@ heads that share the KV head (padded to BLOCK_H rows so the products run on the 
 online softmax in fp32, and writes an unnormalised partial (acc, max, sum); ``attn_combine_kernel`` merges
 the splits. With ROWS > 1 (an MTP verify) the program's tile holds the GROUP heads of each of the sequence's ROWS
 query rows, each row masked to its own keys and window, with its own tau and bias columns (those formed as D_REL
-rank-1 updates with P gathered per (row, key), as in prefill).
+rank-1 updates with P gathered per (row, key)).
 The relative bias ``L_j(p, p - s) = r_j(p) . P[:, p - s]`` is formed per key block from the
 small P bank (bias 0 at distances >= R), so no [T, nH, T] tensor exists.
 
@@ -18,12 +18,8 @@ entries of visible keys are loaded, so pages outside the window (released to a s
 Prefill (``attn_prefill_kernel``): program (query head, block of BLOCK_M queries) walks the key blocks of the
 causal/window band of its queries (blocks wholly outside it are never visited), online softmax in fp32; keys are
 rows of a contiguous tensor or, with PAGED, of a paged pool through the sequence's pages. The bias of a (query,
-key) pair needs column ``p - s`` of P, a different column per pair. BIAS 0: the block's distances form a window of
-BLOCK_M + BLOCK_N - 1 columns of P, so one tensor-core product ``r [BLOCK_M, D_REL] @ P[:, window]`` gives every
-row's bias at every distance of the block and ``tl.gather`` picks each pair's column (i - j + BLOCK_N - 1).
-BIAS 1: D_REL rank-1 updates ``r[:, d] x P[d, p - s]`` with P's row d gathered per pair (P is d_rel x R, so the
-gathers hit L1/L2). BIAS 2: ``r @ P`` precomputed per query (``[n, nH, R']``), read per pair. Only blocks that hold
-some pair closer than R form a bias.
+key) pair is column ``p - s`` of its query's row of the table ``r @ P`` (precomputed per query, ``[n, nH, R']``),
+read per pair. Only blocks that hold some pair closer than R read the table.
 """
 
 import triton
@@ -229,8 +225,6 @@ def attn_combine_kernel(
 @triton.jit
 def attn_prefill_kernel(
     Q,
-    R,
-    P,
     Bias,
     K,
     V,
@@ -250,9 +244,6 @@ def attn_prefill_kernel(
     sm_scale,
     stride_qm,
     stride_qh,
-    stride_rm,
-    stride_rh,
-    stride_pd,
     stride_bm,
     stride_bh,
     stride_km,
@@ -266,10 +257,6 @@ def attn_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    D_REL: tl.constexpr,
-    REL_WIDTH: tl.constexpr,
-    REL_PRECISION: tl.constexpr,
-    BIAS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     USE_TAU: tl.constexpr,
     PAGED: tl.constexpr,
@@ -294,16 +281,12 @@ def attn_prefill_kernel(
         n_keys = q_start + n_queries - k_first
         page0 = k_first // PAGE_SIZE
         Q += row0 * stride_qm
-        R += row0 * stride_rm
         Out += row0 * stride_om
         Bias += row0 * stride_bm
         Pages += seq.to(tl.int64) * stride_pages
     kv_head = head // GROUP
-    rows = tl.arange(0, BLOCK_M)
-    offs_m = m_block * BLOCK_M + rows
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_r = tl.arange(0, D_REL)
     m_mask = offs_m < n_queries
     pos_q = q_start + offs_m
     q = tl.load(
@@ -311,8 +294,6 @@ def attn_prefill_kernel(
         mask=m_mask[:, None],
         other=0.0,
     )
-    r_rows = R + offs_m.to(tl.int64) * stride_rm + head * stride_rh  # [BLOCK_M] pointers to r_head(p)[0]
-    r = tl.load(r_rows[:, None] + offs_r[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, D_REL]
     # Logits in log2 units: (q.k * sm_scale + bias) * tau(p) * log2(e), tau per query row.
     row_scale = tl.full((BLOCK_M,), 1.4426950408889634, dtype=tl.float32)
     if USE_TAU:
@@ -326,9 +307,6 @@ def attn_prefill_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(p_first - window + 1 - k_first, 0)
     hi = tl.minimum(p_last - k_first + 1, n_keys)
-    # The distance of pair (row i, key column j) of a block is d0 + i - j + BLOCK_N - 1, with d0 the block's
-    # smallest (first row, last key): column i - j + BLOCK_N - 1 of the block's distance window d0.. .
-    skew = rows[:, None] - offs_n[None, :] + (BLOCK_N - 1)  # [BLOCK_M, BLOCK_N] in [0, BLOCK_M + BLOCK_N - 1)
 
     K_h = K + kv_head * stride_kh
     V_h = V + kv_head * stride_vh
@@ -341,10 +319,10 @@ def attn_prefill_kernel(
     near_lo = tl.minimum(lo + (tl.maximum(d_first - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, hi)
     for near in tl.static_range(2):
         m_i, l_i, acc = _prefill_blocks(
-            q, r, r_rows, P, Bias, K_h, V_h, Pages, m_i, l_i, acc, near_lo if near else lo, hi if near else near_lo,
-            hi, pos_q, offs_m, m_mask, row_scale, skew, p_first, k_first, page0, rel_extent, window, sm_scale,
-            stride_pd, stride_bm, stride_bh, stride_km, stride_vm, head, BLOCK_M, BLOCK_N, HEAD_DIM, D_REL,
-            REL_WIDTH, REL_PRECISION, BIAS, near == 1, HAS_WINDOW, PAGED, PAGE_SIZE,
+            q, Bias, K_h, V_h, Pages, m_i, l_i, acc, near_lo if near else lo, hi if near else near_lo,
+            hi, pos_q, offs_m, m_mask, row_scale, k_first, page0, rel_extent, window, sm_scale,
+            stride_bm, stride_bh, stride_km, stride_vm, head, BLOCK_N, HEAD_DIM, near == 1, HAS_WINDOW, PAGED,
+            PAGE_SIZE,
         )  # fmt: skip
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
@@ -356,19 +334,15 @@ def attn_prefill_kernel(
 
 @triton.jit
 def _prefill_blocks(
-    q, r, r_rows, P, Bias, K_h, V_h, Pages, m_i, l_i, acc, start, end, hi, pos_q, offs_m, m_mask, row_scale,
-    skew, p_first, k_first, page0, rel_extent, window, sm_scale, stride_pd, stride_bm, stride_bh, stride_km,
-    stride_vm, head,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_REL: tl.constexpr,
-    REL_WIDTH: tl.constexpr, REL_PRECISION: tl.constexpr, BIAS: tl.constexpr, NEAR: tl.constexpr,
+    q, Bias, K_h, V_h, Pages, m_i, l_i, acc, start, end, hi, pos_q, offs_m, m_mask, row_scale,
+    k_first, page0, rel_extent, window, sm_scale, stride_bm, stride_bh, stride_km, stride_vm, head,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, NEAR: tl.constexpr,
     HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):  # fmt: skip
     """Key blocks ``start, start + BLOCK_N, .. < end`` of one query block into its online softmax (m, l, acc);
-    NEAR: the blocks hold pairs closer than R, form the bias."""
+    NEAR: the blocks hold pairs closer than R, read the bias table."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_r = tl.arange(0, D_REL)
-    offs_w = tl.arange(0, REL_WIDTH)
     for s0 in range(start, end, BLOCK_N):
         offs_s = s0 + offs_n
         s_mask = offs_s < hi
@@ -382,33 +356,10 @@ def _prefill_blocks(
         k = k.to(q.dtype)  # a pool may hold another float dtype than the activations
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_M, BLOCK_N] fp32
         delta = pos_q[:, None] - (k_first + offs_s)[None, :]  # backward distance query - key
-        d0 = p_first - (k_first + s0 + BLOCK_N - 1)  # the block's smallest distance
-        if NEAR:
-            if BIAS == 2:  # the queries' rows of the precomputed table L[p, head, delta] (delta < rel_extent)
-                near = (delta >= 0) & (delta < rel_extent) & m_mask[:, None]
-                b_rows = Bias + offs_m.to(tl.int64) * stride_bm + head * stride_bh
-                s += tl.load(b_rows[:, None] + delta, mask=near, other=0.0)
-            elif BIAS == 1:
-                # L(p, delta) = sum_d r(p)[d] * P[d, delta]: one rank-1 update per d, P's columns gathered per
-                # pair (P is d_rel x R, cache resident); pairs at delta outside [0, R) get 0.
-                near = (delta >= 0) & (delta < rel_extent)
-                bias = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for d in tl.static_range(D_REL):
-                    r_d = tl.load(r_rows + d, mask=m_mask, other=0.0).to(tl.float32)
-                    p_d = tl.load(P + d * stride_pd + delta, mask=near, other=0.0).to(tl.float32)
-                    bias += r_d[:, None] * p_d
-                s += bias
-            else:
-                # The block's rows against every distance of its window on the tensor cores, then each pair
-                # picks its own column: L(p, delta) = (r @ P[:, d0 + c])[row, c] at c = skew (0 outside [0, R)).
-                dist = d0 + offs_w
-                p_win = tl.load(
-                    P + offs_r[:, None] * stride_pd + dist[None, :],
-                    mask=((dist >= 0) & (dist < rel_extent))[None, :],
-                    other=0.0,
-                )  # [D_REL, REL_WIDTH]
-                rel = tl.dot(r, p_win, input_precision=REL_PRECISION)  # [BLOCK_M, REL_WIDTH] fp32
-                s += tl.gather(rel, skew, axis=1)
+        if NEAR:  # the queries' rows of the precomputed table L[p, head, delta] (delta < rel_extent)
+            near = (delta >= 0) & (delta < rel_extent) & m_mask[:, None]
+            b_rows = Bias + offs_m.to(tl.int64) * stride_bm + head * stride_bh
+            s += tl.load(b_rows[:, None] + delta, mask=near, other=0.0)
         visible = (delta >= 0) & s_mask[None, :]
         if HAS_WINDOW:
             visible = visible & (delta < window)

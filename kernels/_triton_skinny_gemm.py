@@ -2,13 +2,9 @@
 
 Program (column block of the output, row block of x) reads its ``BLOCK_N`` weight rows over the whole of K once,
 so the weight is streamed exactly once and no partial sums leave the program (no split-K, no reduce launch: the
-decode shapes have N >= 4096, enough column blocks to fill the GPU). Two ways to multiply, both accumulating an
-fp32 ``[BLOCK_N, BLOCK_M]`` tile:
-
-* ``USE_DOT``: on the tensor cores, the weight tile as the left operand ("swap-AB": ``W [BLOCK_N, BLOCK_K] @
-  x^T [BLOCK_K, BLOCK_M]``), x's rows zero-padded to ``BLOCK_M = 16``;
-* otherwise a GEMV: the weight tile stays in registers and each of the ``BLOCK_M`` rows of x is multiplied into
-  it and summed along K.
+decode shapes have N >= 4096, enough column blocks to fill the GPU). A GEMV accumulating an fp32
+``[BLOCK_N, BLOCK_M]`` tile: the weight tile stays in registers and each of the ``BLOCK_M`` rows of x is multiplied
+into it and summed along K.
 
 The epilogue rounds to the activation dtype exactly where the torch reference rounds: ``SWIGLU`` computes the gate
 and up rows of each output column (groups of [gate ``I`` rows; up ``I`` rows] in W) and returns
@@ -44,8 +40,6 @@ def _accumulate(
     divisor,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     DIVIDE_X: tl.constexpr,
     PAIRED: tl.constexpr,
@@ -54,8 +48,6 @@ def _accumulate(
     with W[up_rows, :] in the same loop when PAIRED: both weight tiles in flight at once)."""
     dtype = X.dtype.element_ty
     offs_k = tl.arange(0, BLOCK_K)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
     w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = W + up_rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     for k0 in range(0, K, BLOCK_K):
@@ -65,35 +57,16 @@ def _accumulate(
         w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
         if PAIRED:
             w_up = tl.load(up_ptrs + k0, mask=w_mask, other=0.0)
-        if USE_DOT:
-            x = tl.load(
-                X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                mask=m_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )  # [BLOCK_M, BLOCK_K]
+        for i in tl.static_range(BLOCK_M):
+            row_mask = (m0 + i + offs_k * 0) < M  # a vector: the interpreter rejects a scalar mask
+            x = tl.load(X + (m0 + i) * stride_xm + k0 + offs_k, mask=row_mask & k_mask, other=0.0)
             if DIVIDE_X:
                 x = tl.math.div_rn(x.to(tl.float32), divisor).to(dtype)
-            if DOT_IEEE:  # fp32 operands: exact fp32 products, no TF32
-                xt = tl.trans(x.to(tl.float32))
-                acc = tl.dot(w.to(tl.float32), xt, acc, input_precision="ieee")
-                if PAIRED:
-                    acc_up = tl.dot(w_up.to(tl.float32), xt, acc_up, input_precision="ieee")
-            else:
-                xt = tl.trans(x)
-                acc = tl.dot(w, xt, acc)
-                if PAIRED:
-                    acc_up = tl.dot(w_up, xt, acc_up)
-        else:
-            for i in tl.static_range(BLOCK_M):
-                row_mask = (m0 + i + offs_k * 0) < M  # a vector: the interpreter rejects a scalar mask
-                x = tl.load(X + (m0 + i) * stride_xm + k0 + offs_k, mask=row_mask & k_mask, other=0.0)
-                if DIVIDE_X:
-                    x = tl.math.div_rn(x.to(tl.float32), divisor).to(dtype)
-                x = x.to(tl.float32)[None, :]
-                column = (tl.arange(0, BLOCK_M) == i)[None, :]
-                acc = tl.where(column, acc + tl.sum(w.to(tl.float32) * x, axis=1)[:, None], acc)
-                if PAIRED:
-                    acc_up = tl.where(column, acc_up + tl.sum(w_up.to(tl.float32) * x, axis=1)[:, None], acc_up)
+            x = x.to(tl.float32)[None, :]
+            column = (tl.arange(0, BLOCK_M) == i)[None, :]
+            acc = tl.where(column, acc + tl.sum(w.to(tl.float32) * x, axis=1)[:, None], acc)
+            if PAIRED:
+                acc_up = tl.where(column, acc_up + tl.sum(w_up.to(tl.float32) * x, axis=1)[:, None], acc_up)
     return acc, acc_up
 
 
@@ -119,8 +92,6 @@ def skinny_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     HAS_GAMMA: tl.constexpr,
@@ -139,7 +110,7 @@ def skinny_gemm_kernel(
     group = offs_n // width if SWIGLU else offs_n  # column g * I + j: gate row g * 2I + j, up row g * 2I + I + j
     rows = offs_n + group * width if SWIGLU else offs_n
     acc, up = _accumulate(acc, acc, W, X, rows, rows + width, n_mask, m0, M, K, stride_wn, stride_xm, divisor,
-                          BLOCK_M, BLOCK_K, USE_DOT, DOT_IEEE, EVEN_K, DIVIDE_X, SWIGLU)  # fmt: skip
+                          BLOCK_M, BLOCK_K, EVEN_K, DIVIDE_X, SWIGLU)  # fmt: skip
     if SWIGLU:
         gate = _round(acc, dtype)
         silu = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)  # F.silu in the activation dtype

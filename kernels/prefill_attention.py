@@ -4,7 +4,8 @@ kernels/attention.py): a chunk of queries per sequence against every key visible
 ``prefill_attention``: n queries of one sequence at positions ``q_start..`` against its visible keys ``[m, nKV,
 hd]`` from position ``k_first``, flash-attention style (no ``[nH, n, m]`` scores). ``paged_prefill_attention``:
 the queries of a packed batch of sequences in one launch, their keys read in place from one layer's paged pool
-through each sequence's pages. The logits are kept in fp32, the bias too (``PrefillConfig.bias``).
+through each sequence's pages. The logits are kept in fp32, the bias too: ``r @ P`` precomputed in fp32 for every
+query at the distances it can see (``[n, nH, min(R, W)]``), read per (query, key) pair.
 Excluded from this slice: several sequences per launch over contiguous caches.
 """
 
@@ -39,25 +40,18 @@ def _check_prefill(q, r, rel_proj, keys, values, q_start, k_first, paged=False):
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Tiles of ``prefill_attention`` and how the relative bias is formed per block: "table" (``r @ P`` precomputed
-    for every query at every distance it can see, read per pair: the fastest measured), "gather" (one ``r @ P``
-    product over the block's distances, each pair picking its column) or "rank1" (D_REL rank-1 updates with P
-    gathered per pair, the first kernel)."""
+    """Tiles of ``prefill_attention``."""
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    bias: str = "table"
-
-
-_BIAS_MODES = ("gather", "rank1", "table")
 
 
 def _prefill_config(n: int) -> PrefillConfig:
-    """64 x 64 tiles, 4 warps, 2 stages, the precomputed bias table (H200, Small-L6 chunk of 2048 with the bias
-    in a branch of the one key loop: 294 us for a sliding layer against 707 us for the best "gather" tile and 1601
-    us for the first kernel); short chunks shrink BLOCK_M to cover n."""
+    """64 x 64 tiles, 4 warps, 2 stages (H200, Small-L6 chunk of 2048 with the bias in a branch of the one key
+    loop: 294 us for a sliding layer with the bias table, against 707 us and 1601 us for the bias formed per block,
+    docs/decisions.md issue 17); short chunks shrink BLOCK_M to cover n."""
     return PrefillConfig(block_m=min(64, max(16, 1 << (n - 1).bit_length())), block_n=64, num_warps=4)
 
 
@@ -165,15 +159,13 @@ def _prefill_launch(q, r, rel_proj, keys, values, pages, page_size, q_start, k_f
     out = torch.empty((n, n_heads, hd), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    d_rel, rel_extent = rel_proj.shape
+    rel_extent = rel_proj.shape[1]
     alpha, n_floor = log_scaling if log_scaling is not None else (0.0, 1.0)
     paged = pages is not None
     config = config or _prefill_config(max(q_start[0]) if paged else n)
     block_m, block_n = config.block_m, config.block_n
-    bias = q  # a dummy pointer, never read unless config.bias == "table"
-    if config.bias == "table":  # distances >= W are never visible: the table stops there
-        rel_extent = min(rel_extent, window) if window is not None else rel_extent
-        bias = torch.matmul(r.float(), rel_proj[:, :rel_extent].float())  # [n, nH, R']
+    rel_extent = min(rel_extent, window) if window is not None else rel_extent  # distances >= W are never visible
+    bias = torch.matmul(r.float(), rel_proj[:, :rel_extent].float())  # [n, nH, R']
     if paged:
         blocks, seqs = _block_list(*q_start, block_m, window, q.device)
         grid, scalars = (n_heads, blocks.shape[0] // 2), (0, 0, 0, 0, 0)
@@ -181,19 +173,15 @@ def _prefill_launch(q, r, rel_proj, keys, values, pages, page_size, q_start, k_f
         blocks = seqs = q  # dummy pointers
         grid, scalars = (n_heads, -(-n // block_m)), (n, q_start + n - k_first, q_start, k_first, 0)
     tk.attn_prefill_kernel[grid](
-        q, r, rel_proj, bias, keys, values, pages if paged else q, out, blocks, seqs,
+        q, bias, keys, values, pages if paged else q, out, blocks, seqs,
         *scalars, rel_extent, window or 0, float(alpha), 1.0 / float(n_floor), 1.0 / hd,
-        q.stride(0), q.stride(1), r.stride(0), r.stride(1), rel_proj.stride(0), bias.stride(0), bias.stride(1),
+        q.stride(0), q.stride(1), bias.stride(0), bias.stride(1),
         keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), out.stride(0), out.stride(1),
         pages.stride(0) if paged else 0,
         GROUP=n_heads // n_kv,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HEAD_DIM=hd,
-        D_REL=d_rel,
-        REL_WIDTH=1 << (block_m + block_n - 2).bit_length(),
-        REL_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BIAS=_BIAS_MODES.index(config.bias),
         HAS_WINDOW=window is not None,
         USE_TAU=log_scaling is not None,
         PAGED=paged,

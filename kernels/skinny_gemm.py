@@ -24,23 +24,20 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 16  # rows of x this kernel is for (bench/bench_gemm.py: cuBLAS at and above 64)
-_DOT_ROWS = 16  # the tensor-core path pads x's rows to this
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """Tiles of one launch: ``dot`` runs on the tensor cores (x padded to 16 rows, ``block_n``, ``block_k`` >= 16),
-    otherwise the GEMV over ``next_pow2(M)`` rows (at most 4) per program."""
+    """Tiles of one launch: the GEMV over ``next_pow2(M)`` rows (at most 4) per program."""
 
-    dot: bool
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
 
 
-_GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator column per row of x: beyond this, the tensor cores
+_GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator column per row of x: beyond this, more row blocks
 
 
 def preferred(m: int, n: int) -> bool:
@@ -51,10 +48,9 @@ def preferred(m: int, n: int) -> bool:
 
 
 def default_config(m: int, n: int, k: int) -> SkinnyConfig:
-    """Best measured on an H200 (bench/bench_gemm.py over the Small-L6 proxy's decode linears, bf16)."""
-    if m <= _GEMV_MAX_ROWS:
-        return SkinnyConfig(dot=False, block_n=8, block_k=512, num_warps=4)
-    return SkinnyConfig(dot=True, block_n=16 if n <= 16384 else 32, block_k=256, num_warps=4, num_stages=4)
+    """Best measured on an H200 (bench/bench_gemm.py over the Small-L6 proxy's decode linears, bf16): one tile
+    for every shape."""
+    return SkinnyConfig(block_n=8, block_k=512, num_warps=4)
 
 
 def _next_pow2(n: int) -> int:
@@ -92,9 +88,7 @@ def _launch(
     k = x.shape[1]
     if m == 0 or n == 0:
         return out
-    if config.dot and min(config.block_n, config.block_k) < 16:
-        raise ValueError(f"tensor-core tiles need block_n and block_k >= 16, got {config}")
-    block_m = _DOT_ROWS if config.dot else min(_next_pow2(m), _GEMV_MAX_ROWS)
+    block_m = min(_next_pow2(m), _GEMV_MAX_ROWS)
     grid = (-(-n // config.block_n), -(-m // block_m))
     tk.skinny_gemm_kernel[grid](
         x,
@@ -116,8 +110,6 @@ def _launch(
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        USE_DOT=config.dot,
-        DOT_IEEE=x.dtype == torch.float32,
         EVEN_K=k % config.block_k == 0,
         SWIGLU=width > 0,
         HAS_GAMMA=gammas is not None,

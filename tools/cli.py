@@ -180,9 +180,10 @@ def _responses(args: argparse.Namespace, request):
 
     from common.settings import DecodeEngineSettings, served_model_name
     from decode_service.api import FinalEvent
+    from decode_service.engine.build import build_engine
     from decode_service.local_encoder import LocalEncoder
     from decode_service.server import delta_message, final_message, generate_input
-    from decode_service.service import DecodeService, build_engine
+    from decode_service.service import DecodeService
     from encoder_service.codebook import AudioCodebook
 
     async def run() -> list:

@@ -1,7 +1,7 @@
 """The decoder's Triton op bundle (`TritonOps`), and which bundle a model is built with (`resolve_ops`).
 
 `TritonOps` is `Ops` with the hot ops on the kernels of `kernels/`: the dense linears where `skinny_gemm` beats
-cuBLAS (`skinny_gemm.preferred`: one row, or the lm_head up to 16 rows), i.e. the projections, the dense MLP and
+cuBLAS (`skinny_gemm.preferred`: one row), i.e. the projections, the dense MLP and
 the shared experts with their SwiGLU, scale, gammas and the add of the routed experts in the epilogue, and the
 lm_head with its muP division and fp32 logits; `rms_norm`, `route` (the MoE gate in two launches), the routed
 experts (`nvfp4_moe` on the packed weights as loaded, or `bf16_moe`, tiles shrunk to divide H and I; layers whose

@@ -14,9 +14,10 @@ from common.settings import DecodeEngineSettings, EncoderLimits, EncoderSettings
 from decode_service.api import ServiceLimits
 from decode_service.chat import AUDIO_PLACEHOLDER, CONTENT_TEXT, END_MESSAGE, IMAGE_PLACEHOLDER, MESSAGE_USER
 from decode_service.encoder_client import EncoderClient
+from decode_service.engine.build import build_engine
 from decode_service.local_encoder import LocalEncoder
 from decode_service.server import build_server
-from decode_service.service import DecodeService, build_engine
+from decode_service.service import DecodeService
 from encoder_service.codebook import AudioCodebook
 from encoder_service.server import build_server as build_encoder_server
 from encoder_service.service import load_engine

@@ -13,9 +13,10 @@ from common.errors import InvalidInputError
 from common.settings import DecodeEngineSettings, GrpcSettings
 from decode_service.chat import IMAGE_PLACEHOLDER
 from decode_service.client import OutputPrinter, load_messages
+from decode_service.engine.build import build_engine
 from decode_service.local_encoder import LocalEncoder
 from decode_service.server import build_server
-from decode_service.service import DecodeService, build_engine
+from decode_service.service import DecodeService
 from encoder_service.codebook import AudioCodebook
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from tools.cli import _generate_request, build_parser, main

@@ -21,10 +21,11 @@ from common.settings import DecodeEngineSettings, EncoderSettings, GrpcSettings
 from decode_service.api import DeltaEvent
 from decode_service.chat import encode_text, token_bytes
 from decode_service.encoder_client import EncoderClient, EncoderPoolUnavailableError
+from decode_service.engine.build import build_engine
 from decode_service.engine.engine import Engine
 from decode_service.output_parser import ParsedToolCall
 from decode_service.server import GeneratorServicer, build_server, delta_message
-from decode_service.service import DecodeService, build_engine
+from decode_service.service import DecodeService
 from encoder_service.codebook import AudioCodebook
 from encoder_service.planner import MediaPlanner
 from encoder_service.server import build_server as build_encoder_server

@@ -17,8 +17,9 @@ from common.settings import DecodeEngineSettings
 from common.wire import DTYPE_BF16, KIND_DMEL_CODES, KIND_EMBEDDINGS, EncodedItem, bytes_to_codes
 from decode_service.api import DeltaEvent, FinalEvent, GenerateInput, SamplingParams, ServiceLimits
 from decode_service.chat import CONTENT_TEXT, END_MESSAGE, MESSAGE_USER, ChatMessage, MediaPart, TextPart, encode_text
+from decode_service.engine.build import build_engine
 from decode_service.local_encoder import LocalEncoder
-from decode_service.service import DecodeService, build_engine
+from decode_service.service import DecodeService
 from encoder_service.codebook import AudioCodebook
 from tools.make_sample_media import sample_media
 from tools.make_tiny_checkpoint import make_tiny_checkpoint

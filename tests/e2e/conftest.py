@@ -32,11 +32,12 @@ from common.settings import (
 )
 from decode_service.api import ServiceLimits
 from decode_service.encoder_client import ClientSettings, EncoderClient
+from decode_service.engine.build import build_engine
 from decode_service.local_encoder import LocalEncoder
 from decode_service.router import Router, RouterConfig
 from decode_service.server import DecodeServer
 from decode_service.server import build_server as build_decode_server
-from decode_service.service import DecodeService, build_engine
+from decode_service.service import DecodeService
 from encoder_service.codebook import AudioCodebook
 from encoder_service.server import SERVICE_NAME as ENCODER_SERVICE
 from encoder_service.server import EncoderServer, EncoderServicer

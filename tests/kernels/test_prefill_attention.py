@@ -80,9 +80,8 @@ def test_prefill_attention_groups_dtypes_strides(cpu_interpreter, n, layout, nkv
 @pytest.mark.parametrize(
     "config",
     [
-        PrefillConfig(32, 16, 4, 2, bias="rank1"),
-        PrefillConfig(16, 32, 4, 2, bias="gather"),  # key blocks wider than query blocks
-        PrefillConfig(32, 16, 4, 2, bias="gather"),
+        PrefillConfig(32, 16, 4, 2),
+        PrefillConfig(16, 32, 4, 2),  # key blocks wider than query blocks
         PrefillConfig(32, 32, 4, 3),
     ],
 )

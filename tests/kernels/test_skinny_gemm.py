@@ -11,8 +11,7 @@ from kernels.skinny_gemm import (
     skinny_swiglu_reference,
 )
 
-GEMV = SkinnyConfig(dot=False, block_n=16, block_k=32)
-DOT = SkinnyConfig(dot=True, block_n=16, block_k=32)
+GEMV = SkinnyConfig(block_n=16, block_k=32)
 
 
 def assert_rounded_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -30,7 +29,6 @@ def operands(m, n, k, dtype, gen):
     return x, weight
 
 
-@pytest.mark.parametrize("config", [GEMV, DOT], ids=["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "m,n,k",
@@ -39,43 +37,41 @@ def operands(m, n, k, dtype, gen):
         (2, 40, 80),  # a partial last column block and a partial last K block
         (3, 64, 32),  # GEMV over 4 rows with one masked
         (5, 32, 64),  # several GEMV row blocks
-        (16, 24, 96),  # a full tensor-core row block
+        (16, 24, 96),  # MAX_ROWS: four full GEMV row blocks
     ],
 )
-def test_skinny_linear_matches_reference(cpu_interpreter, config, dtype, m, n, k):
+def test_skinny_linear_matches_reference(cpu_interpreter, dtype, m, n, k):
     gen = torch.Generator().manual_seed(m * n + k)
     x, weight = operands(m, n, k, dtype, gen)
-    assert_rounded_close(skinny_linear(x, weight, config=config), skinny_linear_reference(x, weight))
+    assert_rounded_close(skinny_linear(x, weight, config=GEMV), skinny_linear_reference(x, weight))
 
 
-@pytest.mark.parametrize("config", [GEMV, DOT], ids=["gemv", "dot"])
-def test_skinny_linear_epilogues(cpu_interpreter, config):
+def test_skinny_linear_epilogues(cpu_interpreter):
     """The dense MLP's global scale, the routed experts' output added to the shared ones, and the lm_head's muP
     division with fp32 logits of the rounded values."""
     gen = torch.Generator().manual_seed(1)
     x, weight = operands(3, 40, 64, torch.float16, gen)
     scale = torch.tensor([1.37], dtype=torch.float16)
-    out = skinny_linear(x, weight, scale=scale, config=config)
+    out = skinny_linear(x, weight, scale=scale, config=GEMV)
     assert_rounded_close(out, skinny_linear_reference(x, weight, scale=scale))
     residual = torch.randn(5, 48, generator=gen).half()[:3, :40]  # strided rows
-    out = skinny_linear(x, weight, residual=residual, config=config)
+    out = skinny_linear(x, weight, residual=residual, config=GEMV)
     assert_rounded_close(out, skinny_linear_reference(x, weight, residual=residual))
-    logits = skinny_linear(x, weight[:37], divisor=24.0, out_dtype=torch.float32, config=config)
+    logits = skinny_linear(x, weight[:37], divisor=24.0, out_dtype=torch.float32, config=GEMV)
     ref = skinny_linear_reference(x, weight[:37], divisor=24.0, out_dtype=torch.float32)
     assert logits.dtype == torch.float32
     assert torch.equal(logits, logits.half().float())  # fp16 values, stored as fp32
     assert_rounded_close(logits.half(), ref.half())
 
 
-@pytest.mark.parametrize("config", [GEMV, DOT], ids=["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("groups,with_gammas", [(1, False), (2, True)])
-def test_skinny_swiglu_matches_reference(cpu_interpreter, config, dtype, groups, with_gammas):
+def test_skinny_swiglu_matches_reference(cpu_interpreter, dtype, groups, with_gammas):
     gen = torch.Generator().manual_seed(groups)
     width, m, k = 24, 3, 48  # BLOCK_N=16 does not divide I: column blocks straddle the groups
     x, w13 = operands(m, groups * 2 * width, k, dtype, gen)
     gammas = torch.rand(m, groups, generator=gen) + 0.5 if with_gammas else None
-    out = skinny_swiglu(x, w13, width, gammas=gammas, config=config)
+    out = skinny_swiglu(x, w13, width, gammas=gammas, config=GEMV)
     assert_rounded_close(out, skinny_swiglu_reference(x, w13, width, gammas=gammas))
 
 

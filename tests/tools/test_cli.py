@@ -172,7 +172,7 @@ def test_decode_help_shows_the_defaults(capsys):
 
 def test_generate_json_echoes_the_rendered_chat_prompt(tiny_bf16, capsys):
     from decode_service.chat import ChatMessage, TextPart, render_chat
-    from decode_service.service import DEFAULT_REASONING_EFFORT
+    from decode_service.prompt import DEFAULT_REASONING_EFFORT
 
     result = generate_json(capsys, tiny_bf16, "--prompt", "hello there", "--max-tokens", "2", "--ignore-eos")
     rendered = render_chat([ChatMessage("user", [TextPart("hello there")])], [], DEFAULT_REASONING_EFFORT, [])

@@ -12,6 +12,7 @@ from common.config import ModelConfig, TextConfig, parse_model_config
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.state import SequenceState
+from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 EOS = 3
 TINY_TEXT = {
@@ -190,3 +191,9 @@ def reference_greedy(
 @pytest.fixture
 def reference():
     return reference_greedy
+
+
+@pytest.fixture(scope="session")
+def tp_checkpoint(tmp_path_factory):
+    """make-tiny, NVFP4, with its 2 MTP depths: the checkpoint of the tensor-parallel engine tests."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tp-engine"), nvfp4=True, seed=6)

@@ -261,7 +261,7 @@ def test_per_request_opt_out_and_bad_depth(tiny, baseline):
 
 def test_mtp_depth_flag_builds_the_checkpoint_drafter(tmp_path):
     from common.settings import DecodeEngineSettings, decode_settings
-    from decode_service.service import build_engine
+    from decode_service.engine.build import build_engine
     from tools.cli import build_parser
 
     make_tiny_checkpoint(tmp_path, seed=4)

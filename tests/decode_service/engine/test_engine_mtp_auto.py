@@ -57,9 +57,9 @@ def test_auto_without_the_checkpoint_drafter_is_an_error(tiny):  # noqa: F811
 @pytest.mark.gpu
 def test_auto_on_the_gpu_runs_the_graphed_chain(cuda_device, tmp_path, capsys):
     """bf16 on CUDA through `build_engine`: the batched paged speculator, its table measured at start (printed)."""
+    from decode_service.engine.build import build_engine
     from decode_service.engine.request import Request
     from decode_service.engine.worker.mtp import PagedMTPSpeculator
-    from decode_service.service import build_engine
     from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
     make_tiny_checkpoint(tmp_path, seed=3, mtp_config={"num_nextn_predict_layers": 4})

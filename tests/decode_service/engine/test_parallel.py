@@ -4,39 +4,29 @@ greedy tokens under preemption, prefix-cache hits, multimodal rows with chunked 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from common.settings import DecodeEngineSettings
-from decode_service.engine.request import MultimodalItem, Request, SamplingParams
-from decode_service.service import build_engine
-from tools.make_tiny_checkpoint import make_tiny_checkpoint
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-BASE = dict(dtype="float32", page_size=4, max_num_seqs=4, max_num_batched_tokens=16, snapshot_interval_blocks=2)
-# fp32, page 4, 4 sequences: rank 0's local heads give 17 sliding and 20 global pages (80 tokens) in this budget,
-# so four 17..35-token prompts plus 10 tokens each cannot all stay resident
-TIGHT_BUDGET = 100_000
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(4, 90000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from decode_service.engine.build import build_engine
+from decode_service.engine.request import Request
+from tests.decode_service.engine.parallel_helpers import (
+    BASE,
+    GREEDY,
+    finish_after_abort,
+    media_items,
+    prompt,
+    tp_engine,
+)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tp-engine"), nvfp4=True, seed=6)
+def single(tp_checkpoint):
+    return build_engine(tp_checkpoint, DecodeEngineSettings(kv_cache_bytes=8 << 20, **BASE))
 
 
 @pytest.fixture(scope="module")
-def single(checkpoint):
-    return build_engine(checkpoint, DecodeEngineSettings(kv_cache_bytes=8 << 20, **BASE))
-
-
-@pytest.fixture(scope="module")
-def ranks(checkpoint):
-    engine = build_engine(checkpoint, DecodeEngineSettings(kv_cache_bytes=TIGHT_BUDGET, tensor_parallel_size=2, **BASE))
-    yield engine
-    engine.ranks.close()
+def ranks(tp_checkpoint):
+    with tp_engine(tp_checkpoint) as engine:
+        yield engine
 
 
 def test_preemption_gives_the_single_process_tokens(single, ranks):
@@ -60,12 +50,7 @@ def test_prefix_cache_hit_gives_the_single_process_tokens(single, ranks):
 
 
 def test_multimodal_rows_in_chunks_give_the_single_process_tokens(single, ranks):
-    hidden = single.config.text.hidden_size
-    g = torch.Generator().manual_seed(5)
-    items = (
-        MultimodalItem(b"\x07" * 32, 2, torch.randn(9, hidden, generator=g)),
-        MultimodalItem(b"\x08" * 32, 15, torch.randn(6, hidden, generator=g)),
-    )
+    items = media_items(single.config.text.hidden_size)
     p = prompt(27, 9)
     out = ranks.generate([Request("mm", p, GREEDY, mm_items=items)])[0]
     want = single.generate([Request("mm-ref", p, GREEDY, mm_items=items)])[0]
@@ -74,16 +59,7 @@ def test_multimodal_rows_in_chunks_give_the_single_process_tokens(single, ranks)
 
 def test_abort_leaves_the_other_requests_exact(single, ranks):
     keep, drop = prompt(21, 30), prompt(25, 31)
-    ranks.add_request(Request("keep", keep, GREEDY))
-    ranks.add_request(Request("drop", drop, GREEDY))
-    for _ in range(3):
-        ranks.step()
-    ranks.abort("drop")
-    final = {}
-    while ranks.has_unfinished:
-        for out in ranks.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = finish_after_abort(ranks, [Request("keep", keep, GREEDY), Request("drop", drop, GREEDY)], "drop", steps=3)
     assert final["drop"].finish_reason == "abort"
     assert final["keep"].token_ids == single.generate([Request("keep-ref", keep, GREEDY)])[0].token_ids
     assert not ranks.runner.runner.requests

@@ -13,18 +13,19 @@ import torch
 
 from common.errors import ConfigError
 from common.settings import DecodeEngineSettings
-from decode_service.engine.request import MultimodalItem, Request, SamplingParams
-from decode_service.service import build_engine
+from decode_service.engine.build import build_engine
+from decode_service.engine.request import Request, SamplingParams
+from tests.decode_service.engine.parallel_helpers import (
+    BASE,
+    GREEDY,
+    finish_after_abort,
+    media_items,
+    prompt,
+    tp_engine,
+)
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)  # the tiny drafter is often accepted
-BASE = dict(dtype="float32", page_size=4, max_num_seqs=4, max_num_batched_tokens=16, snapshot_interval_blocks=2)
-TIGHT_BUDGET = 100_000  # as tests/decode_service/engine/test_parallel.py: four prompts do not all stay resident
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(4, 90000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def crowded() -> list[Request]:
@@ -53,37 +54,27 @@ def sampled(first_seed: int, stop: tuple[int, ...] = ()) -> list[Request]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tp-mtp"), nvfp4=True, seed=6)
-
-
-@pytest.fixture(scope="module")
-def single(checkpoint):
+def single(tp_checkpoint):
     """MTP without tensor parallelism."""
-    return build_engine(checkpoint, DecodeEngineSettings(kv_cache_bytes=8 << 20, mtp_depth=2, **BASE))
+    return build_engine(tp_checkpoint, DecodeEngineSettings(kv_cache_bytes=8 << 20, mtp_depth=2, **BASE))
 
 
 @pytest.fixture(scope="module")
-def without_mtp(checkpoint) -> list[list[int]]:
+def without_mtp(tp_checkpoint) -> list[list[int]]:
     """The crowded requests' tokens on a replica without MTP (closed before `ranks` starts: one replica a process)."""
-    engine = build_engine(checkpoint, DecodeEngineSettings(kv_cache_bytes=TIGHT_BUDGET, tensor_parallel_size=2, **BASE))
-    try:
+    with tp_engine(tp_checkpoint) as engine:
         return [out.token_ids for out in engine.generate(crowded())]
-    finally:
-        engine.ranks.close()
 
 
 @pytest.fixture(scope="module")
-def ranks(checkpoint, without_mtp):
-    settings = DecodeEngineSettings(kv_cache_bytes=TIGHT_BUDGET, tensor_parallel_size=2, mtp_depth=2, **BASE)
-    engine = build_engine(checkpoint, settings)
-    yield engine
-    engine.ranks.close()
+def ranks(tp_checkpoint, without_mtp):
+    with tp_engine(tp_checkpoint, mtp_depth=2) as engine:
+        yield engine
 
 
-def test_a_depth_beyond_the_checkpoints_is_refused_before_any_rank_starts(checkpoint):
+def test_a_depth_beyond_the_checkpoints_is_refused_before_any_rank_starts(tp_checkpoint):
     with pytest.raises(ConfigError, match="--mtp-depth=3: the checkpoint's drafter has 2"):
-        build_engine(checkpoint, DecodeEngineSettings(tensor_parallel_size=2, mtp_depth=3, **BASE))
+        build_engine(tp_checkpoint, DecodeEngineSettings(tensor_parallel_size=2, mtp_depth=3, **BASE))
 
 
 def test_greedy_tokens_equal_the_replica_without_mtp_and_mtp_without_tp(single, without_mtp, ranks):
@@ -133,24 +124,11 @@ def test_a_stop_inside_an_accepted_run_cuts_there_as_mtp_without_tp(single, rank
 
 
 def test_prefix_hit_media_rows_and_abort_equal_mtp_without_tp(single, ranks):
-    hidden = single.config.text.hidden_size
-    g = torch.Generator().manual_seed(5)
-    items = (
-        MultimodalItem(b"\x07" * 32, 2, torch.randn(9, hidden, generator=g)),
-        MultimodalItem(b"\x08" * 32, 15, torch.randn(6, hidden, generator=g)),
-    )
+    items = media_items(single.config.text.hidden_size)
     shared, media = prompt(27, 7), prompt(27, 9)
     first = ranks.generate([Request("a", shared + [11, 12], GREEDY), Request("mm", media, GREEDY, mm_items=items)])
-    ranks.add_request(Request("hit", shared + [13, 14, 15], GREEDY))
-    ranks.add_request(Request("drop", prompt(25, 31), GREEDY))
-    for _ in range(4):
-        ranks.step()
-    ranks.abort("drop")
-    final = {}
-    while ranks.has_unfinished:
-        for out in ranks.step():
-            if out.finished:
-                final[out.request_id] = out
+    hit, drop = Request("hit", shared + [13, 14, 15], GREEDY), Request("drop", prompt(25, 31), GREEDY)
+    final = finish_after_abort(ranks, [hit, drop], "drop", steps=4)
     assert final["drop"].finish_reason == "abort" and final["hit"].num_cached_tokens > 0
     want = single.generate(
         [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.settings import DecodeEngineSettings
-from decode_service.service import build_engine
+from decode_service.engine.build import build_engine
 from decode_service.structured.compiler import ConstraintCompiler
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 

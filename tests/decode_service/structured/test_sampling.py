@@ -293,7 +293,7 @@ def test_mask_keeps_unconstrained_rows(compiler, engine):
 def test_matchers_survive_preemption(compiler, checkpoint):
     """A preempted request is recomputed from its prompt and output; its matcher keeps its state meanwhile."""
     from common.settings import DecodeEngineSettings
-    from decode_service.service import build_engine
+    from decode_service.engine.build import build_engine
 
     settings = DecodeEngineSettings(
         dtype="float32", kv_cache_bytes=256 << 10, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_cache=False
@@ -443,7 +443,7 @@ def test_json_schemas_on_cuda_graphs(compiler, checkpoint, cuda_device):
     """The engine on CUDA, decode steps replayed from CUDA graphs with the masks prefilled behind them: JSON objects
     with the required keys that stop, every constrained row from the prefill, and the tokens of the eager step."""
     from common.settings import DecodeEngineSettings
-    from decode_service.service import build_engine
+    from decode_service.engine.build import build_engine
 
     tokens = {}
     for graphs in (True, False):

@@ -13,11 +13,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.settings import DecodeEngineSettings, GrpcSettings
+from decode_service.engine.build import build_engine
 from decode_service.engine.request import Request, SamplingParams
 from decode_service.engine.worker.ranks import LeaderRunner, StepMessage, follower_copy
 from decode_service.engine.worker.runner import WorkerRequest
 from decode_service.server import build_server
-from decode_service.service import DecodeService, build_engine
+from decode_service.service import DecodeService
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc
 from tools.make_tiny_checkpoint import make_tiny_checkpoint

@@ -12,8 +12,8 @@ import pytest
 import redis
 import torch
 
+from common.settings import RedisPrefixSettings
 from decode_service.engine.engine import Engine, EngineSettings
-from decode_service.engine.redis_prefix import CostModel, PrefixStore, RedisPrefixSettings
 from decode_service.engine.request import MultimodalItem, Request, SamplingParams
 from decode_service.engine.worker import prefix_format
 from decode_service.engine.worker.prefix_format import (
@@ -25,6 +25,8 @@ from decode_service.engine.worker.prefix_format import (
     decode_value,
     encode_value,
 )
+from decode_service.engine.worker.prefix_store import PrefixStore
+from decode_service.engine.worker.redis_tier import CostModel
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)

@@ -12,10 +12,11 @@ import redis
 import torch
 
 from common.settings import DecodeEngineSettings, RedisPrefixSettings, RedisSettings
-from decode_service.engine.redis_prefix import CostModel, PrefixStore
+from decode_service.engine.build import build_engine
 from decode_service.engine.request import Request, SamplingParams
+from decode_service.engine.worker.prefix_store import PrefixStore
+from decode_service.engine.worker.redis_tier import CostModel
 from decode_service.engine.worker.sharded_tier import rank_fingerprint
-from decode_service.service import build_engine
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
