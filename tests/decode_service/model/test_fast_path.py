@@ -321,7 +321,7 @@ def test_tiny_checkpoint_modules_match_reference_in_bf16(cuda_device, tmp_path):
             outs = []
             for m in built.values():
                 seqs = [SequenceSlice(len(p), 1, s.clone().layers) for p, s in zip(prompts, states, strict=True)]
-                step = m.packed.prepare(ForwardBatch(torch.zeros(len(seqs), dtype=torch.long), seqs))
+                step = m.packed.prepare(ForwardBatch(torch.zeros(len(seqs), dtype=torch.long, device="cuda"), seqs))
                 outs.append(m.layers[i].attn(u, step))
             errors[f"attn{i}"] = rel_err(outs[1], outs[0])
             if not hasattr(layer.mlp, "experts"):
