@@ -4,11 +4,12 @@ sequence). Public entries: kernels/attention.py (decode), kernels/prefill_attent
 Split-KV ("flash-decoding"): program (b, kv head, split) walks its chunk of visible keys for the GROUP query
 heads that share the KV head (padded to BLOCK_H rows so the products run on the tensor cores), keeps an
 online softmax in fp32, and writes an unnormalised partial (acc, max, sum); ``attn_combine_kernel`` merges
-the splits. With ROWS > 1 (an MTP verify) the program's tile holds the GROUP heads of each of the sequence's ROWS
-query rows, each row masked to its own keys and window, with its own tau and bias columns (those formed as D_REL
-rank-1 updates with P gathered per (row, key), as in prefill).
-The relative bias ``L_j(p, p - s) = r_j(p) . P[:, p - s]`` is formed per key block from the
-small P bank (bias 0 at distances >= R), so no [T, nH, T] tensor exists.
+the splits. With one split (SPLIT off) the program writes the normalised output itself and no combine runs.
+With ROWS > 1 (an MTP verify) the program's tile holds the GROUP heads of each of the sequence's ROWS
+query rows, each row masked to its own keys and window, with its own tau and bias columns.
+The relative bias ``L_j(p, p - s) = r_j(p) . P[:, p - s]`` is formed per key block from the small P bank (bias 0
+at distances >= R) as one tensor-core product per query row, ``r [BLOCK_H, D_REL] @ P[:, p_w - s]`` with the
+tile's other rows' r zeroed, so no [T, nH, T] tensor exists.
 
 All KV addressing goes through ``_kv_rows``: with ``PAGED`` off, K/V are contiguous per sequence
 (``[B, S_max, nKV, hd]``, row == position); with it on, K/V are one layer's pool ``[slots, nKV, hd]`` and key
@@ -42,7 +43,7 @@ def _kv_rows(Table, b, slots, s_mask, stride_tb, PAGED: tl.constexpr, PAGE_SIZE:
     return rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "stride_ab", "stride_ah", "stride_mb", "stride_mh"])
 def attn_decode_split_kernel(
     Q,
     R,
@@ -53,6 +54,7 @@ def attn_decode_split_kernel(
     Table,
     Acc,
     ML,
+    Out,
     n_heads,
     rel_extent,
     window,
@@ -77,6 +79,8 @@ def attn_decode_split_kernel(
     stride_mb,
     stride_mh,
     stride_ms,
+    stride_ob,
+    stride_oh,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -87,6 +91,8 @@ def attn_decode_split_kernel(
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    REL_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)  # the sequence (its ROWS query rows are b*ROWS .. b*ROWS+ROWS-1)
     kv_head = tl.program_id(1)
@@ -121,9 +127,9 @@ def attn_decode_split_kernel(
         mask=h_mask[:, None],
         other=0.0,
     )
-    r_rows = R + q_row * stride_rb + heads * stride_rh  # [BLOCK_H] pointers to each row's r[0]
-    if ROWS == 1:
-        r = tl.load(r_rows[:, None] + offs_r[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
+    r = tl.load(
+        R + q_row[:, None] * stride_rb + heads[:, None] * stride_rh + offs_r[None, :], mask=h_mask[:, None], other=0.0
+    )  # [BLOCK_H, D_REL]
     # Logits in log2 units: (q.k * sm_scale + bias) * tau * log2(e).
     if ROWS == 1:
         logit_scale = 1.4426950408889634
@@ -150,20 +156,20 @@ def attn_decode_split_kernel(
         k = tl.load(K_b + (rows * stride_ks)[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_H, BLOCK_N] fp32
         if p_first - s0 - BLOCK_N + 1 < rel_extent:  # some key of this block is within some row's bias extent
-            if ROWS == 1:
-                delta = p - slots
+            for w in tl.static_range(ROWS):  # row w's heads take columns P[:, p_w - s] (one product per row)
+                if ROWS == 1:
+                    p_w = p
+                    r_w = r
+                else:
+                    p_w = tl.load(SeqLens + b * ROWS + w) - 1
+                    r_w = tl.where((offs_h // GROUP == w)[:, None], r, 0.0)
+                delta = p_w - slots
                 pv = tl.load(
                     P + offs_r[:, None] * stride_pd + delta[None, :],
-                    mask=(delta < rel_extent)[None, :] & s_mask[None, :],
+                    mask=((delta >= 0) & (delta < rel_extent) & s_mask)[None, :],
                     other=0.0,
-                ).to(tl.float32)
-                s += tl.sum(r[:, :, None] * pv[None, :, :], axis=1)
-            else:  # each row's own columns P[:, p_row - s]: one rank-1 update per d (P is cache resident)
-                delta = p_row[:, None] - slots[None, :]  # [BLOCK_H, BLOCK_N]
-                near = (delta >= 0) & (delta < rel_extent) & s_mask[None, :] & h_mask[:, None]
-                for d in tl.static_range(D_REL):
-                    r_d = tl.load(r_rows + d, mask=h_mask, other=0.0).to(tl.float32)
-                    s += r_d[:, None] * tl.load(P + d * stride_pd + delta, mask=near, other=0.0).to(tl.float32)
+                )  # [D_REL, BLOCK_N]
+                s += tl.dot(r_w, pv, input_precision=REL_PRECISION)
         if ROWS == 1:
             s = tl.where(s_mask[None, :], s * logit_scale, float("-inf"))
         else:
@@ -182,14 +188,19 @@ def attn_decode_split_kernel(
         v = tl.load(V_b + (rows * stride_vs)[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
         m_i = m_new
-    a_ptrs = Acc + q_row[:, None] * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
-    tl.store(a_ptrs, acc, mask=h_mask[:, None])
-    ml_ptrs = ML + q_row * stride_mb + heads * stride_mh + split * stride_ms
-    tl.store(ml_ptrs, m_i, mask=h_mask)
-    tl.store(ml_ptrs + 1, l_i, mask=h_mask)
+    if SPLIT:  # an unnormalised partial for attn_combine_kernel
+        a_ptrs = Acc + q_row[:, None] * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
+        tl.store(a_ptrs, acc, mask=h_mask[:, None])
+        ml_ptrs = ML + q_row * stride_mb + heads * stride_mh + split * stride_ms
+        tl.store(ml_ptrs, m_i, mask=h_mask)
+        tl.store(ml_ptrs + 1, l_i, mask=h_mask)
+    else:  # one split: the program holds every visible key of its rows, so it writes the output itself
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = Out + q_row[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=h_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def attn_combine_kernel(
     Acc,
     ML,
