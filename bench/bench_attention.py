@@ -21,7 +21,6 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -109,8 +108,9 @@ def splits_for(case: Case) -> list[int]:
     return [s for s in SPLITS if s <= blocks and (s == 1 or 128 <= pairs * s <= 132 * 32)]
 
 
-def _compile(config: DecodeConfig, splits: tuple[int, ...]) -> None:
+def _compile(job: tuple[DecodeConfig, tuple[int, ...]]) -> None:
     """Worker: run each layer kind once per split count on a tiny input (fills Triton's on-disk cache)."""
+    config, splits = job
     for kind in ("sliding", "global"):
         case = Case(kind, 1024, 1)
         args = case_inputs(case, 1)[0]
@@ -119,17 +119,19 @@ def _compile(config: DecodeConfig, splits: tuple[int, ...]) -> None:
     torch.cuda.synchronize()
 
 
-def precompile(configs: list[DecodeConfig]) -> None:
-    """Compile the variants in parallel processes (forked before this process touches CUDA)."""
-    combine = (1, 2, 4, 8, 16, 32, 64, 128)  # the combine kernel's BLOCK_S values
+def precompile(configs: list[DecodeConfig], timeout_s: float = 30.0) -> None:
+    """Compile the variants in parallel processes (forked before this process touches CUDA); what is not done
+    within ``timeout_s`` compiles on first use."""
+    combine = (1, 2, 4, 8)  # one split (no combine) and the combine kernel's specialisations
     workers = max(1, min(len(configs), (os.cpu_count() or 2) - 2))
     started = time.perf_counter()
-    ctx = torch.multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        jobs = [pool.submit(_compile, c, combine if i == 0 else (1, 2)) for i, c in enumerate(configs)]
-        failed = [str(e) for j in jobs if (e := j.exception()) is not None]
-    print(f"# compiled {len(configs)} tiles in {workers} processes: {time.perf_counter() - started:.0f} s"
-          + (f"; failed: {failed[:2]}" if failed else ""), flush=True)  # fmt: skip
+    with torch.multiprocessing.get_context("fork").Pool(workers) as pool:
+        result = pool.map_async(_compile, [(c, combine if i == 0 else (1, 2)) for i, c in enumerate(configs)])
+        result.wait(timeout_s)
+        state = ("done" if result.successful() else "failed") if result.ready() else "timed out"
+        pool.terminate()
+    print(f"# compiled {len(configs)} tiles in {workers} processes: {state}, {time.perf_counter() - started:.0f} s",
+          flush=True)  # fmt: skip
 
 
 def check(case: Case, args: tuple, out: torch.Tensor, ref: torch.Tensor | None) -> float:

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from kernels.attention import (
+    DecodeConfig,
     attention_reference,
     decode_attention,
     paged_attention_reference,
@@ -104,6 +105,36 @@ def test_paged_decode_attention_matches_reference(
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.isfinite(ref).all()  # the reference, too, never sees the NaN rows
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@pytest.mark.parametrize(
+    "config,window,rows,dtype",
+    [
+        (DecodeConfig(32, 2, 3, num_splits=1), 40, 1, torch.float32),  # one split: output from the split kernel
+        (DecodeConfig(32, 2, 2, num_splits=3), None, 1, torch.float16),
+        (DecodeConfig(64, 4, 2, num_splits=2), 40, 3, torch.float16),
+        (DecodeConfig(16, 1, 3, num_splits=1), None, 2, torch.float32),
+    ],
+)
+def test_paged_decode_attention_tiles(cpu_interpreter, config, window, rows, dtype):
+    """Every tile shape and split count gives the reference, one row or W rows per sequence."""
+    gen = torch.Generator().manual_seed(config.block_n + rows)
+    firsts = [0, 38, 77, 150]
+    q, r, rel_proj, kp, vp, table, seq_lens = verify_rows(firsts, rows, 8, 2, 16, window, gen, dtype)
+    ls = None if window else (0.5, 20.0)
+    out = paged_decode_attention(q, r, rel_proj, kp, vp, table, seq_lens, 16, window, ls, rows_per_seq=rows,
+                                 config=config)  # fmt: skip
+    ref = paged_attention_reference(q, r, rel_proj, kp, vp, table.repeat_interleave(rows, 0), seq_lens, 16, window,
+                                    ls)  # fmt: skip
+    assert out.dtype == dtype and torch.isfinite(ref).all()
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+def test_decode_attention_rejects_bias_dtypes():
+    gen = torch.Generator().manual_seed(0)
+    q, r, rel_proj, kc, vc = inputs(1, 8, 2, 32, 16, 16, 8, gen, torch.float16)
+    with pytest.raises(ValueError, match="share a float dtype"):
+        decode_attention(q, r, rel_proj.float(), kc, vc, torch.tensor([3]))
 
 
 def test_paged_decode_attention_padding_rows(cpu_interpreter):
