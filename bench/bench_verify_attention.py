@@ -8,7 +8,9 @@ must move once / measured copy bandwidth: K and V of every key visible to some r
 the output of the B*W rows. Eager timings between CUDA events (median), one layer's pool of 16-key pages in random
 order, the rows of sequence b at positions ctx-W .. ctx-1; each variant's output is checked against as_seqs'.
 
-    python3 -m bench.bench_verify_attention [--batches 1 64] [--widths 1 3 5]
+``--splits``: rows_per_seq also at these split counts per (sequence, KV head).
+
+    python3 -m bench.bench_verify_attention [--batches 1 64] [--widths 1 3 5] [--splits 1 4 16]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 3, 5])
+    parser.add_argument("--splits", type=int, nargs="*", default=[], help="also rows_per_seq at these split counts")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     ceil = measure_ceilings()
@@ -51,13 +54,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                 n_bytes = 2 * b * visible * NKV * HD * 2 + b * w * NH * (2 * HD + DREL) * 2 + rel.numel() * 2
                 floor = ceil.floor_us(n_bytes)
                 per_row = table.repeat_interleave(w, 0)
-                variants = {"as_seqs": (per_row, 1)}
+                variants = {"as_seqs": (per_row, 1, None)}
                 if w > 1:
-                    variants["rows_per_seq"] = (table, w)
+                    variants["rows_per_seq"] = (table, w, None)
+                    variants.update({f"rows/s{s}": (table, w, s) for s in args.splits})
                 ref = None  # the as_seqs output (the kernel tests compare both with the torch reference)
-                for name, (t, rows) in variants.items():
+                for name, (t, rows, splits) in variants.items():
                     call = partial(
-                        paged_decode_attention, q, r, rel, k, v, t, lens, PAGE, window, None, ctx, None, rows
+                        paged_decode_attention, q, r, rel, k, v, t, lens, PAGE, window, None, ctx, splits, rows
                     )
                     out = call().float()
                     ref = out if ref is None else ref
