@@ -5,6 +5,7 @@ from kernels.attention import (
     DecodeConfig,
     attention_reference,
     decode_attention,
+    default_config,
     paged_attention_reference,
     paged_decode_attention,
 )
@@ -284,3 +285,33 @@ def test_paged_decode_attention_gpu_full_heads(cuda_device, b, window, log_scali
     err = rel_err(out, ref)
     print(f"paged_decode_attention B={b} window={window} tau={log_scaling}: rel {err:.2e}")
     assert torch.isfinite(out).all() and err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,log_scaling", [(512, None), (None, (0.1, 100.0))])
+def test_paged_decode_attention_gpu_default_tiles(cuda_device, window, log_scaling):
+    """Every tile ``default_config`` picks for the Inkling shapes (one row and an MTP verify's five), at one and at
+    three splits, bf16 on the GPU against the reference."""
+    tiles = {
+        (c.block_n, c.num_warps, c.num_stages)
+        for b in (1, 8, 64, 256)
+        for n_kv in (2, 8, 16)
+        for keys in (1024, 8192, 32768)
+        for rows in (1, 5)
+        if (c := default_config(b, n_kv, keys, window, rows))
+    }
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 5):
+        firsts = [0, 510, 1023, 1500, 3000]
+        q, r, rel_proj, kp, vp, table, seq_lens = verify_rows(
+            firsts, rows, 32, 8, 16, window, gen, torch.bfloat16, cuda_device, hd=128
+        )
+        per_row = table.repeat_interleave(rows, 0)
+        ref = paged_attention_reference(q, r, rel_proj, kp, vp, per_row, seq_lens, 16, window, log_scaling)
+        for tile in sorted(tiles):
+            for splits in (1, 3):
+                config = DecodeConfig(*tile, num_splits=splits)
+                out = paged_decode_attention(q, r, rel_proj, kp, vp, table, seq_lens, 16, window, log_scaling,
+                                             3000 + rows, rows_per_seq=rows, config=config)  # fmt: skip
+                err = rel_err(out, ref)
+                assert torch.isfinite(out).all() and err < 1e-2, f"{config} rows={rows}: rel err {err:.2e}"
