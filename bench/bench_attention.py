@@ -36,6 +36,7 @@ MAX_COPIES = 64
 # (keys per step, warps, stages) swept by --sweep
 TILES = ((128, 4, 2), (64, 4, 2), (64, 4, 3), (64, 2, 3), (32, 2, 2), (32, 2, 3), (32, 4, 3))
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
+VERIFY_TILES = ((128, 4, 2), (64, 4, 2), (32, 2, 3))  # also compiled by --sweep for bench_verify_attention --tiles
 
 
 @dataclass(frozen=True)
@@ -108,30 +109,39 @@ def splits_for(case: Case) -> list[int]:
     return [s for s in SPLITS if s <= blocks and (s == 1 or 128 <= pairs * s <= 132 * 32)]
 
 
-def _compile(job: tuple[DecodeConfig, tuple[int, ...]]) -> None:
-    """Worker: run each layer kind once per split count on a tiny input (fills Triton's on-disk cache)."""
-    config, splits = job
-    for kind in ("sliding", "global"):
-        case = Case(kind, 1024, 1)
-        args = case_inputs(case, 1)[0]
-        for s in splits:
-            run(case, args, DecodeConfig(config.block_n, config.num_warps, config.num_stages, num_splits=s))
+def _compile(job: tuple) -> None:
+    """Worker: one layer kind at ``rows`` query rows per sequence, once per split count, on a tiny input (fills
+    Triton's on-disk cache)."""
+    config, window, log_scaling, extent, rows, splits = job
+    q = torch.randn(rows, NH, HD, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(rows, NH, DREL, device="cuda", dtype=torch.bfloat16)
+    rel_proj = torch.randn(DREL, extent, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(4 * PAGE, NKV, HD, device="cuda", dtype=torch.bfloat16)
+    table = torch.zeros(1, 64, dtype=torch.int32, device="cuda")
+    lens = torch.full((rows,), 16, dtype=torch.int32, device="cuda")
+    for s in splits:
+        tiles = DecodeConfig(config.block_n, config.num_warps, config.num_stages, num_splits=s)
+        paged_decode_attention(q, r, rel_proj, k, k, table, lens, PAGE, window, log_scaling, 1024, rows_per_seq=rows,
+                               config=tiles)  # fmt: skip
     torch.cuda.synchronize()
 
 
-def precompile(configs: list[DecodeConfig], timeout_s: float = 30.0) -> None:
+def precompile(configs: list[DecodeConfig], verify: list[DecodeConfig] = (), timeout_s: float = 30.0) -> None:
     """Compile the variants in parallel processes (forked before this process touches CUDA); what is not done
-    within ``timeout_s`` compiles on first use."""
-    combine = (1, 2, 4, 8)  # one split (no combine) and the combine kernel's specialisations
-    workers = max(1, min(len(configs), (os.cpu_count() or 2) - 2))
+    within ``timeout_s`` compiles on first use. ``verify``: tiles also compiled for 3 and 5 rows per sequence
+    (bench_verify_attention's shapes: no tau)."""
+    kinds = ((WINDOW, None, REL_SLIDING), (None, LOG_SCALING, REL_GLOBAL))
+    jobs = [(c, *kind, 1, (1, 2, 4, 8) if i == 0 else (1, 2)) for i, c in enumerate(configs) for kind in kinds]
+    jobs += [(c, w, None, e, rows, (1, 2)) for c in verify for w, _, e in kinds for rows in (3, 5)]
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 2))
     started = time.perf_counter()
     with torch.multiprocessing.get_context("fork").Pool(workers) as pool:
-        result = pool.map_async(_compile, [(c, combine if i == 0 else (1, 2)) for i, c in enumerate(configs)])
+        result = pool.map_async(_compile, jobs, chunksize=1)
         result.wait(timeout_s)
         state = ("done" if result.successful() else "failed") if result.ready() else "timed out"
         pool.terminate()
-    print(f"# compiled {len(configs)} tiles in {workers} processes: {state}, {time.perf_counter() - started:.0f} s",
-          flush=True)  # fmt: skip
+    print(f"# compiled {len(jobs)} (tile, layer, rows) variants in {workers} processes: {state}, "
+          f"{time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
 
 
 def check(case: Case, args: tuple, out: torch.Tensor, ref: torch.Tensor | None) -> float:
@@ -153,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     tiles = [DecodeConfig(*t) for t in TILES]
     if args.sweep:
-        precompile(tiles)
+        precompile(tiles, [DecodeConfig(*t) for t in VERIFY_TILES])
     torch.manual_seed(0)
     ceil = measure_ceilings()
     print(ceil.line(), flush=True)
