@@ -126,7 +126,7 @@ def _compile(job: tuple) -> None:
     torch.cuda.synchronize()
 
 
-def precompile(configs: list[DecodeConfig], verify: list[DecodeConfig] = (), timeout_s: float = 30.0) -> None:
+def precompile(configs: list[DecodeConfig], verify: list[DecodeConfig] = (), timeout_s: float = 15.0) -> None:
     """Compile the variants in parallel processes (forked before this process touches CUDA); what is not done
     within ``timeout_s`` compiles on first use. ``verify``: tiles also compiled for 3 and 5 rows per sequence
     (bench_verify_attention's shapes: no tau)."""
