@@ -162,7 +162,7 @@ def attn_decode_split_kernel(
                     r_w = r
                 else:
                     p_w = tl.load(SeqLens + b * ROWS + w) - 1
-                    r_w = tl.where((offs_h // GROUP == w)[:, None], r, 0.0)
+                    r_w = tl.where((offs_h // GROUP == w)[:, None], r, tl.zeros_like(r))
                 delta = p_w - slots
                 pv = tl.load(
                     P + offs_r[:, None] * stride_pd + delta[None, :],
