@@ -108,6 +108,7 @@ def attn_decode_split_kernel(
         seq_len = tl.load(SeqLens + b)
         p = seq_len - 1  # absolute position of the query (its own key is already in the cache)
         p_first = p
+        p_row = p
     else:
         row_len = tl.load(SeqLens + q_row, mask=h_mask, other=1)  # [BLOCK_H] each row's visible keys
         p_row = row_len - 1
@@ -149,13 +150,44 @@ def attn_decode_split_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
-    for s0 in range(start, end, BLOCK_N):
+    # Two loops over the chunk: the key blocks wholly beyond every row's bias extent first (no bias), then those
+    # holding some key closer than R (the bias every block). No branch in either, so their loads are pipelined.
+    near_first = p_first - rel_extent - BLOCK_N + 2  # blocks starting here or later hold a key within R
+    near = tl.minimum(start + tl.cdiv(tl.maximum(near_first - start, 0), BLOCK_N) * BLOCK_N, end)
+    for bias in tl.static_range(2):
+        m_i, l_i, acc = _decode_blocks(
+            q, r, P, K_b, V_b, Table, SeqLens, m_i, l_i, acc, near if bias else start, end if bias else near, end,
+            b, p, p_row, logit_scale, offs_h, offs_r, offs_d, rel_extent, window, sm_scale, stride_pd, stride_ks,
+            stride_vs, stride_tb, GROUP, BLOCK_N, HAS_WINDOW, PAGED, PAGE_SIZE, ROWS, REL_PRECISION, bias == 1,
+        )  # fmt: skip
+    if SPLIT:  # an unnormalised partial for attn_combine_kernel
+        a_ptrs = Acc + q_row[:, None] * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
+        tl.store(a_ptrs, acc, mask=h_mask[:, None])
+        ml_ptrs = ML + q_row * stride_mb + heads * stride_mh + split * stride_ms
+        tl.store(ml_ptrs, m_i, mask=h_mask)
+        tl.store(ml_ptrs + 1, l_i, mask=h_mask)
+    else:  # one split: the program holds every visible key of its rows, so it writes the output itself
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = Out + q_row[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=h_mask[:, None])
+
+
+@triton.jit
+def _decode_blocks(
+    q, r, P, K_b, V_b, Table, SeqLens, m_i, l_i, acc, begin, stop, end, b, p, p_row, logit_scale, offs_h, offs_r,
+    offs_d, rel_extent, window, sm_scale, stride_pd, stride_ks, stride_vs, stride_tb,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, REL_PRECISION: tl.constexpr, NEAR: tl.constexpr,
+):  # fmt: skip
+    """Key blocks ``begin, begin + BLOCK_N, .. < stop`` (keys < ``end``) of one program into its online softmax
+    (m, l, acc); NEAR: the blocks hold keys within some row's bias extent, form the bias."""
+    for s0 in range(begin, stop, BLOCK_N):
         slots = s0 + tl.arange(0, BLOCK_N)
         s_mask = slots < end
         rows = _kv_rows(Table, b, slots, s_mask, stride_tb, PAGED, PAGE_SIZE)
         k = tl.load(K_b + (rows * stride_ks)[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_H, BLOCK_N] fp32
-        if p_first - s0 - BLOCK_N + 1 < rel_extent:  # some key of this block is within some row's bias extent
+        if NEAR:
             for w in tl.static_range(ROWS):  # row w's heads take columns P[:, p_w - s] (one product per row)
                 if ROWS == 1:
                     p_w = p
@@ -188,16 +220,7 @@ def attn_decode_split_kernel(
         v = tl.load(V_b + (rows * stride_vs)[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
         m_i = m_new
-    if SPLIT:  # an unnormalised partial for attn_combine_kernel
-        a_ptrs = Acc + q_row[:, None] * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
-        tl.store(a_ptrs, acc, mask=h_mask[:, None])
-        ml_ptrs = ML + q_row * stride_mb + heads * stride_mh + split * stride_ms
-        tl.store(ml_ptrs, m_i, mask=h_mask)
-        tl.store(ml_ptrs + 1, l_i, mask=h_mask)
-    else:  # one split: the program holds every visible key of its rows, so it writes the output itself
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        o_ptrs = Out + q_row[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=h_mask[:, None])
+    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["n_splits"])
