@@ -36,7 +36,8 @@ MAX_COPIES = 64
 # (keys per step, warps, stages) swept by --sweep
 TILES = ((128, 4, 2), (64, 4, 2), (64, 4, 3), (64, 2, 3), (32, 2, 2), (32, 2, 3), (32, 4, 3))
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
-VERIFY_TILES = ((128, 4, 2), (64, 4, 2), (32, 2, 3))  # also compiled by --sweep for bench_verify_attention --tiles
+# also compiled by --sweep, for bench_verify_attention --tiles
+VERIFY_TILES = ((128, 4, 2), (64, 4, 2), (32, 2, 3), (32, 4, 3))
 
 
 @dataclass(frozen=True)
