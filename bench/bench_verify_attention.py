@@ -5,7 +5,7 @@ floor, the two ways the paged kernel can serve it.
 the W rows (what the engine's verify step runs); ``as_seqs``: every row a sequence of its own over its sequence's
 block table repeated per row (the one-row kernel as it is). ``W=1`` is the plain decode step. Floor = bytes that
 must move once / measured copy bandwidth: K and V of every key visible to some row of a sequence, plus q, r, P and
-the output of the B*W rows. Eager timings between CUDA events (median), one layer's pool of 16-key pages in random
+the output of the B*W rows. Timings are CUDA-graph replays (median), one layer's pool of 16-key pages in random
 order, the rows of sequence b at positions ctx-W .. ctx-1; each variant's output is checked against as_seqs'.
 
 ``--splits``: rows_per_seq also at these split counts per (sequence, KV head); ``--tiles``: also at these tiles
@@ -22,7 +22,7 @@ from functools import partial
 
 import torch
 
-from bench.floors import measure_ceilings, row, time_eager_ms
+from bench.floors import measure_ceilings, row, time_graph_ms
 from kernels.attention import DecodeConfig, paged_decode_attention
 
 NH, NKV, HD, DREL, PAGE = 32, 8, 128, 16, 16
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     ref = out if ref is None else ref
                     err = ((out - ref).norm() / ref.norm()).item()
                     assert err < 1e-2, f"{kind} ctx={ctx} B={b} W={w} {name}: rel diff to as_seqs {err:.2e}"
-                    us = 1e3 * time_eager_ms(call, reps=20)
+                    us = 1e3 * time_graph_ms(call, reps=20)
                     cells = [kind, str(ctx), str(b), str(w), name, f"{us:.1f}", f"{floor:.1f}", f"{us / floor:.2f}"]
                     print(row(cells, widths), flush=True)
 

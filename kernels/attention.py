@@ -32,17 +32,21 @@ class DecodeConfig:
     stages, and the key splits per (sequence, KV head): ``num_splits``, or None for enough programs to reach
     ``target_programs`` at the batch. One split writes the output from the split kernel (no combine launch)."""
 
-    block_n: int = 128
-    num_warps: int = 4
-    num_stages: int = 2
+    block_n: int = 64
+    num_warps: int = 2
+    num_stages: int = 3
     num_splits: int | None = None
-    target_programs: int = 1056
+    target_programs: int = 512
 
 
 def default_config(batch: int, n_kv: int, max_keys: int, window: int | None, rows: int = 1) -> DecodeConfig:
-    """Measured choice per shape (H200): 128-key blocks and ~8 programs per SM took a global layer at ctx 8192,
-    B=64, from 687 us (64-key blocks, 1 split) to 513-525 us (95% of its KV bytes), a sliding layer from 67 to
-    55 us (57%)."""
+    """Measured choice (H200, Small shapes, bench_attention --sweep, 2026-12-01; see docs/decisions.md): 64-key
+    blocks of 2 warps, 3 stages (209 registers: 4 programs per SM) and ~512 programs, so one split from B*nKV = 512
+    on (B >= 64 at nKV = 8), 8 at B = 8, 64 at B = 1. Every tile of the sweep at its best split count was within
+    ~3% of this one at B >= 8 except 128-key blocks at B = 8, ctx 8192. An MTP verify's W rows per sequence
+    (W x GROUP query rows per program) take 4 warps: at 2 warps 5 rows spill."""
+    if rows > 1:
+        return DecodeConfig(num_warps=4)
     return DecodeConfig()
 
 
