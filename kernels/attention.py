@@ -42,14 +42,14 @@ class DecodeConfig:
     target_programs: int = 512
 
 
-def default_config(batch: int, n_kv: int, max_keys: int, window: int | None, rows: int = 1) -> DecodeConfig:
-    """Measured choice (H200, Small shapes, bench_attention --sweep, 2026-12-01; see docs/decisions.md): 64-key
-    blocks of 2 warps, 3 stages (209 registers: 4 programs per SM) and ~512 programs, so one split from B*nKV = 512
-    on (B >= 64 at nKV = 8), 8 at B = 8, 64 at B = 1. Every tile of the sweep at its best split count was within
-    ~3% of this one at B >= 8 except 128-key blocks at B = 8, ctx 8192. An MTP verify's W rows per sequence
-    (W x GROUP query rows per program) take 4 warps: at 2 warps 5 rows spill."""
-    if rows > 1:
-        return DecodeConfig(num_warps=4)
+def default_config(batch: int, n_kv: int, max_keys: int, window: int | None, tile_rows: int = 1) -> DecodeConfig:
+    """Measured choice (H200, Small shapes, bench_attention --sweep and bench_verify_attention, 2026-12-01; see
+    docs/decisions.md): 64-key blocks of 2 warps, 3 stages (209 registers: 4 programs per SM) and ~512 programs, so
+    one split from B*nKV = 512 on (B >= 64 at nKV = 8), 8 at B = 8, 64 at B = 1. ``tile_rows``: query rows per
+    program (GROUP x the verify's W rows per sequence); above 16 (W=5 at GROUP 4: 2 warps spill) 128-key blocks of
+    4 warps, the best of the measured rows tiles there (B=64, W=5: 711 us at ctx 8192)."""
+    if tile_rows > 16:
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=2)
     return DecodeConfig()
 
 
@@ -290,7 +290,7 @@ def paged_decode_attention(
     _, _, _, n_kv = _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_size, rows_per_seq)
     b = block_table.shape[0]
     max_keys = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
-    config = config or default_config(b, n_kv, max_keys, window, rows_per_seq)
+    config = config or default_config(b, n_kv, max_keys, window, rows_per_seq * q.shape[1] // n_kv)
     kv_strides = (0, *k_pool.stride()[:2], 0, *v_pool.stride()[:2])
     if num_splits is not None:
         config = replace(config, num_splits=num_splits)

@@ -298,7 +298,7 @@ def test_paged_decode_attention_gpu_default_tiles(cuda_device, window, log_scali
         for n_kv in (2, 8, 16)
         for keys in (1024, 8192, 32768)
         for rows in (1, 5)
-        if (c := default_config(b, n_kv, keys, window, rows))
+        if (c := default_config(b, n_kv, keys, window, rows * 32 // n_kv))
     }
     gen = torch.Generator().manual_seed(5)
     for rows in (1, 5):
