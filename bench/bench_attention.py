@@ -1,108 +1,216 @@
-"""Inkling decode attention benchmark (nH=32, nKV=8, hd=128, d_rel=16) against its floor.
+"""Inkling decode attention alone, as the engine runs it (one layer's paged pool of 16-key pages, block tables in a
+random page order; nH=32, nKV=8, hd=128, d_rel=16), against its floor.
 
 Floor = bytes that must move / measured copy bandwidth, bytes = K and V of every visible key (window 512 in
-sliding layers, the whole context in global ones) + q, r, P and the output. Timings are CUDA graphs that
-rotate over enough cache copies to keep the working set out of L2 (when it fits in memory). Each case runs
-twice: ``contig`` (``decode_attention`` on ``[B, S, nKV, hd]`` caches) and ``paged16`` (``paged_decode_attention``
-on the same memory viewed as a pool of 16-key pages, block tables a random permutation of the pages), against
-the same floor. Baseline: the batched torch path (bf16 scores, bias gathered from r @ P, fp32 softmax), eager.
+sliding layers, R = 512; the whole context in global ones, R = 1024, with tau) + q, r, P and the output. Every
+sequence of a case is at length ``ctx``. Timings are CUDA graphs that rotate over enough copies of the case (own
+pages of one pool each) to keep the working set out of L2 where it fits in memory; each output is checked against
+the fp32 reference (B <= 8) or against the default configuration's output.
 
-    python3 -m bench.bench_attention
+Default: ``default_config`` of each shape. ``--sweep``: tile variants (keys per step, warps, stages) x splits per
+shape, compiled in parallel worker processes first, each variant's time and the best per shape; ``--budget-s``
+stops starting new measurements after that many seconds.
+
+    python3 -m bench.bench_attention [--batches 1 8 64 256] [--contexts 1024 8192 32768] [--sweep]
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from bench.floors import measure_ceilings, row, time_eager_ms, time_graph_ms
-from kernels.attention import attention_reference, decode_attention, paged_attention_reference, paged_decode_attention
+from bench.floors import measure_ceilings, row, time_graph_ms
+from kernels.attention import DecodeConfig, paged_attention_reference, paged_decode_attention
 
-NH, NKV, HD, DREL = 32, 8, 128, 16
-WINDOW, REL_GLOBAL = 512, 1024
+NH, NKV, HD, DREL, PAGE = 32, 8, 128, 16, 16
+WINDOW, REL_SLIDING, REL_GLOBAL = 512, 512, 1024
 LOG_SCALING = (0.1, 128000.0)
 L2_BYTES = 60 << 20
-PAGE = 16
+MAX_COPIES = 64
+# (keys per step, warps, stages) swept by --sweep
+TILES = ((128, 4, 2), (64, 4, 2), (64, 4, 3), (64, 2, 3), (32, 2, 2), (32, 2, 3), (32, 4, 3))
+SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
+# also compiled by --sweep, for bench_verify_attention --tiles
+VERIFY_TILES = ((128, 4, 2), (64, 4, 2), (32, 2, 3), (32, 4, 3))
 
 
-def torch_baseline(q, r, rel_proj, kc, vc, n, window, log_scaling):
-    """All sequences of length n: gather the visible keys, materialise the bias, softmax in fp32."""
-    p = n - 1
-    lo = max(0, p - window + 1) if window else 0
-    g = NH // NKV
-    k = kc[:, lo:n].transpose(1, 2).repeat_interleave(g, dim=1)  # [B, nH, S, hd]
-    v = vc[:, lo:n].transpose(1, 2).repeat_interleave(g, dim=1)
-    scores = (q.unsqueeze(2) @ k.transpose(-1, -2)).squeeze(2).float() / HD  # [B, nH, S]
-    delta = p - torch.arange(lo, n, device=q.device)
-    rel = r.float() @ rel_proj.float()  # [B, nH, R]
-    bias = torch.where(delta < rel_proj.shape[1], rel[..., delta.clamp(max=rel_proj.shape[1] - 1)], 0.0)
-    scores = scores + bias
-    if log_scaling:
-        scores = scores * (1.0 + log_scaling[0] * math.log(max((p + 1) / log_scaling[1], 1.0)))
-    prob = torch.softmax(scores, dim=-1).to(v.dtype)
-    return (prob.unsqueeze(2) @ v).squeeze(2)
+@dataclass(frozen=True)
+class Case:
+    kind: str  # "sliding" or "global"
+    ctx: int
+    batch: int
+
+    @property
+    def window(self) -> int | None:
+        return WINDOW if self.kind == "sliding" else None
+
+    @property
+    def extent(self) -> int:
+        return REL_SLIDING if self.kind == "sliding" else REL_GLOBAL
+
+    @property
+    def log_scaling(self) -> tuple[float, float] | None:
+        return None if self.window else LOG_SCALING
+
+    @property
+    def visible(self) -> int:
+        return min(self.ctx, self.window or self.ctx)
+
+    def floor_bytes(self) -> int:
+        kv = 2 * self.batch * self.visible * NKV * HD * 2
+        return kv + self.batch * NH * (2 * HD + DREL) * 2 + DREL * self.extent * 2
 
 
-def calls(fn, arg_sets, *args):
-    """A thunk that runs ``fn(*a, *args)`` for every ``a`` in ``arg_sets`` (what one timed graph replays)."""
-    return lambda: [fn(*a, *args) for a in arg_sets]
+def case_inputs(case: Case, copies: int, device: str = "cuda") -> list[tuple]:
+    """``copies`` argument tuples of ``paged_decode_attention`` over one pool: each copy's sequences own the pages
+    of their visible keys (drawn in a random order), every other table entry points at the scratch page."""
+    b, ctx = case.batch, case.ctx
+    cols = ctx // PAGE
+    first = (ctx - case.visible) // PAGE  # the first page holding a visible key
+    used = cols - first
+    pages = copies * b * used
+    k_pool = torch.randn((pages + 1) * PAGE, NKV, HD, device=device, dtype=torch.bfloat16)
+    v_pool = torch.randn_like(k_pool)
+    order = torch.randperm(pages, device=device, dtype=torch.int32).view(copies, b, used)
+    sets = []
+    for c in range(copies):
+        table = torch.full((b, cols), pages, dtype=torch.int32, device=device)
+        table[:, first:] = order[c]
+        q = torch.randn(b, NH, HD, device=device).to(torch.bfloat16)
+        r = torch.randn(b, NH, DREL, device=device).to(torch.bfloat16)
+        rel_proj = (torch.randn(DREL, case.extent, device=device) * 0.3).to(torch.bfloat16)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=device)
+        sets.append((q, r, rel_proj, k_pool, v_pool, table, lens, PAGE))
+    return sets
 
 
-def main() -> None:
-    dev = "cuda"
+def copies_for(case: Case) -> int:
+    return max(1, min(MAX_COPIES, math.ceil(4 * L2_BYTES / case.floor_bytes()), (40 << 30) // case.floor_bytes()))
+
+
+def run(case: Case, args: tuple, config: DecodeConfig | None) -> torch.Tensor:
+    tiles = {} if config is None else {"config": config}
+    return paged_decode_attention(*args, case.window, case.log_scaling, case.ctx, **tiles)
+
+
+def time_us(case: Case, sets: list[tuple], config: DecodeConfig | None, reps: int) -> float:
+    return 1e3 * time_graph_ms(lambda: [run(case, a, config) for a in sets], reps=reps, warmup=2) / len(sets)
+
+
+def splits_for(case: Case) -> list[int]:
+    """Split counts worth a try: one, and those that keep the grid between ~1 and ~32 programs per SM."""
+    pairs = case.batch * NKV
+    blocks = -(-case.visible // 32)
+    return [s for s in SPLITS if s <= blocks and (s == 1 or 128 <= pairs * s <= 132 * 32)]
+
+
+def _compile(job: tuple) -> None:
+    """Worker: one layer kind at ``rows`` query rows per sequence, once per split count, on a tiny input (fills
+    Triton's on-disk cache)."""
+    config, window, log_scaling, extent, rows, splits = job
+    q = torch.randn(rows, NH, HD, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(rows, NH, DREL, device="cuda", dtype=torch.bfloat16)
+    rel_proj = torch.randn(DREL, extent, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(4 * PAGE, NKV, HD, device="cuda", dtype=torch.bfloat16)
+    table = torch.zeros(1, 64, dtype=torch.int32, device="cuda")
+    lens = torch.full((rows,), 16, dtype=torch.int32, device="cuda")
+    for s in splits:
+        tiles = DecodeConfig(config.block_n, config.num_warps, config.num_stages, num_splits=s)
+        paged_decode_attention(q, r, rel_proj, k, k, table, lens, PAGE, window, log_scaling, 1024, rows_per_seq=rows,
+                               config=tiles)  # fmt: skip
+    torch.cuda.synchronize()
+
+
+def precompile(configs: list[DecodeConfig], verify: list[DecodeConfig] = (), timeout_s: float = 15.0) -> None:
+    """Compile the variants in parallel processes (forked before this process touches CUDA); what is not done
+    within ``timeout_s`` compiles on first use. ``verify``: tiles also compiled for 3 and 5 rows per sequence
+    (bench_verify_attention's shapes: no tau)."""
+    kinds = ((WINDOW, None, REL_SLIDING), (None, LOG_SCALING, REL_GLOBAL))
+    jobs = [(c, *kind, 1, (1, 2, 4, 8) if i == 0 else (1, 2)) for i, c in enumerate(configs) for kind in kinds]
+    jobs += [(c, w, None, e, rows, (1, 2)) for c in verify for w, _, e in kinds for rows in (3, 5)]
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 2))
+    started = time.perf_counter()
+    with torch.multiprocessing.get_context("fork").Pool(workers) as pool:
+        result = pool.map_async(_compile, jobs, chunksize=1)
+        result.wait(timeout_s)
+        state = ("done" if result.successful() else "failed") if result.ready() else "timed out"
+        pool.terminate()
+    print(f"# compiled {len(jobs)} (tile, layer, rows) variants in {workers} processes: {state}, "
+          f"{time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
+
+
+def check(case: Case, args: tuple, out: torch.Tensor, ref: torch.Tensor | None) -> float:
+    if ref is None:
+        ref = paged_attention_reference(*args, case.window, case.log_scaling).float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, f"{case}: rel err {err:.2e}"
+    return err
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--kinds", nargs="+", choices=("sliding", "global"), default=["sliding", "global"])
+    parser.add_argument("--sweep", action="store_true", help="time tile x split variants per shape")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="start no measurement after this many s")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    tiles = [DecodeConfig(*t) for t in TILES]
+    if args.sweep:
+        precompile(tiles, [DecodeConfig(*t) for t in VERIFY_TILES])
     torch.manual_seed(0)
     ceil = measure_ceilings()
     print(ceil.line(), flush=True)
-    cases = [("sliding", 4096, WINDOW), ("global", 4096, None), ("global", 32768, None)]
-    widths = [8, 6, 3, 8, 7, 9, 9, 8, 7, 9, 8]
-    print("# decode attention (split-KV + combine), CUDA graph; torch = batched eager baseline")
-    head = ["layer", "ctx", "B", "kv", "copies", "MB", "time_us", "floor", "ratio", "torch_us", "t_ratio"]
-    print(row(head, widths))
-    errors = []
-    for kind, ctx, window in cases:
-        for b in (1, 8, 32):
-            extent = WINDOW if window else REL_GLOBAL
-            ls = None if window else LOG_SCALING
-            visible = min(ctx, window or ctx)
-            kv_bytes = 2 * b * visible * NKV * HD * 2
-            alloc = 2 * b * ctx * NKV * HD * 2
-            copies = max(1, min(8, math.ceil(4 * L2_BYTES / kv_bytes), (40 << 30) // alloc))
-            sets, paged_sets = [], []
-            for _ in range(copies):
-                q = torch.randn(b, NH, HD, device=dev).to(torch.bfloat16)
-                r = torch.randn(b, NH, DREL, device=dev).to(torch.bfloat16)
-                rel_proj = (torch.randn(DREL, extent, device=dev) * 0.3).to(torch.bfloat16)
-                kc = torch.randn(b, ctx, NKV, HD, device=dev).to(torch.bfloat16)
-                vc = torch.randn(b, ctx, NKV, HD, device=dev).to(torch.bfloat16)
-                lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
-                sets.append((q, r, rel_proj, kc, vc, lens))
-                # The same memory as one layer's pool of PAGE-key pages, handed out in a random order.
-                table = torch.randperm(b * ctx // PAGE, device=dev).to(torch.int32).view(b, ctx // PAGE)
-                pool_k, pool_v = kc.view(b * ctx, NKV, HD), vc.view(b * ctx, NKV, HD)
-                paged_sets.append((q, r, rel_proj, pool_k, pool_v, table, lens, PAGE))
-            n_bytes = kv_bytes + b * NH * (2 * HD + DREL) * 2 + DREL * extent * 2
-            floor = ceil.floor_us(n_bytes)
-            for layout in ("contig", f"paged{PAGE}"):
-                if layout == "contig":
-                    out = decode_attention(*sets[0], window, ls).float()
-                    ref = attention_reference(*sets[0], window, ls).float()
-                    us = 1e3 * time_graph_ms(calls(decode_attention, sets, window, ls)) / copies
-                    us_t = 1e3 * time_eager_ms(calls(torch_baseline, [sets[0][:5]], ctx, window, ls), reps=10)
-                    torch_cols = [f"{us_t:.1f}", f"{us_t / floor:.2f}"]
-                else:
-                    out = paged_decode_attention(*paged_sets[0], window, ls, ctx).float()
-                    ref = paged_attention_reference(*paged_sets[0], window, ls).float()
-                    us = 1e3 * time_graph_ms(calls(paged_decode_attention, paged_sets, window, ls, ctx)) / copies
-                    torch_cols = ["-", "-"]
-                rel = ((out - ref).norm() / ref.norm()).item()
-                errors.append((kind, ctx, b, layout, rel, (out - ref).abs().max().item()))
-                cols = [kind, str(ctx), str(b), layout, str(copies), f"{n_bytes / 1e6:.1f}", f"{us:.1f}"]
-                print(row([*cols, f"{floor:.1f}", f"{us / floor:.2f}", *torch_cols], widths), flush=True)
-    print("# correctness vs the fp32 references (bf16 inputs): layer ctx B kv rel max_abs")
-    for kind, ctx, b, layout, rel, mx in errors:
-        print(f"{kind} {ctx} B={b} {layout} rel={rel:.2e} max_abs={mx:.2e}")
+    # the large batches first; sliding layers at one ctx (their visible keys are the window)
+    batches = sorted(args.batches, key=lambda b: (b < 64, -b))
+    cases = [Case(k, ctx, b) for b in batches for k in args.kinds for ctx in args.contexts]
+    cases = [c for c in cases if c.kind == "global" or c.ctx == max(args.contexts)]
+    widths = [8, 6, 4, 7, 8, 9, 9, 7, 6, 9]
+    print(row(["layer", "ctx", "B", "copies", "MB", "floor_us", "time_us", "of_KV", "ratio", "rel_err"], widths))
+    summary = []
+    for case in cases:
+        if time.perf_counter() - started > args.budget_s:
+            print(f"# budget reached: {case} and later not run", flush=True)
+            break
+        sets = case_inputs(case, copies_for(case))
+        floor = ceil.floor_us(case.floor_bytes())
+        default = run(case, sets[0], None).float()
+        err = check(case, sets[0], default, None if case.batch <= 8 else default)
+        us = time_us(case, sets, None, reps=20)
+        cells = [case.kind, str(case.ctx), str(case.batch), str(len(sets)), f"{case.floor_bytes() / 1e6:.1f}"]
+        print(row([*cells, f"{floor:.1f}", f"{us:.1f}", f"{floor / us:.0%}", f"{us / floor:.2f}", f"{err:.1e}"],
+                  widths), flush=True)  # fmt: skip
+        if args.sweep:
+            best = (us, "default")
+            for tile in tiles:
+                timed = []
+                for s in splits_for(case):
+                    if time.perf_counter() - started > args.budget_s:
+                        break
+                    config = DecodeConfig(tile.block_n, tile.num_warps, tile.num_stages, num_splits=s)
+                    try:
+                        check(case, sets[0], run(case, sets[0], config), default)
+                    except Exception as e:  # a failed check or compile is reported, and the variant is not timed
+                        timed.append(f"s{s}:FAILED({str(e)[:80]})")
+                        continue
+                    t = time_us(case, sets, config, reps=10)
+                    timed.append(f"s{s}:{t:.1f}")
+                    best = min(best, (t, f"{tile.block_n}/{tile.num_warps}w/{tile.num_stages}st/s{s}"))
+                print(f"#   {tile.block_n}/{tile.num_warps}w/{tile.num_stages}st " + " ".join(timed), flush=True)
+            summary.append((case, floor, us, *best))
+    if summary:
+        print("# best per shape: layer ctx B floor_us default_us best_us of_KV config")
+        for case, floor, us, t, name in summary:
+            print(f"{case.kind} {case.ctx} B={case.batch} {floor:.1f} {us:.1f} {t:.1f} {floor / t:.0%} {name}")
     print(ceil.line())
+    print(f"# bench_attention took {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

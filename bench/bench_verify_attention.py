@@ -5,10 +5,13 @@ floor, the two ways the paged kernel can serve it.
 the W rows (what the engine's verify step runs); ``as_seqs``: every row a sequence of its own over its sequence's
 block table repeated per row (the one-row kernel as it is). ``W=1`` is the plain decode step. Floor = bytes that
 must move once / measured copy bandwidth: K and V of every key visible to some row of a sequence, plus q, r, P and
-the output of the B*W rows. Eager timings between CUDA events (median), one layer's pool of 16-key pages in random
+the output of the B*W rows. Timings are CUDA-graph replays (median), one layer's pool of 16-key pages in random
 order, the rows of sequence b at positions ctx-W .. ctx-1; each variant's output is checked against as_seqs'.
 
-    python3 -m bench.bench_verify_attention [--batches 1 64] [--widths 1 3 5]
+``--splits``: rows_per_seq also at these split counts per (sequence, KV head); ``--tiles``: also at these tiles
+(keys per step/warps/stages, e.g. ``64/4/2``), splits from the target grid.
+
+    python3 -m bench.bench_verify_attention [--batches 1 64] [--widths 1 3 5] [--splits 1 4 16] [--tiles 64/4/2]
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from functools import partial
 
 import torch
 
-from bench.floors import measure_ceilings, row, time_eager_ms
-from kernels.attention import paged_decode_attention
+from bench.floors import measure_ceilings, row, time_graph_ms
+from kernels.attention import DecodeConfig, paged_decode_attention
 
 NH, NKV, HD, DREL, PAGE = 32, 8, 128, 16, 16
 CASES = (("global", 1024, None), ("global", 8192, None), ("sliding", 1024, 512))  # layer, ctx, window
@@ -30,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 3, 5])
+    parser.add_argument("--splits", type=int, nargs="*", default=[], help="also rows_per_seq at these split counts")
+    parser.add_argument("--tiles", nargs="*", default=[], help="also rows_per_seq at these keys/warps/stages")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     ceil = measure_ceilings()
@@ -51,19 +56,24 @@ def main(argv: Sequence[str] | None = None) -> None:
                 n_bytes = 2 * b * visible * NKV * HD * 2 + b * w * NH * (2 * HD + DREL) * 2 + rel.numel() * 2
                 floor = ceil.floor_us(n_bytes)
                 per_row = table.repeat_interleave(w, 0)
-                variants = {"as_seqs": (per_row, 1)}
+                variants = {"as_seqs": (per_row, 1, None, None)}
                 if w > 1:
-                    variants["rows_per_seq"] = (table, w)
+                    variants["rows_per_seq"] = (table, w, None, None)
+                    variants.update({f"rows/s{s}": (table, w, s, None) for s in args.splits})
+                    for tile in args.tiles:
+                        config = DecodeConfig(*(int(x) for x in tile.split("/")))
+                        variants[f"rows/{tile}"] = (table, w, None, config)
                 ref = None  # the as_seqs output (the kernel tests compare both with the torch reference)
-                for name, (t, rows) in variants.items():
+                for name, (t, rows, splits, config) in variants.items():
+                    tiles = {} if config is None else {"config": config}
                     call = partial(
-                        paged_decode_attention, q, r, rel, k, v, t, lens, PAGE, window, None, ctx, None, rows
+                        paged_decode_attention, q, r, rel, k, v, t, lens, PAGE, window, None, ctx, splits, rows, **tiles
                     )
                     out = call().float()
                     ref = out if ref is None else ref
                     err = ((out - ref).norm() / ref.norm()).item()
                     assert err < 1e-2, f"{kind} ctx={ctx} B={b} W={w} {name}: rel diff to as_seqs {err:.2e}"
-                    us = 1e3 * time_eager_ms(call, reps=20)
+                    us = 1e3 * time_graph_ms(call, reps=20)
                     cells = [kind, str(ctx), str(b), str(w), name, f"{us:.1f}", f"{floor:.1f}", f"{us / floor:.2f}"]
                     print(row(cells, widths), flush=True)
 

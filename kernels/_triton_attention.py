@@ -4,11 +4,12 @@ sequence). Public entries: kernels/attention.py (decode), kernels/prefill_attent
 Split-KV ("flash-decoding"): program (b, kv head, split) walks its chunk of visible keys for the GROUP query
 heads that share the KV head (padded to BLOCK_H rows so the products run on the tensor cores), keeps an
 online softmax in fp32, and writes an unnormalised partial (acc, max, sum); ``attn_combine_kernel`` merges
-the splits. With ROWS > 1 (an MTP verify) the program's tile holds the GROUP heads of each of the sequence's ROWS
-query rows, each row masked to its own keys and window, with its own tau and bias columns (those formed as D_REL
-rank-1 updates with P gathered per (row, key)).
-The relative bias ``L_j(p, p - s) = r_j(p) . P[:, p - s]`` is formed per key block from the
-small P bank (bias 0 at distances >= R), so no [T, nH, T] tensor exists.
+the splits. With one split (SPLIT off) the program writes the normalised output itself and no combine runs.
+With ROWS > 1 (an MTP verify) the program's tile holds the GROUP heads of each of the sequence's ROWS
+query rows, each row masked to its own keys and window, with its own tau and bias columns.
+The relative bias ``L_j(p, p - s) = r_j(p) . P[:, p - s]`` is formed per key block from the small P bank (bias 0
+at distances >= R) as one tensor-core product per query row, ``r [BLOCK_H, D_REL] @ P[:, p_w - s]`` with the
+tile's other rows' r zeroed, so no [T, nH, T] tensor exists.
 
 All KV addressing goes through ``_kv_rows``: with ``PAGED`` off, K/V are contiguous per sequence
 (``[B, S_max, nKV, hd]``, row == position); with it on, K/V are one layer's pool ``[slots, nKV, hd]`` and key
@@ -38,7 +39,7 @@ def _kv_rows(Table, b, slots, s_mask, stride_tb, PAGED: tl.constexpr, PAGE_SIZE:
     return rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "stride_ab", "stride_ah", "stride_mb", "stride_mh"])
 def attn_decode_split_kernel(
     Q,
     R,
@@ -49,6 +50,7 @@ def attn_decode_split_kernel(
     Table,
     Acc,
     ML,
+    Out,
     n_heads,
     rel_extent,
     window,
@@ -73,6 +75,8 @@ def attn_decode_split_kernel(
     stride_mb,
     stride_mh,
     stride_ms,
+    stride_ob,
+    stride_oh,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -83,6 +87,8 @@ def attn_decode_split_kernel(
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    REL_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)  # the sequence (its ROWS query rows are b*ROWS .. b*ROWS+ROWS-1)
     kv_head = tl.program_id(1)
@@ -98,6 +104,7 @@ def attn_decode_split_kernel(
         seq_len = tl.load(SeqLens + b)
         p = seq_len - 1  # absolute position of the query (its own key is already in the cache)
         p_first = p
+        p_row = p
     else:
         row_len = tl.load(SeqLens + q_row, mask=h_mask, other=1)  # [BLOCK_H] each row's visible keys
         p_row = row_len - 1
@@ -117,9 +124,9 @@ def attn_decode_split_kernel(
         mask=h_mask[:, None],
         other=0.0,
     )
-    r_rows = R + q_row * stride_rb + heads * stride_rh  # [BLOCK_H] pointers to each row's r[0]
-    if ROWS == 1:
-        r = tl.load(r_rows[:, None] + offs_r[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
+    r = tl.load(
+        R + q_row[:, None] * stride_rb + heads[:, None] * stride_rh + offs_r[None, :], mask=h_mask[:, None], other=0.0
+    )  # [BLOCK_H, D_REL]
     # Logits in log2 units: (q.k * sm_scale + bias) * tau * log2(e).
     if ROWS == 1:
         logit_scale = 1.4426950408889634
@@ -139,27 +146,58 @@ def attn_decode_split_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
-    for s0 in range(start, end, BLOCK_N):
+    # Two loops over the chunk: the key blocks wholly beyond every row's bias extent first (no bias), then those
+    # holding some key closer than R (the bias every block). No branch in either, so their loads are pipelined.
+    near_first = p_first - rel_extent - BLOCK_N + 2  # blocks starting here or later hold a key within R
+    near = tl.minimum(start + tl.cdiv(tl.maximum(near_first - start, 0), BLOCK_N) * BLOCK_N, end)
+    for bias in tl.static_range(2):
+        m_i, l_i, acc = _decode_blocks(
+            q, r, P, K_b, V_b, Table, SeqLens, m_i, l_i, acc, near if bias else start, end if bias else near, end,
+            b, p, p_row, logit_scale, offs_h, offs_r, offs_d, rel_extent, window, sm_scale, stride_pd, stride_ks,
+            stride_vs, stride_tb, GROUP, BLOCK_N, HAS_WINDOW, PAGED, PAGE_SIZE, ROWS, REL_PRECISION, bias == 1,
+        )  # fmt: skip
+    if SPLIT:  # an unnormalised partial for attn_combine_kernel
+        a_ptrs = Acc + q_row[:, None] * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
+        tl.store(a_ptrs, acc, mask=h_mask[:, None])
+        ml_ptrs = ML + q_row * stride_mb + heads * stride_mh + split * stride_ms
+        tl.store(ml_ptrs, m_i, mask=h_mask)
+        tl.store(ml_ptrs + 1, l_i, mask=h_mask)
+    else:  # one split: the program holds every visible key of its rows, so it writes the output itself
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = Out + q_row[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=h_mask[:, None])
+
+
+@triton.jit
+def _decode_blocks(
+    q, r, P, K_b, V_b, Table, SeqLens, m_i, l_i, acc, begin, stop, end, b, p, p_row, logit_scale, offs_h, offs_r,
+    offs_d, rel_extent, window, sm_scale, stride_pd, stride_ks, stride_vs, stride_tb,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, REL_PRECISION: tl.constexpr, NEAR: tl.constexpr,
+):  # fmt: skip
+    """Key blocks ``begin, begin + BLOCK_N, .. < stop`` (keys < ``end``) of one program into its online softmax
+    (m, l, acc); NEAR: the blocks hold keys within some row's bias extent, form the bias."""
+    for s0 in range(begin, stop, BLOCK_N):
         slots = s0 + tl.arange(0, BLOCK_N)
         s_mask = slots < end
         rows = _kv_rows(Table, b, slots, s_mask, stride_tb, PAGED, PAGE_SIZE)
         k = tl.load(K_b + (rows * stride_ks)[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_H, BLOCK_N] fp32
-        if p_first - s0 - BLOCK_N + 1 < rel_extent:  # some key of this block is within some row's bias extent
-            if ROWS == 1:
-                delta = p - slots
+        if NEAR:
+            for w in tl.static_range(ROWS):  # row w's heads take columns P[:, p_w - s] (one product per row)
+                if ROWS == 1:
+                    p_w = p
+                    r_w = r
+                else:
+                    p_w = tl.load(SeqLens + b * ROWS + w) - 1
+                    r_w = tl.where((offs_h // GROUP == w)[:, None], r, tl.zeros_like(r))
+                delta = p_w - slots
                 pv = tl.load(
                     P + offs_r[:, None] * stride_pd + delta[None, :],
-                    mask=(delta < rel_extent)[None, :] & s_mask[None, :],
+                    mask=((delta >= 0) & (delta < rel_extent) & s_mask)[None, :],
                     other=0.0,
-                ).to(tl.float32)
-                s += tl.sum(r[:, :, None] * pv[None, :, :], axis=1)
-            else:  # each row's own columns P[:, p_row - s]: one rank-1 update per d (P is cache resident)
-                delta = p_row[:, None] - slots[None, :]  # [BLOCK_H, BLOCK_N]
-                near = (delta >= 0) & (delta < rel_extent) & s_mask[None, :] & h_mask[:, None]
-                for d in tl.static_range(D_REL):
-                    r_d = tl.load(r_rows + d, mask=h_mask, other=0.0).to(tl.float32)
-                    s += r_d[:, None] * tl.load(P + d * stride_pd + delta, mask=near, other=0.0).to(tl.float32)
+                )  # [D_REL, BLOCK_N]
+                s += tl.dot(r_w, pv, input_precision=REL_PRECISION)
         if ROWS == 1:
             s = tl.where(s_mask[None, :], s * logit_scale, float("-inf"))
         else:
@@ -178,14 +216,10 @@ def attn_decode_split_kernel(
         v = tl.load(V_b + (rows * stride_vs)[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
         m_i = m_new
-    a_ptrs = Acc + q_row[:, None] * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
-    tl.store(a_ptrs, acc, mask=h_mask[:, None])
-    ml_ptrs = ML + q_row * stride_mb + heads * stride_mh + split * stride_ms
-    tl.store(ml_ptrs, m_i, mask=h_mask)
-    tl.store(ml_ptrs + 1, l_i, mask=h_mask)
+    return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def attn_combine_kernel(
     Acc,
     ML,

@@ -14,22 +14,43 @@ The kernel keeps logits in fp32 and does not round L or q*tau to bf16 in between
 differences. ``paged_decode_attention`` is the same kernel over one layer's paged pool ``[slots, nKV, hd]``
 addressed through a block table (positions stay absolute; pages before a sliding window may point anywhere).
 ``paged_decode_attention(..., rows_per_seq=W)``: W consecutive queries per sequence (an MTP verify), one program
-for all W rows of a sequence and KV head, so each key is read once for them. Prefill attention lives in
+for all W rows of a sequence and KV head, so each key is read once for them; since the bias is one tensor-core
+product per row it is faster than the rows as sequences at every measured context (ctx 1024 and 8192), so the
+engine's verify takes it at any length and no choice by context is made. Tiles: ``DecodeConfig``, chosen per
+shape by ``default_config``. Prefill attention lives in
 ``kernels/prefill_attention.py``. Excluded from this slice: ring-buffer sliding caches.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 
-# Split kernel tiles, measured on the H200 (B=64, Small-L6 shapes, paged): 128-key blocks and ~8 programs per SM
-# took a global layer at ctx 8192 from 687 us (73% of its KV bytes, 64-key blocks, 1 split) to 513-525 us (95%),
-# a sliding layer from 67 to 55 us.
-_BLOCK_N = 128
-_TARGET_PROGRAMS = 1056
-_NUM_WARPS, _NUM_STAGES = 4, 2
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of one decode-attention launch: ``block_n`` keys per loop step, the split kernel's warps and pipeline
+    stages, and the key splits per (sequence, KV head): ``num_splits``, or None for enough programs to reach
+    ``target_programs`` at the batch. One split writes the output from the split kernel (no combine launch)."""
+
+    block_n: int = 64
+    num_warps: int = 2
+    num_stages: int = 3
+    num_splits: int | None = None
+    target_programs: int = 512
+
+
+def default_config(batch: int, n_kv: int, max_keys: int, window: int | None, tile_rows: int = 1) -> DecodeConfig:
+    """Measured choice (H200, Small shapes, bench_attention --sweep and bench_verify_attention, 2026-12-01; see
+    docs/decisions.md): 64-key blocks of 2 warps, 3 stages (209 registers: 4 programs per SM) and ~512 programs, so
+    one split from B*nKV = 512 on (B >= 64 at nKV = 8), 8 at B = 8, 64 at B = 1. ``tile_rows``: query rows per
+    program (GROUP x the verify's W rows per sequence); above 16 (W=5 at GROUP 4: 2 warps spill) 128-key blocks of
+    4 warps, the best of the measured rows tiles there (B=64, W=5: 711 us at ctx 8192)."""
+    if tile_rows > 16:
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=2)
+    return DecodeConfig()
 
 
 def _check_common(q, r, rel_proj, k, v, n_kv, kv_dtype_of_q=True):
@@ -54,6 +75,14 @@ def _check_seq_lens(seq_lens, b):
         raise ValueError(f"seq_lens must be int32/int64 [B]={b}, got {seq_lens.dtype} {tuple(seq_lens.shape)}")
 
 
+def _check_decode_dtypes(r, rel_proj, seq_lens, b):
+    if r.dtype != rel_proj.dtype or not r.is_floating_point():
+        raise ValueError(
+            f"r and P must share a float dtype (one product forms the bias), got {r.dtype}, {rel_proj.dtype}"
+        )
+    _check_seq_lens(seq_lens, b)
+
+
 def _check(q, r, rel_proj, k_cache, v_cache, seq_lens):
     if q.dim() != 3 or r.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(
@@ -62,7 +91,7 @@ def _check(q, r, rel_proj, k_cache, v_cache, seq_lens):
         )
     if k_cache.shape != v_cache.shape or k_cache.shape[0] != q.shape[0] or k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"k/v caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
-    _check_seq_lens(seq_lens, q.shape[0])
+    _check_decode_dtypes(r, rel_proj, seq_lens, q.shape[0])
     return _check_common(q, r, rel_proj, k_cache, v_cache, k_cache.shape[2])
 
 
@@ -88,35 +117,42 @@ def _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_siz
             f"block_table must be int32/int64 [B={q.shape[0] // rows_per_seq}, max_pages] with unit last stride, "
             f"got {block_table.dtype} {tuple(block_table.shape)} strides {block_table.stride()}"
         )
-    _check_seq_lens(seq_lens, q.shape[0])
+    _check_decode_dtypes(r, rel_proj, seq_lens, q.shape[0])
     return _check_common(q, r, rel_proj, k_pool, v_pool, k_pool.shape[1])
 
 
-def _split_plan(b: int, n_kv: int, max_keys: int, window: int | None, num_splits: int | None) -> int:
-    """Splits per (sequence, KV head): enough programs to fill the GPU at the longest visible range; each
-    sequence's own visible keys are divided over them in whole key blocks in-kernel (short ones leave some idle)."""
+def _split_plan(b: int, max_keys: int, window: int | None, n_kv: int, config: DecodeConfig) -> int:
+    """Splits per (sequence, KV head): ``config.num_splits`` or enough programs to fill the GPU at the longest
+    visible range; each sequence's own visible keys are divided over them in whole key blocks in-kernel (short
+    ones leave some idle)."""
     if window is not None:
         max_keys = min(max_keys, window)
-    max_blocks = max(1, -(-max_keys // _BLOCK_N))
+    max_blocks = max(1, -(-max_keys // config.block_n))
+    num_splits = config.num_splits
     if num_splits is None:
-        num_splits = max(1, -(-_TARGET_PROGRAMS // max(1, b * n_kv)))
+        num_splits = max(1, -(-config.target_programs // max(1, b * n_kv)))
     return min(max_blocks, num_splits)
 
 
 def _launch(
-    q, r, rel_proj, k, v, seq_lens, block_table, page_size, kv_strides, window, log_scaling, num_splits, rows=1
-):
-    """Split kernel + combine. ``kv_strides``: (batch, row, head) strides of k then v (batch 0 for a pool);
-    ``block_table`` None for the contiguous layout; ``rows`` query rows per sequence (paged only)."""
+    q, r, rel_proj, k, v, seq_lens, block_table, page_size, kv_strides, window, log_scaling, num_splits, config,
+    rows=1,
+):  # fmt: skip
+    """Split kernel + combine (none at one split). ``kv_strides``: (batch, row, head) strides of k then v (batch 0
+    for a pool); ``block_table`` None for the contiguous layout; ``rows`` query rows per sequence (paged only)."""
     from kernels import _triton_attention as tk
 
     b, n_heads, hd = q.shape
     n_kv = k.shape[-2]
     group = n_heads // n_kv
     d_rel, rel_extent = rel_proj.shape
-    acc = torch.empty((b, n_heads, num_splits, hd), dtype=torch.float32, device=q.device)
-    ml = torch.empty((b, n_heads, num_splits, 2), dtype=torch.float32, device=q.device)
+    split = num_splits > 1
     out = torch.empty((b, n_heads, hd), dtype=q.dtype, device=q.device)
+    if split:
+        acc = torch.empty((b, n_heads, num_splits, hd), dtype=torch.float32, device=q.device)
+        ml = torch.empty((b, n_heads, num_splits, 2), dtype=torch.float32, device=q.device)
+    else:  # never written: the split kernel stores the output
+        acc = ml = out
     if b == 0:
         return out
     paged = block_table is not None
@@ -131,6 +167,7 @@ def _launch(
         block_table if paged else seq_lens,  # dummy pointer, never read without PAGED
         acc,
         ml,
+        out,
         n_heads,
         rel_extent,
         window or 0,
@@ -150,19 +187,25 @@ def _launch(
         ml.stride(0),
         ml.stride(1),
         ml.stride(2),
+        out.stride(0),
+        out.stride(1),
         GROUP=group,
         BLOCK_H=max(16, 1 << (group * rows - 1).bit_length()),
         HEAD_DIM=hd,
         D_REL=d_rel,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=config.block_n,
         HAS_WINDOW=window is not None,
         USE_TAU=log_scaling is not None,
         PAGED=paged,
         PAGE_SIZE=page_size if paged else 1,
         ROWS=rows,
-        num_warps=_NUM_WARPS,
-        num_stages=_NUM_STAGES,
+        SPLIT=split,
+        REL_PRECISION="ieee" if r.dtype == torch.float32 else "tf32",  # fp32 r @ P exact, not tf32
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
+    if not split:
+        return out
     tk.attn_combine_kernel[(b, n_heads)](
         acc,
         ml,
@@ -194,18 +237,25 @@ def decode_attention(
     log_scaling: tuple[float, float] | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Decode attention with the Inkling relative bias; returns ``[B, nH, hd]`` in q's dtype.
 
     ``window``: sliding window W (keys p-W+1..p) or None for a global layer. ``log_scaling``:
     ``(alpha, n_floor)`` for tau on global layers, or None. ``max_seq_len``: an upper bound on seq_lens
     (default S_max; never read from the device, so the call is CUDA-graph safe) used to size the splits.
+    ``config``: the tiles (default ``default_config`` of the shape); ``num_splits`` overrides its splits.
     """
     b, _, _, n_kv = _check(q, r, rel_proj, k_cache, v_cache, seq_lens)
     max_keys = max_seq_len if max_seq_len is not None else k_cache.shape[1]
+    config = config or default_config(b, n_kv, max_keys, window)
     kv_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
-    num_splits = _split_plan(b, n_kv, max_keys, window, num_splits)
-    return _launch(q, r, rel_proj, k_cache, v_cache, seq_lens, None, 1, kv_strides, window, log_scaling, num_splits)
+    if num_splits is not None:
+        config = replace(config, num_splits=num_splits)
+    splits = _split_plan(b, max_keys, window, n_kv, config)
+    return _launch(
+        q, r, rel_proj, k_cache, v_cache, seq_lens, None, 1, kv_strides, window, log_scaling, splits, config
+    )  # fmt: skip
 
 
 def paged_decode_attention(
@@ -222,6 +272,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     rows_per_seq: int = 1,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """``decode_attention`` over a paged KV pool; returns ``[B, nH, hd]`` in q's dtype.
 
@@ -236,14 +287,17 @@ def paged_decode_attention(
     row per sequence. One program serves the W rows of a sequence (its query tile holds W x the group of heads),
     so each visible key is read once for all of them; its key range spans its rows' windows.
     """
-    rows = q.shape[0]
     _, _, _, n_kv = _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_size, rows_per_seq)
+    b = block_table.shape[0]
     max_keys = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
+    config = config or default_config(b, n_kv, max_keys, window, rows_per_seq * q.shape[1] // n_kv)
     kv_strides = (0, *k_pool.stride()[:2], 0, *v_pool.stride()[:2])
-    num_splits = _split_plan(rows // rows_per_seq, n_kv, max_keys, window, num_splits)
+    if num_splits is not None:
+        config = replace(config, num_splits=num_splits)
+    splits = _split_plan(b, max_keys, window, n_kv, config)
     return _launch(
-        q, r, rel_proj, k_pool, v_pool, seq_lens, block_table, page_size, kv_strides, window, log_scaling, num_splits,
-        rows_per_seq,
+        q, r, rel_proj, k_pool, v_pool, seq_lens, block_table, page_size, kv_strides, window, log_scaling, splits,
+        config, rows_per_seq,
     )  # fmt: skip
 
 

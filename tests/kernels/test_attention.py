@@ -2,8 +2,10 @@ import pytest
 import torch
 
 from kernels.attention import (
+    DecodeConfig,
     attention_reference,
     decode_attention,
+    default_config,
     paged_attention_reference,
     paged_decode_attention,
 )
@@ -104,6 +106,36 @@ def test_paged_decode_attention_matches_reference(
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.isfinite(ref).all()  # the reference, too, never sees the NaN rows
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@pytest.mark.parametrize(
+    "config,window,rows,dtype",
+    [
+        (DecodeConfig(32, 2, 3, num_splits=1), 40, 1, torch.float32),  # one split: output from the split kernel
+        (DecodeConfig(32, 2, 2, num_splits=3), None, 1, torch.float16),
+        (DecodeConfig(64, 4, 2, num_splits=2), 40, 3, torch.float16),
+        (DecodeConfig(16, 1, 3, num_splits=1), None, 2, torch.float32),
+    ],
+)
+def test_paged_decode_attention_tiles(cpu_interpreter, config, window, rows, dtype):
+    """Every tile shape and split count gives the reference, one row or W rows per sequence."""
+    gen = torch.Generator().manual_seed(config.block_n + rows)
+    firsts = [0, 38, 77, 150]
+    q, r, rel_proj, kp, vp, table, seq_lens = verify_rows(firsts, rows, 8, 2, 16, window, gen, dtype)
+    ls = None if window else (0.5, 20.0)
+    out = paged_decode_attention(q, r, rel_proj, kp, vp, table, seq_lens, 16, window, ls, rows_per_seq=rows,
+                                 config=config)  # fmt: skip
+    ref = paged_attention_reference(q, r, rel_proj, kp, vp, table.repeat_interleave(rows, 0), seq_lens, 16, window,
+                                    ls)  # fmt: skip
+    assert out.dtype == dtype and torch.isfinite(ref).all()
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+def test_decode_attention_rejects_bias_dtypes():
+    gen = torch.Generator().manual_seed(0)
+    q, r, rel_proj, kc, vc = inputs(1, 8, 2, 32, 16, 16, 8, gen, torch.float16)
+    with pytest.raises(ValueError, match="share a float dtype"):
+        decode_attention(q, r, rel_proj.float(), kc, vc, torch.tensor([3]))
 
 
 def test_paged_decode_attention_padding_rows(cpu_interpreter):
@@ -253,3 +285,33 @@ def test_paged_decode_attention_gpu_full_heads(cuda_device, b, window, log_scali
     err = rel_err(out, ref)
     print(f"paged_decode_attention B={b} window={window} tau={log_scaling}: rel {err:.2e}")
     assert torch.isfinite(out).all() and err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,log_scaling", [(512, None), (None, (0.1, 100.0))])
+def test_paged_decode_attention_gpu_default_tiles(cuda_device, window, log_scaling):
+    """Every tile ``default_config`` picks for the Inkling shapes (one row and an MTP verify's five), at one and at
+    three splits, bf16 on the GPU against the reference."""
+    tiles = {
+        (c.block_n, c.num_warps, c.num_stages)
+        for b in (1, 8, 64, 256)
+        for n_kv in (2, 8, 16)
+        for keys in (1024, 8192, 32768)
+        for rows in (1, 5)
+        if (c := default_config(b, n_kv, keys, window, rows * 32 // n_kv))
+    }
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 5):
+        firsts = [0, 510, 1023, 1500, 3000]
+        q, r, rel_proj, kp, vp, table, seq_lens = verify_rows(
+            firsts, rows, 32, 8, 16, window, gen, torch.bfloat16, cuda_device, hd=128
+        )
+        per_row = table.repeat_interleave(rows, 0)
+        ref = paged_attention_reference(q, r, rel_proj, kp, vp, per_row, seq_lens, 16, window, log_scaling)
+        for tile in sorted(tiles):
+            for splits in (1, 3):
+                config = DecodeConfig(*tile, num_splits=splits)
+                out = paged_decode_attention(q, r, rel_proj, kp, vp, table, seq_lens, 16, window, log_scaling,
+                                             3000 + rows, rows_per_seq=rows, config=config)  # fmt: skip
+                err = rel_err(out, ref)
+                assert torch.isfinite(out).all() and err < 1e-2, f"{config} rows={rows}: rel err {err:.2e}"
