@@ -469,3 +469,23 @@ def test_json_schemas_on_cuda_graphs(compiler, checkpoint, cuda_device):
         assert masks.prefilled_rows == sum(len(o.token_ids) for o in outs) and masks.late_rows == 0
         tokens[graphs] = [o.token_ids for o in outs]
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.gpu
+def test_masked_choice_never_waits_for_the_device_gpu(compiler, engine, cuda_device):
+    """The prefill, the masks' join, copies and kernel launch are all queued behind whatever produced the logits
+    (the forward): no host sync before the read of the tokens, which are those of the masks filled on the CPU."""
+    vocab = engine.config.text.unpadded_vocab_size
+    requests = mixed_batch(compiler, engine)
+    sampler = Sampler(max_rows=9, device=cuda_device)
+    sample_steps(sampler, requests, vocab, cuda_device, prefill=True, steps=1)  # buffers, the kernel's compilation
+    logits = (torch.randn(len(requests), vocab, generator=torch.Generator().manual_seed(5)) * 4).to(cuda_device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sampler.prefill_masks(requests)
+        tokens = sampler.choose(logits.clone(), requests)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = mask_logits(logits.cpu(), requests).argmax(-1).tolist()
+    greedy = [i for i, r in enumerate(requests) if r.sampling.greedy]
+    assert greedy and [tokens.tolist()[i] for i in greedy] == [expected[i] for i in greedy]
