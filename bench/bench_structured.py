@@ -11,10 +11,11 @@ The stand-in forward keeps the device busy for the step's HBM floor (bench_engin
 decode step runs at about that floor with CUDA graphs, asynchronously, so the host is free meanwhile) with a CUDA
 sleep; on CPU it does nothing (a CPU forward is synchronous: nothing to hide behind). Three engines step in
 turn: unconstrained rows (the baseline), constrained rows (the engine as it is), and constrained rows with the
-runner's prefill call disabled (the fill serial after the forward, as before the overlap). The engine's
-structured cost is (constrained step - baseline step): the fill not hidden by the forward, the copy and mask
-kernel, the advance; its share of the step floor is the figure (goal < 5%). The raw host fill is timed alone on
-the walked matcher states, with xgrammar's thread counts side by side; the hidden part is (serial - constrained).
+runner's prefill call disabled (every row filled at sampling, on the engine thread). The engine's structured
+cost is (constrained step - baseline step): what of the fill, the copies, the mask kernel and the advance the
+forward does not hide; its share of the step floor is the figure (goal < 5%). The raw host fill is timed alone on
+the walked matcher states, with xgrammar's thread counts side by side; what the prefill hides beyond a fill at
+sampling is (serial - constrained). On CUDA the copy bandwidth and bf16 matmul peak of the run are printed first.
 
     python -m bench.bench_structured [--batches 1 64] [--steps 50] [--device cuda]
 """
@@ -33,6 +34,7 @@ import torch
 import xgrammar as xgr
 
 from bench.bench_engine import decode_step_floor_ms
+from bench.floors import measure_ceilings
 from common.config import ModelConfig, parse_model_config
 from decode_service.chat import MESSAGE_USER
 from decode_service.engine.engine import Engine, EngineSettings
@@ -242,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> list[BatchRow]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda":
+        print(measure_ceilings().line())
     compiler = ConstraintCompiler(VOCAB, EOS)
     t0 = time.perf_counter()
     compiler._xgr()  # the tokenizer info: built once per process
@@ -258,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> list[BatchRow]:
     print()
     print(
         "| B | step floor ms | forward ms (stand-in) | host fill ms | fill hidden ms | engine step ms: plain / "
-        "constrained / serial fill | structured ms (not hidden) | share of floor | serial share |"
+        "constrained / fill at sampling | structured ms (not hidden) | share of floor | serial share |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -18,7 +18,7 @@ from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.engine.worker.kv_cache import KVCache, SequenceView
 from decode_service.engine.worker.mtp import DraftInput, DraftModel
 from decode_service.engine.worker.rejection import verify_draft
-from decode_service.engine.worker.sampler import Sampler, SampleResult
+from decode_service.engine.worker.sampler import Sampler, SampleResult, to_device
 from decode_service.engine.worker.snapshots import SnapshotStore
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.collectives import SINGLE, TPGroup
@@ -275,7 +275,9 @@ class ModelRunner:
                     rows.append(first + c.num_tokens - 1 - c.num_drafts + j)
         if not rows:
             return {}
-        logits = self.model.logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device)))  # [N, V] fp32
+        # Host indices reach the device without a sync (sampler.to_device): up to the read of the tokens nothing
+        # waits for the forward, so sampling's host work (the grammar masks) is enqueued while it runs.
+        logits = self.model.logits(hidden.index_select(0, to_device(rows, hidden.device)))  # [N, V] fp32
         if self.sampler is None:
             return {}
         samples: dict[str, list[SampleResult]] = {}
@@ -286,7 +288,7 @@ class ModelRunner:
             emitted: list[tuple[ScheduledChunk, int, SampleResult, bool]] = []  # (chunk, offset, result, go on)
             if plain:
                 reqs = [self.requests[c.request_id] for c, _ in plain]
-                picks = torch.tensor([index[c.request_id, j] for c, j in plain], device=logits.device)
+                picks = to_device([index[c.request_id, j] for c, j in plain], logits.device)
                 for (c, j), result in zip(plain, self.sampler.sample(logits.index_select(0, picks), reqs), strict=True):
                     emitted.append((c, j, result, j < c.num_drafts and result.token_id == c.token_ids[j + 1]))
             for c, j in active:

@@ -9,6 +9,12 @@ vocabulary. Stop checks are the control plane's (`core/stop.py`); stop strings t
 Structured outputs (`decode_service.structured.sampling.GrammarMasks`): the runner calls `prefill_masks` before
 the forward so the host fill overlaps it; `sample` and `target_probs` mask the logits they are given in place
 (the runner hands over rows of its own), on a copy only when a row asks for logprobs, which stay raw.
+
+Nothing before the read of the chosen tokens waits for the device (`choose`; host values reach it through
+`to_device`): the runner enqueues the logits, masks and draw right behind the forward, so their host work (the
+masks' join, copies and kernel launch) runs while the GPU is still in the forward, and `sample`'s `.tolist()` is
+the step's one sync. Checked on the H200 for greedy rows (torch's sync debug mode); with seeds, filters or
+penalties some op still syncs (not identified yet).
 """
 
 from __future__ import annotations
@@ -66,22 +72,26 @@ class Sampler:
         """logits `[N, V]` (one row per request; the grammar masks may overwrite them) -> one token per request."""
         assert logits.shape[0] == len(requests)
         logits = logits.float()
+        return self.emit(logits, requests, self.choose(logits, requests).tolist())
+
+    def choose(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
+        """The token of each row `[N]` on the logits' device, queued behind what produced them: no host sync."""
         params = [r.sampling for r in requests]
         x = self._masked(logits, requests)
-        greedy = torch.tensor([p.greedy for p in params], device=x.device)
         tokens = x.argmax(-1)
-        if not bool(greedy.all()):
-            probs = filtered_probs(x, params)
-            noise = torch.stack(
-                [
-                    torch.empty(x.shape[1], device=x.device).exponential_(generator=self.generator(r, x.device))
-                    if not p.greedy
-                    else torch.ones(x.shape[1], device=x.device)
-                    for r, p in zip(requests, params, strict=True)
-                ]
-            )
-            tokens = torch.where(greedy, tokens, (probs / noise).argmax(-1))
-        return self.emit(logits, requests, tokens.tolist())
+        if all(p.greedy for p in params):
+            return tokens
+        probs = filtered_probs(x, params)
+        noise = torch.stack(
+            [
+                torch.empty(x.shape[1], device=x.device).exponential_(generator=self.generator(r, x.device))
+                if not p.greedy
+                else torch.ones(x.shape[1], device=x.device)
+                for r, p in zip(requests, params, strict=True)
+            ]
+        )
+        greedy = to_device([p.greedy for p in params], x.device)
+        return torch.where(greedy, tokens, (probs / noise).argmax(-1))
 
     def target_probs(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
         """The distribution `sample` draws each row from, normalised `[N, V]` (penalties, mask, temperature,
@@ -133,12 +143,12 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingState]) -> 
     for row, (request, p) in enumerate(zip(requests, params, strict=True)):
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen[torch.tensor(request.all_token_ids, device=logits.device)] = True
+            seen[to_device(request.all_token_ids, logits.device)] = True
             penalized = torch.where(out[row] > 0, out[row] / p.repetition_penalty, out[row] * p.repetition_penalty)
             out[row] = torch.where(seen, penalized, out[row])
         if request.output_token_ids and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(request.output_token_ids, device=logits.device), minlength=vocab)
-            counts = counts[:vocab].float()
+            ids = to_device(request.output_token_ids, logits.device)
+            counts = out.new_zeros(vocab).index_add_(0, ids, out.new_ones(len(ids)))  # bincount reads its max back
             out[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     return out
 
@@ -146,10 +156,10 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingState]) -> 
 def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
     """Temperature, then min-p, top-k and top-p masks; rows need no renormalising (the draw is scale-free)."""
     device, vocab = logits.device, logits.shape[1]
-    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    temperature = to_device([p.temperature if not p.greedy else 1.0 for p in params], device)
+    min_p = to_device([p.min_p for p in params], device)
+    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], device)
+    top_p = to_device([p.top_p for p in params], device)
 
     probs = torch.softmax(logits / temperature[:, None], dim=-1)  # [N, V]
     probs = torch.where(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0, probs)
@@ -162,3 +172,10 @@ def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
     total = sorted_probs.sum(-1, keepdim=True)
     sorted_probs = torch.where(mass_before >= top_p[:, None] * total, 0.0, sorted_probs)
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def to_device(values: Sequence, device: torch.device | str) -> torch.Tensor:
+    """Host values as a tensor on `device`, without waiting for it: `torch.tensor(values, device=cuda)` copies
+    synchronously (a stream sync, so the host would wait for the forward); a non-blocking copy from pageable
+    memory is staged by the driver before it returns, so the temporary may go at once."""
+    return torch.tensor(values).to(device, non_blocking=True)

@@ -469,3 +469,73 @@ def test_json_schemas_on_cuda_graphs(compiler, checkpoint, cuda_device):
         assert masks.prefilled_rows == sum(len(o.token_ids) for o in outs) and masks.late_rows == 0
         tokens[graphs] = [o.token_ids for o in outs]
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.gpu
+def test_masked_choice_never_waits_for_the_device_gpu(compiler, engine, cuda_device):
+    """The prefill, the masks' join, copies and kernel launch are all queued behind whatever produced the logits
+    (the forward): no host sync before the read of the tokens, which are those of the masks filled on the CPU.
+    Greedy rows only: the seeded/filtered sampling path still syncs somewhere (engine/worker/test_sampler.py)."""
+    vocab = engine.config.text.unpadded_vocab_size
+    requests = [r for r in mixed_batch(compiler, engine) if r.sampling.greedy]
+    sampler = Sampler(max_rows=9, device=cuda_device)
+    sample_steps(sampler, requests, vocab, cuda_device, prefill=True, steps=1)  # buffers, the kernel's compilation
+    logits = (torch.randn(len(requests), vocab, generator=torch.Generator().manual_seed(5)) * 4).to(cuda_device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sampler.prefill_masks(requests)
+        tokens = sampler.choose(logits.clone(), requests)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert requests and tokens.tolist() == mask_logits(logits.cpu(), requests).argmax(-1).tolist()
+
+
+class ScriptedDecoder:
+    """A decoder whose logits are drawn on the host from one seeded stream (so every device sees the same ones)
+    behind a forward that keeps a GPU busy for `busy_ms`: the engine queues the masks and the draw meanwhile."""
+
+    def __init__(self, config, device, busy_ms: float = 0.0):
+        self.hidden, self.vocab, self.dtype = config.hidden_size, config.unpadded_vocab_size, torch.float32
+        self.device, self.generator = torch.device(device), torch.Generator().manual_seed(11)
+        self.cycles = int(busy_ms * 1.5e6) if self.device.type == "cuda" else 0  # ~1.5 GHz clocks: order of ms
+
+    def forward(self, batch):
+        if self.cycles:
+            torch.cuda._sleep(self.cycles)
+        return torch.zeros(batch.num_tokens, self.hidden, device=self.device)
+
+    def logits(self, hidden):
+        scores = torch.randn(hidden.shape[0], self.vocab, generator=self.generator) * 4
+        return scores.to(self.device, non_blocking=True)
+
+
+def scripted_outputs(compiler, engine, device):
+    """Greedy constrained and plain requests through an engine on the scripted decoder -> (tokens, reason) each."""
+    from decode_service.engine.engine import Engine, EngineSettings
+
+    settings = EngineSettings(
+        kv_cache_bytes=16 << 20, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_cache=False, device=device
+    )
+    scripted = Engine(ScriptedDecoder(engine.config.text, device, busy_ms=2.0), engine.config, settings)
+    requests = [
+        constrained(compiler, scripted, f"c-{name}", OutputConstraint("json_schema", json.dumps(SCHEMAS[name])))
+        for name in ("enum", "nested", "array_bounds", "optional", "any_of")
+    ]
+    requests.append(constrained(compiler, scripted, "regex", OutputConstraint("regex", "(yes|no)")))
+    requests.append(Request("plain", list(PROMPT), SamplingParams(temperature=0.0, max_tokens=12)))
+    return [(o.token_ids, o.finish_reason) for o in scripted.generate(requests)]
+
+
+def test_scripted_constrained_outputs_stop_when_complete(compiler, engine):
+    outputs = scripted_outputs(compiler, engine, "cpu")
+    assert [reason for _, reason in outputs] == ["stop"] * 6 + ["length"]
+    for tokens, _ in outputs[:6]:
+        assert tokens[-2:] == [END_MESSAGE, MODEL_END_SAMPLING]  # the block closes, then the EOS ends it
+
+
+@pytest.mark.gpu
+def test_constrained_outputs_on_the_gpu_equal_those_on_the_cpu(compiler, engine, cuda_device):
+    """The same logits on both devices: on the GPU the masks and the draw are queued behind a busy forward (no
+    host sync before the tokens' read), on the CPU everything runs in order; every token and every finishing step
+    (a complete grammar stops on the step it is complete) is the same."""
+    assert scripted_outputs(compiler, engine, str(cuda_device)) == scripted_outputs(compiler, engine, "cpu")
