@@ -37,7 +37,7 @@ the plain and the verify rows, the rest of each trunk step is scaled by 42 / 6 a
 (first order: the proxy's layer mix, 5 sliding / 1 global and 3 of 6 NVFP4, stands for the full 35 / 7 split).
 Acceptance itself is not measured (random weights), only assumed.
 
-    python3 -m bench.bench_mtp [--device cuda|cpu] [--batches 1 8 64] [--ctx 1024] [--depths 1 2 ... 8]
+    python3 -m bench.bench_mtp [--device cuda|cpu] [--batches 1 8 64] [--ctx 1024] [--depths 1 2 ... 8] [--draft-head fp8]
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from bench.proxy import (
     touched_experts,
 )
 from common.config import MtpConfig, parse_model_config
+from common.settings import MTP_DRAFT_HEADS
 from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.engine.worker.draft_graphs import DepthPools, DraftGraphs
@@ -93,8 +94,9 @@ def copy_gbs(device: str) -> float:
     return gbs
 
 
-def build(device: str, num_depths: int) -> tuple[InklingDecoder, MTPDrafter]:
-    """The trunk (Small-L6 on CUDA, make-tiny on CPU) and `num_depths` random MTP depths of the real block."""
+def build(device: str, num_depths: int, head: str = "bf16") -> tuple[InklingDecoder, MTPDrafter]:
+    """The trunk (Small-L6 on CUDA, make-tiny on CPU) and `num_depths` random MTP depths of the real block, drafting
+    through `head` (`MTP_DRAFT_HEADS`: the shared bf16 lm_head or its FP8 copy)."""
     mtp_block = dict(INKLING_MTP, num_nextn_predict_layers=num_depths)
     mtp_block["local_layer_ids"] = [i for i in INKLING_MTP["local_layer_ids"] if i < num_depths]
     if device == "cuda":
@@ -104,7 +106,10 @@ def build(device: str, num_depths: int) -> tuple[InklingDecoder, MTPDrafter]:
         parsed = parse_model_config(raw_config(mtp_config=mtp_block))
         trunk = random_proxy(parsed.text, frozenset(), device)
     assert parsed.mtp is not None
-    return trunk, random_drafter(parsed.mtp, trunk)
+    drafter = random_drafter(parsed.mtp, trunk)
+    if head == "fp8":
+        drafter.use_fp8_head()
+    return trunk, drafter
 
 
 @torch.no_grad()
@@ -358,13 +363,15 @@ def run(
     reps: int,
     rounds: int,
     full_layers: int = FULL_LAYERS,
+    head: str = "bf16",
 ) -> list[Row]:
     if not depths or min(depths) < 1 or max(depths) > len(VLLM_RATES):
         raise ValueError(f"--depths: expected values in 1..{len(VLLM_RATES)}, got {list(depths)}")
     if ctx < 1:
         raise ValueError(f"--ctx: expected >= 1, got {ctx}")
     gbs = copy_gbs(device)
-    trunk, drafter = build(device, max(depths))
+    trunk, drafter = build(device, max(depths), head)
+    print(f"# draft head: {head}", flush=True)
     layer_scale = full_layers / trunk.config.num_layers
     results = []
     for b in batches:
@@ -432,10 +439,13 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--reps", type=int, default=20, help="timed calls per figure (median)")
     parser.add_argument("--rounds", type=int, default=2000, help="synthetic acceptor rounds per (B, D)")
     parser.add_argument("--full-layers", type=int, default=FULL_LAYERS, help="trunk depth of the full-depth estimate")
+    parser.add_argument("--draft-head", choices=MTP_DRAFT_HEADS, default="bf16", help="the drafter's lm_head")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device (use --device cpu for the tiny shapes)")
-    return run(args.device, args.batches, args.ctx, args.depths, args.reps, args.rounds, args.full_layers)
+    return run(
+        args.device, args.batches, args.ctx, args.depths, args.reps, args.rounds, args.full_layers, args.draft_head
+    )
 
 
 if __name__ == "__main__":
