@@ -37,7 +37,8 @@ the plain and the verify rows, the rest of each trunk step is scaled by 42 / 6 a
 (first order: the proxy's layer mix, 5 sliding / 1 global and 3 of 6 NVFP4, stands for the full 35 / 7 split).
 Acceptance itself is not measured (random weights), only assumed.
 
-    python3 -m bench.bench_mtp [--device cuda|cpu] [--batches 1 8 64] [--ctx 1024] [--depths 1 2 ... 8] [--draft-head fp8]
+    python3 -m bench.bench_mtp [--device cuda|cpu] [--batches 1 8 64] [--ctx 1024] [--depths 1 2 ... 8]
+        [--draft-head bf16|fp8]
 """
 
 from __future__ import annotations

@@ -169,10 +169,11 @@ class MTPDrafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, H]` depth outputs -> fp32 draft logits `[N, unpadded_vocab]` (no final norm, spec 7.1 step 6): the
-        trunk's lm_head op (the muP division, a true one, spec 9.8), or its FP8 copy after `use_fp8_head`. Every
-        draft and its distribution q come from these logits."""
+        shared lm_head, or its FP8 copy after `use_fp8_head` (the same muP division). Every draft and its
+        distribution q come from these logits."""
         mup, vocab = self.config.mup_multiplier, self.config.unpadded_vocab_size
         if self.fp8_head is not None:
             weight, scale = self.fp8_head
             return self.ops.fp8_logits(hidden, weight, scale, mup, self.tp, vocab)
-        return self.ops.logits(hidden, self.unembed.weight, mup, self.tp, vocab)
+        z = hidden / mup  # a true division, as the trunk's (spec 9.8)
+        return self.tp.gather_vocab(self.unembed(z))[:, :vocab].float()
