@@ -9,9 +9,11 @@ For each B (default 1/8/64) at context `--ctx`:
 - plain step: the trunk forward of B sequences with 1 new token each through the engine's paged KV cache, plus
   the lm_head of the B rows; verify step: the same with D+1 tokens per sequence (the bonus token and D drafts)
   and the lm_head of all B(D+1) rows, on CUDA replayed from the engine's verify CUDA graph (`DecodeGraphs` of
-  width D+1) followed by its conv commit, on the CPU the packed path, eager;
+  width D+1) followed by its conv commit, on the CPU the packed path, eager; on CUDA both steps as the engine
+  runs greedy rows: the lm_head and argmax replayed from the head graph and the B(D+1) token ids read;
 - draft chain: depth 0..D-1 each over `r` rows per sequence (the rows the round verified: 1 + the expected
-  accepted drafts, rounded) and its draft logits through the shared lm_head for the B last rows. Timed twice: as
+  accepted drafts, rounded) and its draft logits for the B last rows, through the shared lm_head or its FP8 copy
+  (`--draft-head`). Timed twice: as
   the engine runs it when the trunk has the paged decode kernels (`PagedMTPSpeculator`: the verified rows one
   packed forward per depth over the depths' paged pools, then the provisional rows and the D drafts replayed
   from the chain's CUDA graph for B's bucket and D; "from its CUDA graph", the figure used below) and the old
@@ -179,18 +181,19 @@ def paged_batch(model: InklingDecoder, batch: int, ctx: int, width: int) -> Forw
 def graph_step_ms(model: InklingDecoder, batch: int, ctx: int, width: int, reps: int) -> float:
     """The engine's step of B sequences at `ctx` with `width` tokens each from its CUDA graph (`DecodeGraphs`):
     width 1 the plain decode, else the verify of width-1 drafts followed by the conv commit of its accepted rows
-    (all of them: the commit costs the same whatever it keeps); plus the lm_head of the B*width rows."""
+    (all of them: the commit costs the same whatever it keeps); plus the greedy tokens of the B*width rows (the
+    lm_head and argmax from the head graph, the ids read on the host), as the engine runs greedy rows."""
     handles, graphs = paged_sequences(model, batch, ctx, width, graph_widths=(width,))
     tokens = torch.randint(0, model.config.unpadded_vocab_size, (batch, width)).tolist()
 
-    def step() -> torch.Tensor:
+    def step() -> list[int]:
         with torch.inference_mode():
             if width == 1:
-                return model.logits(graphs.run([t[0] for t in tokens], handles))
+                return graphs.greedy_tokens(graphs.run([t[0] for t in tokens], handles)).tolist()
             hidden, _ = graphs.verify(tokens, handles)
-            logits = model.logits(hidden)
+            ids = graphs.greedy_tokens(hidden).tolist()
             graphs.commit([width] * batch)
-            return logits
+            return ids
 
     return time_ms(step, "cuda", reps, warmup=3)  # the first run captures the graphs
 
@@ -276,14 +279,14 @@ class GraphedChain:
 
 
 def plain_graph_ms(model: InklingDecoder, batch: int, ctx: int, reps: int) -> float:
-    """The engine's plain decode step (`DecodeGraphs` replay + lm_head) for B sequences at `ctx`, as in
-    `bench.bench_decode`."""
+    """The engine's plain greedy decode step for B sequences at `ctx` (`DecodeGraphs` replay, then the lm_head and
+    argmax from the head graph and the B token ids read), as in `bench.bench_decode`."""
     fb, graphs, handles = paged_decode_batch(model, batch, ctx, ctx + 1)
     tokens = fb.token_ids.tolist()
 
-    def step() -> torch.Tensor:
+    def step() -> list[int]:
         with torch.inference_mode():
-            return model.logits(graphs.run(tokens, handles))
+            return graphs.greedy_tokens(graphs.run(tokens, handles)).tolist()
 
     return time_ms(step, "cuda", reps, warmup=3)  # the first run captures B's graph
 
