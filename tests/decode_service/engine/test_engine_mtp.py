@@ -590,20 +590,23 @@ def _one_sequence_budget(config, tokens: int) -> int:
 
 def test_verify_steps_through_the_decode_graphs_equal_no_speculation(cpu_interpreter, kernel_model, kernel_config):
     """The batched paged path (kernels in the interpreter, the decode graphs' static-buffer steps run eagerly):
-    with the oracle's drafts (every accepted length 0..3) each verify step is one `DecodeGraphs.verify` and its
-    commit, never the packed path's replay; tokens, and the trunk's KV and conv state at every position the
-    speculative run reaches, equal the non-speculative run on the same path."""
+    with the oracle's drafts (every accepted length 0..3) each verify step is one `DecodeGraphs.verify`, its
+    tokens the graphs' argmax, and its commit, never the packed path's replay; tokens, and the trunk's KV and conv
+    state at every position the speculative run reaches, equal the non-speculative run on the same path."""
     model = kernel_model.with_ops("fast")
     plain, answer = states_by_position(trunk_engine(model, kernel_config, 0))
     oracle = Oracle({"s": prompt(19, 8, 90) + answer}, 3, vocab=90)
     engine = trunk_engine(model, kernel_config, 3, oracle)
-    runner, widths, packed = engine.runner, [], []
+    runner, widths, packed, argmax = engine.runner, [], [], []
     verify, forward_packed = runner.decode_graphs.verify, runner._forward_packed
     runner.decode_graphs.verify = lambda ids, views: widths.append(max(map(len, ids))) or verify(ids, views)
     runner._forward_packed = lambda output: packed.extend(c.num_drafts for c in output.chunks) or forward_packed(output)
+    greedy_samples = runner._greedy_samples
+    runner._greedy_samples = lambda chunks, hidden, width: argmax.append(width) or greedy_samples(chunks, hidden, width)
     spec, tokens = states_by_position(engine)
     assert tokens == answer
     assert len(widths) > 3 and max(widths) == 4
+    assert sum(w > 1 for w in argmax) == len(widths)  # every verify step: the tokens are the graphs' argmax
     assert packed and not any(packed)  # only the prompt went through the packed path
     assert len(spec) < len(plain) - 5  # the oracle made steps advance several positions
     for position, state in spec.items():
