@@ -40,7 +40,7 @@ the plain and the verify rows, the rest of each trunk step is scaled by 42 / 6 a
 Acceptance itself is not measured (random weights), only assumed.
 
     python3 -m bench.bench_mtp [--device cuda|cpu] [--batches 1 8 64] [--ctx 1024] [--depths 1 2 ... 8]
-        [--draft-head bf16|fp8]
+        [--draft-head bf16|fp8] [--skip-eager-chain]
 """
 
 from __future__ import annotations
@@ -368,6 +368,7 @@ def run(
     rounds: int,
     full_layers: int = FULL_LAYERS,
     head: str = "bf16",
+    eager_chain: bool = True,
 ) -> list[Row]:
     if not depths or min(depths) < 1 or max(depths) > len(VLLM_RATES):
         raise ValueError(f"--depths: expected values in 1..{len(VLLM_RATES)}, got {list(depths)}")
@@ -386,7 +387,7 @@ def run(
         floor = step_bytes(trunk, b, ctx, touched_experts(trunk, plain_fb)) / (gbs * 1e9) * 1e3
         graphed = plain_graph_ms(trunk, b, ctx, reps) if device == "cuda" else None
         lm_plain = lm_head_ms(trunk, b, device, reps)
-        chain = DraftChain(drafter, b, ctx)
+        chain = DraftChain(drafter, b, ctx) if eager_chain else None
         growth = 4 * (reps + 4) * sum(1 + round(expected_accepted(d)) for d in depths)
         graphed_chain = GraphedChain(drafter, b, ctx, growth) if fast_path.supports_batched_decode(trunk) else None
         graph_text = f", from its CUDA graph {graphed:.3f} ms (the baseline below)" if graphed is not None else ""
@@ -402,14 +403,15 @@ def run(
             else:
                 verify = time_ms(trunk_step(trunk, paged_batch(trunk, b, ctx, d + 1)), device, reps)
             rows = 1 + round(expected_accepted(d))
-            chain_ms = time_ms(chain.step(d, rows), device, reps)
+            chain_ms = time_ms(chain.step(d, rows), device, reps) if chain is not None else math.nan
             chain_graph = time_ms(graphed_chain.step(d, rows), device, reps) if graphed_chain is not None else None
             tokens = 1.0 + simulate_accepted(d, b, rounds)
             lm_verify = lm_head_ms(trunk, b * (d + 1), device, reps)
             row = Row(b, d, verify, chain_ms, rows, tokens, plain, floor, graphed, lm_plain, lm_verify, chain_graph)
             results.append(row)
+            eager_text = f" (eager per request {chain_ms:.3f} ms)" if chain is not None else ""
             chain_text = (
-                f"draft chain {chain_graph:.3f} ms from its CUDA graph (eager per request {chain_ms:.3f} ms)"
+                f"draft chain {chain_graph:.3f} ms from its CUDA graph{eager_text}"
                 if chain_graph is not None
                 else f"draft chain {chain_ms:.3f} ms eager"
             )
@@ -444,12 +446,18 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--rounds", type=int, default=2000, help="synthetic acceptor rounds per (B, D)")
     parser.add_argument("--full-layers", type=int, default=FULL_LAYERS, help="trunk depth of the full-depth estimate")
     parser.add_argument("--draft-head", choices=MTP_DRAFT_HEADS, default="bf16", help="the drafter's lm_head")
+    parser.add_argument(
+        "--skip-eager-chain", action="store_true", help="time the chain only as the engine runs it (CUDA graphs)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device (use --device cpu for the tiny shapes)")
+    if args.skip_eager_chain and args.device != "cuda":
+        raise SystemExit("--skip-eager-chain: the CPU run has only the eager chain")
     return run(
-        args.device, args.batches, args.ctx, args.depths, args.reps, args.rounds, args.full_layers, args.draft_head
-    )
+        args.device, args.batches, args.ctx, args.depths, args.reps, args.rounds, args.full_layers, args.draft_head,
+        not args.skip_eager_chain,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
