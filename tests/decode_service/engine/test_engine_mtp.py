@@ -29,16 +29,13 @@ from tools.make_tiny_checkpoint import make_tiny_checkpoint
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("mtp4")
-    make_tiny_checkpoint(directory, seed=3, mtp_config={"num_nextn_predict_layers": 4})
-    return directory
+def tiny_checkpoint(directory):
+    return make_tiny_checkpoint(directory, seed=3, mtp_config={"num_nextn_predict_layers": 4})
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    directory = tiny_dir
+def tiny(tmp_path_factory):
+    directory = tiny_checkpoint(tmp_path_factory.mktemp("mtp4"))
     files, config = CheckpointFiles(directory), load_model_config(directory)
     weights, _ = load_decoder_weights(files, config, dtype=torch.float32)
     trunk = InklingDecoder.from_weights(config.text, weights, torch.float32)
@@ -391,10 +388,12 @@ def test_checkpoint_drafter_samples_its_drafts_above_temperature_zero(tiny):
 
 
 @pytest.fixture(scope="module")
-def fp8_drafter(tiny_dir, tiny) -> MTPDrafter:
-    """The checkpoint's drafter on the same trunk, drafting through the FP8 copy of the lm_head."""
+def fp8_drafter(tmp_path_factory, tiny) -> MTPDrafter:
+    """The checkpoint's drafter (the same files again) on the same trunk, drafting through the FP8 copy of the
+    lm_head."""
     trunk, _, config = tiny
-    mtp, _ = load_mtp_weights(CheckpointFiles(tiny_dir), config, dtype=torch.float32)
+    directory = tiny_checkpoint(tmp_path_factory.mktemp("mtp4_fp8"))
+    mtp, _ = load_mtp_weights(CheckpointFiles(directory), config, dtype=torch.float32)
     return MTPDrafter.from_weights(mtp, config.mtp, trunk, head="fp8")
 
 
