@@ -39,10 +39,17 @@ class Fp8HeadConfig:
     num_stages: int = 3
 
 
+def preferred(m: int) -> bool:
+    """Whether the FP8 head beat the bf16 head (cuBLAS / skinny_gemm) for ``m`` rows on an H200
+    (bench/bench_draft_head.py): the GEMV rows only (one row 264 us against 402, floor 197); the tensor-core path
+    ran 2-5x slower than cuBLAS bf16 at 8 and 64 rows (848 / 1462 us against 451 / 474)."""
+    return m <= _GEMV_MAX_ROWS
+
+
 def default_config(m: int) -> Fp8HeadConfig:
-    """Tiles for ``m`` rows (the lm_head's shape: N ~ 200k, K = 4096)."""
+    """Tiles for ``m`` rows (the lm_head's shape: N ~ 200k, K = 4096), best of bench/bench_draft_head.py's sweep."""
     if m <= _GEMV_MAX_ROWS:
-        return Fp8HeadConfig(dot=False, block_n=8, block_k=1024, num_warps=4)
+        return Fp8HeadConfig(dot=False, block_n=8, block_k=512, num_warps=4)
     return Fp8HeadConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4)
 
 

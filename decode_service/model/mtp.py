@@ -36,6 +36,7 @@ from decode_service.model.inkling import InklingDecoder
 from decode_service.model.layers import DecoderLayer, RMSNorm
 from decode_service.model.ops import Ops
 from decode_service.model.state import SequenceState
+from kernels.fp8_head import preferred as fp8_preferred
 from kernels.fp8_head import quantize_rows_fp8
 
 _ATTN_INPUTS = ("wq_du", "wk_dv", "wv_dv", "wr_du")  # the checkpoint's rows of `attn.qkvr`, in this order
@@ -169,10 +170,11 @@ class MTPDrafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, H]` depth outputs -> fp32 draft logits `[N, unpadded_vocab]` (no final norm, spec 7.1 step 6): the
-        shared lm_head, or its FP8 copy after `use_fp8_head` (the same muP division). Every draft and its
-        distribution q come from these logits."""
+        shared lm_head, or its FP8 copy after `use_fp8_head` for the row counts where it is faster
+        (`kernels.fp8_head.preferred`: up to 4 rows; the same muP division). Every draft and its distribution q
+        come from these logits."""
         mup, vocab = self.config.mup_multiplier, self.config.unpadded_vocab_size
-        if self.fp8_head is not None:
+        if self.fp8_head is not None and fp8_preferred(hidden.shape[0]):  # measured: more rows, bf16 is faster
             weight, scale = self.fp8_head
             return self.ops.fp8_logits(hidden, weight, scale, mup, self.tp, vocab)
         z = hidden / mup  # a true division, as the trunk's (spec 9.8)
