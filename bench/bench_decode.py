@@ -284,6 +284,7 @@ def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx
     fast = time_eager_ms(packed, reps=3, warmup=1)
     graphed = time_eager_ms(batched, reps=30, warmup=3)  # the first run captures B's graph
     host, in_graph = time_eager_ms(sampled_on_host, reps=30), time_eager_ms(argmax_in_graph, reps=30)
+    same = sampled_on_host() == argmax_in_graph()  # one step's inputs: the head graph must give the host's tokens
     kernels, copies, busy, top = count_launches(partial(batched, runner=eager))
     ref = f"skipped (B > --ref-max-batch {ref_max_batch})"
     if batch <= ref_max_batch:
@@ -301,7 +302,8 @@ def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx
     )
     print(
         f"# ctx={ctx} B={batch}: greedy tokens (graphs step + tokens on the host) from an eager lm_head + argmax "
-        f"{host:.3f} ms, from the argmax in the head graph {in_graph:.3f} ms ({host / in_graph:.2f}x)",
+        f"{host:.3f} ms, from the argmax in the head graph {in_graph:.3f} ms ({host / in_graph:.2f}x); same "
+        f"tokens: {same}",
         flush=True,
     )
     return row
