@@ -24,6 +24,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _GEMV_MAX_ROWS = 4
+_PREFERRED_ROWS = 2  # see `preferred`
 _DOT_MIN_ROWS, _DOT_MAX_ROWS = 16, 64  # rows of x per tensor-core program
 
 
@@ -40,10 +41,10 @@ class Fp8HeadConfig:
 
 
 def preferred(m: int) -> bool:
-    """Whether the FP8 head beat the bf16 head (cuBLAS / skinny_gemm) for ``m`` rows on an H200
-    (bench/bench_draft_head.py): the GEMV rows only (one row 264 us against 402, floor 197); the tensor-core path
-    ran 2-5x slower than cuBLAS bf16 at 8 and 64 rows (848 / 1462 us against 451 / 474)."""
-    return m <= _GEMV_MAX_ROWS
+    """Whether the FP8 head beat the drafter's bf16 head (cuBLAS) for ``m`` rows on an H200
+    (bench/bench_draft_head.py): one row 258 us against 466 (floor 197), two 405 against 434; four rows 807
+    against 452, and the tensor-core path 2-3x slower than cuBLAS at 8 and 64 rows (848 / 1462 against 451 / 474)."""
+    return m <= _PREFERRED_ROWS
 
 
 def default_config(m: int) -> Fp8HeadConfig:

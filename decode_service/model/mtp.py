@@ -171,7 +171,7 @@ class MTPDrafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, H]` depth outputs -> fp32 draft logits `[N, unpadded_vocab]` (no final norm, spec 7.1 step 6): the
         shared lm_head, or its FP8 copy after `use_fp8_head` for the row counts where it is faster
-        (`kernels.fp8_head.preferred`: up to 4 rows; the same muP division). Every draft and its distribution q
+        (`kernels.fp8_head.preferred`: up to 2 rows; the same muP division). Every draft and its distribution q
         come from these logits."""
         mup, vocab = self.config.mup_multiplier, self.config.unpadded_vocab_size
         if self.fp8_head is not None and fp8_preferred(hidden.shape[0]):  # measured: more rows, bf16 is faster
