@@ -16,7 +16,9 @@ step and GPU time by kernel come from the same batched step run eagerly. The tab
 that must move / copy bandwidth measured in the same run, bytes = every non-routed weight once (attention, dense
 MLP, shared experts, router, lm_head; B embedding rows) + the routed experts this step's routing touches (packed
 codes + block scales for NVFP4) + every visible K/V + conv states read and written + fp32 logits written.
-Kernel launches are counted with the torch profiler (kernels, plus memcpy/memset, per step).
+Kernel launches are counted with the torch profiler (kernels, plus memcpy/memset, per step). A second line per row
+times a greedy step with its tokens read on the host: the graphs step then an eager lm_head + argmax (the least the
+runner's host sampling does), or the decode graphs' in-graph argmax (`DecodeGraphs.greedy_tokens`, B ints read).
 
 `--hf` then times transformers' Inkling at the same (B, ctx) grid (`bench.hf_decode`: bf16, sdpa, its own random
 init) with each of its experts backends (grouped_mm, batched_mm, eager; `--hf-experts`): the table shows the
@@ -269,10 +271,20 @@ def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx
         with torch.inference_mode():
             return model.logits(runner.run(tokens, handles))
 
+    def sampled_on_host() -> list:  # the least the host path does (the sampler's own launches come on top)
+        with torch.inference_mode():
+            return model.logits(graphs.run(tokens, handles)).argmax(-1).tolist()
+
+    def argmax_in_graph() -> list:
+        with torch.inference_mode():
+            return graphs.greedy_tokens(graphs.run(tokens, handles)).tolist()
+
     touched = touched_experts(model, fb)
     floor = ceil.floor_us(step_bytes(model, batch, ctx, touched)) / 1e3
     fast = time_eager_ms(packed, reps=3, warmup=1)
     graphed = time_eager_ms(batched, reps=30, warmup=3)  # the first run captures B's graph
+    host, in_graph = time_eager_ms(sampled_on_host, reps=30), time_eager_ms(argmax_in_graph, reps=30)
+    same = sampled_on_host() == argmax_in_graph()  # one step's inputs: the head graph must give the host's tokens
     kernels, copies, busy, top = count_launches(partial(batched, runner=eager))
     ref = f"skipped (B > --ref-max-batch {ref_max_batch})"
     if batch <= ref_max_batch:
@@ -286,6 +298,12 @@ def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx
         f"# ctx={ctx} B={batch}: experts {row.experts}, floor {floor:.2f} ms, reference {ref} ms, packed fast "
         f"{fast:.2f} ms, graphs {graphed:.2f} ms ({row.ratio:.2f}x floor), kernels {kernels} + {copies} copies per "
         f"step, GPU busy {busy:.2f} ms",
+        flush=True,
+    )
+    print(
+        f"# ctx={ctx} B={batch}: greedy tokens (graphs step + tokens on the host) from an eager lm_head + argmax "
+        f"{host:.3f} ms, from the argmax in the head graph {in_graph:.3f} ms ({host / in_graph:.2f}x); same "
+        f"tokens: {same}",
         flush=True,
     )
     return row

@@ -9,9 +9,11 @@ For each B (default 1/8/64) at context `--ctx`:
 - plain step: the trunk forward of B sequences with 1 new token each through the engine's paged KV cache, plus
   the lm_head of the B rows; verify step: the same with D+1 tokens per sequence (the bonus token and D drafts)
   and the lm_head of all B(D+1) rows, on CUDA replayed from the engine's verify CUDA graph (`DecodeGraphs` of
-  width D+1) followed by its conv commit, on the CPU the packed path, eager;
+  width D+1) followed by its conv commit, on the CPU the packed path, eager; on CUDA both steps as the engine
+  runs greedy rows: the lm_head and argmax replayed from the head graph and the B(D+1) token ids read;
 - draft chain: depth 0..D-1 each over `r` rows per sequence (the rows the round verified: 1 + the expected
-  accepted drafts, rounded) and its draft logits through the shared lm_head for the B last rows. Timed twice: as
+  accepted drafts, rounded) and its draft logits for the B last rows, through the shared lm_head or its FP8 copy
+  (`--draft-head`). Timed twice: as
   the engine runs it when the trunk has the paged decode kernels (`PagedMTPSpeculator`: the verified rows one
   packed forward per depth over the depths' paged pools, then the provisional rows and the D drafts replayed
   from the chain's CUDA graph for B's bucket and D; "from its CUDA graph", the figure used below) and the old
@@ -38,6 +40,7 @@ the plain and the verify rows, the rest of each trunk step is scaled by 42 / 6 a
 Acceptance itself is not measured (random weights), only assumed.
 
     python3 -m bench.bench_mtp [--device cuda|cpu] [--batches 1 8 64] [--ctx 1024] [--depths 1 2 ... 8]
+        [--draft-head bf16|fp8] [--skip-eager-chain]
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from bench.proxy import (
     touched_experts,
 )
 from common.config import MtpConfig, parse_model_config
+from common.settings import MTP_DRAFT_HEADS
 from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.engine.worker.draft_graphs import DepthPools, DraftGraphs
@@ -93,8 +97,9 @@ def copy_gbs(device: str) -> float:
     return gbs
 
 
-def build(device: str, num_depths: int) -> tuple[InklingDecoder, MTPDrafter]:
-    """The trunk (Small-L6 on CUDA, make-tiny on CPU) and `num_depths` random MTP depths of the real block."""
+def build(device: str, num_depths: int, head: str = "bf16") -> tuple[InklingDecoder, MTPDrafter]:
+    """The trunk (Small-L6 on CUDA, make-tiny on CPU) and `num_depths` random MTP depths of the real block, drafting
+    through `head` (`MTP_DRAFT_HEADS`: the shared bf16 lm_head or its FP8 copy)."""
     mtp_block = dict(INKLING_MTP, num_nextn_predict_layers=num_depths)
     mtp_block["local_layer_ids"] = [i for i in INKLING_MTP["local_layer_ids"] if i < num_depths]
     if device == "cuda":
@@ -104,7 +109,10 @@ def build(device: str, num_depths: int) -> tuple[InklingDecoder, MTPDrafter]:
         parsed = parse_model_config(raw_config(mtp_config=mtp_block))
         trunk = random_proxy(parsed.text, frozenset(), device)
     assert parsed.mtp is not None
-    return trunk, random_drafter(parsed.mtp, trunk)
+    drafter = random_drafter(parsed.mtp, trunk)
+    if head == "fp8":
+        drafter.use_fp8_head()
+    return trunk, drafter
 
 
 @torch.no_grad()
@@ -173,18 +181,19 @@ def paged_batch(model: InklingDecoder, batch: int, ctx: int, width: int) -> Forw
 def graph_step_ms(model: InklingDecoder, batch: int, ctx: int, width: int, reps: int) -> float:
     """The engine's step of B sequences at `ctx` with `width` tokens each from its CUDA graph (`DecodeGraphs`):
     width 1 the plain decode, else the verify of width-1 drafts followed by the conv commit of its accepted rows
-    (all of them: the commit costs the same whatever it keeps); plus the lm_head of the B*width rows."""
+    (all of them: the commit costs the same whatever it keeps); plus the greedy tokens of the B*width rows (the
+    lm_head and argmax from the head graph, the ids read on the host), as the engine runs greedy rows."""
     handles, graphs = paged_sequences(model, batch, ctx, width, graph_widths=(width,))
     tokens = torch.randint(0, model.config.unpadded_vocab_size, (batch, width)).tolist()
 
-    def step() -> torch.Tensor:
+    def step() -> list[int]:
         with torch.inference_mode():
             if width == 1:
-                return model.logits(graphs.run([t[0] for t in tokens], handles))
+                return graphs.greedy_tokens(graphs.run([t[0] for t in tokens], handles)).tolist()
             hidden, _ = graphs.verify(tokens, handles)
-            logits = model.logits(hidden)
+            ids = graphs.greedy_tokens(hidden).tolist()
             graphs.commit([width] * batch)
-            return logits
+            return ids
 
     return time_ms(step, "cuda", reps, warmup=3)  # the first run captures the graphs
 
@@ -270,14 +279,14 @@ class GraphedChain:
 
 
 def plain_graph_ms(model: InklingDecoder, batch: int, ctx: int, reps: int) -> float:
-    """The engine's plain decode step (`DecodeGraphs` replay + lm_head) for B sequences at `ctx`, as in
-    `bench.bench_decode`."""
+    """The engine's plain greedy decode step for B sequences at `ctx` (`DecodeGraphs` replay, then the lm_head and
+    argmax from the head graph and the B token ids read), as in `bench.bench_decode`."""
     fb, graphs, handles = paged_decode_batch(model, batch, ctx, ctx + 1)
     tokens = fb.token_ids.tolist()
 
-    def step() -> torch.Tensor:
+    def step() -> list[int]:
         with torch.inference_mode():
-            return model.logits(graphs.run(tokens, handles))
+            return graphs.greedy_tokens(graphs.run(tokens, handles)).tolist()
 
     return time_ms(step, "cuda", reps, warmup=3)  # the first run captures B's graph
 
@@ -358,13 +367,16 @@ def run(
     reps: int,
     rounds: int,
     full_layers: int = FULL_LAYERS,
+    head: str = "bf16",
+    eager_chain: bool = True,
 ) -> list[Row]:
     if not depths or min(depths) < 1 or max(depths) > len(VLLM_RATES):
         raise ValueError(f"--depths: expected values in 1..{len(VLLM_RATES)}, got {list(depths)}")
     if ctx < 1:
         raise ValueError(f"--ctx: expected >= 1, got {ctx}")
     gbs = copy_gbs(device)
-    trunk, drafter = build(device, max(depths))
+    trunk, drafter = build(device, max(depths), head)
+    print(f"# draft head: {head}", flush=True)
     layer_scale = full_layers / trunk.config.num_layers
     results = []
     for b in batches:
@@ -375,7 +387,7 @@ def run(
         floor = step_bytes(trunk, b, ctx, touched_experts(trunk, plain_fb)) / (gbs * 1e9) * 1e3
         graphed = plain_graph_ms(trunk, b, ctx, reps) if device == "cuda" else None
         lm_plain = lm_head_ms(trunk, b, device, reps)
-        chain = DraftChain(drafter, b, ctx)
+        chain = DraftChain(drafter, b, ctx) if eager_chain else None
         growth = 4 * (reps + 4) * sum(1 + round(expected_accepted(d)) for d in depths)
         graphed_chain = GraphedChain(drafter, b, ctx, growth) if fast_path.supports_batched_decode(trunk) else None
         graph_text = f", from its CUDA graph {graphed:.3f} ms (the baseline below)" if graphed is not None else ""
@@ -391,14 +403,15 @@ def run(
             else:
                 verify = time_ms(trunk_step(trunk, paged_batch(trunk, b, ctx, d + 1)), device, reps)
             rows = 1 + round(expected_accepted(d))
-            chain_ms = time_ms(chain.step(d, rows), device, reps)
+            chain_ms = time_ms(chain.step(d, rows), device, reps) if chain is not None else math.nan
             chain_graph = time_ms(graphed_chain.step(d, rows), device, reps) if graphed_chain is not None else None
             tokens = 1.0 + simulate_accepted(d, b, rounds)
             lm_verify = lm_head_ms(trunk, b * (d + 1), device, reps)
             row = Row(b, d, verify, chain_ms, rows, tokens, plain, floor, graphed, lm_plain, lm_verify, chain_graph)
             results.append(row)
+            eager_text = f" (eager per request {chain_ms:.3f} ms)" if chain is not None else ""
             chain_text = (
-                f"draft chain {chain_graph:.3f} ms from its CUDA graph (eager per request {chain_ms:.3f} ms)"
+                f"draft chain {chain_graph:.3f} ms from its CUDA graph{eager_text}"
                 if chain_graph is not None
                 else f"draft chain {chain_ms:.3f} ms eager"
             )
@@ -432,10 +445,19 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--reps", type=int, default=20, help="timed calls per figure (median)")
     parser.add_argument("--rounds", type=int, default=2000, help="synthetic acceptor rounds per (B, D)")
     parser.add_argument("--full-layers", type=int, default=FULL_LAYERS, help="trunk depth of the full-depth estimate")
+    parser.add_argument("--draft-head", choices=MTP_DRAFT_HEADS, default="bf16", help="the drafter's lm_head")
+    parser.add_argument(
+        "--skip-eager-chain", action="store_true", help="time the chain only as the engine runs it (CUDA graphs)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device (use --device cpu for the tiny shapes)")
-    return run(args.device, args.batches, args.ctx, args.depths, args.reps, args.rounds, args.full_layers)
+    if args.skip_eager_chain and args.device != "cuda":
+        raise SystemExit("--skip-eager-chain: the CPU run has only the eager chain")
+    return run(
+        args.device, args.batches, args.ctx, args.depths, args.reps, args.rounds, args.full_layers, args.draft_head,
+        not args.skip_eager_chain,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

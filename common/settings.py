@@ -312,6 +312,9 @@ def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
 MTP_AUTO = "auto"  # --mtp-depth auto: the drafts per step chosen by batch size from step costs measured at start
 # vLLM's published cumulative acceptance of draft positions 1..8 for Inkling (GSM8K, concurrency 64, greedy).
 VLLM_MTP_ACCEPTANCE = (0.757, 0.601, 0.498, 0.411, 0.354, 0.298, 0.261, 0.223)
+# --mtp-draft-head: the drafter's logits through the shared bf16 lm_head, or through an FP8 copy of it (+V*H bytes)
+MTP_DRAFT_HEADS = ("bf16", "fp8")
+DEFAULT_MTP_DRAFT_HEAD = "fp8"  # faster at 1-2 rows, bf16 above either way (kernels/fp8_head.preferred, decisions)
 
 
 def mtp_depth_arg(text: str) -> int | str:
@@ -363,9 +366,12 @@ class DecodeEngineSettings:
     expert_parallel: bool = False  # routed experts partitioned over the ranks instead of split by width
     mtp_depth: int | str = 0  # MTP speculation: drafts per step (0 = off; MTP_AUTO: by batch size, measured)
     mtp_acceptance: tuple[float, ...] = VLLM_MTP_ACCEPTANCE  # --mtp-depth auto: cumulative acceptance per position
+    mtp_draft_head: str = DEFAULT_MTP_DRAFT_HEAD  # one of MTP_DRAFT_HEADS: the drafter's lm_head
 
     def __post_init__(self) -> None:
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
+        if self.mtp_draft_head not in MTP_DRAFT_HEADS:
+            raise ConfigError(f"--mtp-draft-head must be one of {MTP_DRAFT_HEADS}, got {self.mtp_draft_head!r}")
         if self.expert_parallel and self.tensor_parallel_size == 1:
             raise ConfigError("--enable-expert-parallel needs --tensor-parallel-size > 1")
         check_mtp_depth(self.mtp_depth, self.mtp_acceptance)
@@ -478,6 +484,7 @@ def decode_settings(args: argparse.Namespace) -> DecodeSettings:
         expert_parallel=args.enable_expert_parallel,
         mtp_depth=args.mtp_depth,
         mtp_acceptance=_flag(args, "mtp_acceptance", VLLM_MTP_ACCEPTANCE),
+        mtp_draft_head=_flag(args, "mtp_draft_head", DEFAULT_MTP_DRAFT_HEAD),
     )
     limits = ServiceLimits(
         max_prompt_tokens=args.max_prompt_tokens,

@@ -67,13 +67,19 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     _add_parallel_args(p.add_argument_group("tensor parallelism (--local)"))
-    from common.settings import mtp_depth_arg
+    from common.settings import DEFAULT_MTP_DRAFT_HEAD, MTP_DRAFT_HEADS, mtp_depth_arg
 
     p.add_argument(
         "--mtp-depth",
         type=mtp_depth_arg,
         default=0,
         help="--local: MTP drafts per step (0 = off, auto = by batch size)",
+    )
+    p.add_argument(
+        "--mtp-draft-head",
+        choices=MTP_DRAFT_HEADS,
+        default=DEFAULT_MTP_DRAFT_HEAD,
+        help="--local: the drafter's lm_head (fp8: an FP8 copy of the shared one, +V*H bytes)",
     )
     from common.settings import add_security_args
 
@@ -197,6 +203,7 @@ def _responses(args: argparse.Namespace, request):
                 tensor_parallel_size=args.tensor_parallel_size,
                 expert_parallel=args.enable_expert_parallel,
                 mtp_depth=args.mtp_depth,
+                mtp_draft_head=args.mtp_draft_head,
             ),
         )
         encoder = LocalEncoder.load(args.checkpoint, device=args.device, dtype=args.dtype)
@@ -306,6 +313,7 @@ def _add_decode_args(parser: argparse.ArgumentParser) -> None:
     from common.settings import (
         DTYPE_NAMES,
         MIB,
+        MTP_DRAFT_HEADS,
         DecodeEngineSettings,
         RedisPrefixSettings,
         ServiceLimits,
@@ -366,6 +374,13 @@ def _add_decode_args(parser: argparse.ArgumentParser) -> None:
         default=e.mtp_acceptance,
         help="--mtp-depth auto: cumulative acceptance of draft positions 1, 2, ... (comma-separated; default "
         "vLLM's published rates for Inkling)",
+    )
+    engine.add_argument(
+        "--mtp-draft-head",
+        choices=MTP_DRAFT_HEADS,
+        default=e.mtp_draft_head,
+        help="the drafter's lm_head: the shared bf16 one, or an FP8 copy of it (+V*H bytes, half the bytes per "
+        "depth); the served tokens do not depend on it",
     )
     limits = parser.add_argument_group("request limits")
     limits.add_argument(

@@ -44,6 +44,7 @@ def build_engine(
         cuda_graphs=settings.cuda_graphs,
         mtp_depth=settings.mtp_depth,
         mtp_acceptance=settings.mtp_acceptance,
+        mtp_draft_head=settings.mtp_draft_head,
     )
     if settings.tensor_parallel_size > 1:
         return launch_engine(
@@ -63,5 +64,5 @@ def build_engine(
         if config.mtp is None:
             raise ConfigError(f"--mtp-depth={settings.mtp_depth}: the checkpoint has no MTP drafter (mtp_config)")
         mtp, _ = load_mtp_weights(CheckpointFiles(checkpoint), config, dtype=dtype, device=settings.device)
-        drafter = MTPDrafter.from_weights(mtp, config.mtp, model)
+        drafter = MTPDrafter.from_weights(mtp, config.mtp, model, head=settings.mtp_draft_head)
     return Engine(model, config, engine_settings, prefix_store, drafter)

@@ -23,7 +23,7 @@ import torch
 from common.config import ModelConfig
 from common.errors import ConfigError, InvalidInputError, ResourceExhaustedError
 from common.fingerprint import config_fingerprint
-from common.settings import MTP_AUTO, VLLM_MTP_ACCEPTANCE
+from common.settings import DEFAULT_MTP_DRAFT_HEAD, MTP_AUTO, VLLM_MTP_ACCEPTANCE
 from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.core.prefix_index import PrefixCache
 from decode_service.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -64,6 +64,7 @@ class EngineSettings:
     mtp_depth: int | str = 0  # MTP speculation: drafts per step from the checkpoint's first D depths (0 = off);
     # MTP_AUTO: per batch bucket from step costs measured at start and `mtp_acceptance` (core/speculation.py)
     mtp_acceptance: tuple[float, ...] = VLLM_MTP_ACCEPTANCE  # cumulative acceptance of draft positions 1, 2, ...
+    mtp_draft_head: str = DEFAULT_MTP_DRAFT_HEAD  # the lm_head a tensor-parallel rank builds its drafter with
 
 
 @dataclass

@@ -101,7 +101,8 @@ def _rank_engine(
     drafter = None
     if settings.mtp_depth:
         mtp, _ = load_mtp_shard(files, config, plan, dtype, settings.device)
-        drafter = MTPDrafter.from_weights(mtp, config.mtp, model)  # its depths shard like the trunk's layers
+        # its depths shard like the trunk's layers, an FP8 head its vocabulary shard
+        drafter = MTPDrafter.from_weights(mtp, config.mtp, model, head=settings.mtp_draft_head)
     sync()
     engine = Engine(model, config, settings, prefix_store, drafter, ranks=leader)
     sync()

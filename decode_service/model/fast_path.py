@@ -3,12 +3,13 @@
 `TritonOps` is `Ops` with the hot ops on the kernels of `kernels/`: the dense linears where `skinny_gemm` beats
 cuBLAS (`skinny_gemm.preferred`: one row), i.e. the projections, the dense MLP and
 the shared experts with their SwiGLU, scale, gammas and the add of the routed experts in the epilogue, and the
-lm_head with its muP division and fp32 logits; `rms_norm`, `route` (the MoE gate in two launches), the routed
-experts (`nvfp4_moe` on the packed weights as loaded, or `bf16_moe`, tiles shrunk to divide H and I; layers whose
-widths no tile divides keep the reference, decided when the layer is built), the shared experts as two GEMMs over
-the stacked experts, and `attention_kernels`, which gives the attention backends their kernels (`packed.py`:
-prefill / one-token-per-sequence attention over each `LayerCache`'s visible keys; `paged.py`: the decode step
-over the engine's pools, which the engine captures in CUDA graphs).
+lm_head with its muP division and fp32 logits (the MTP drafter's FP8 copy of it on `fp8_head`, any rows);
+`rms_norm`, `route` (the MoE gate in two launches), the routed experts (`nvfp4_moe` on the packed weights as
+loaded, or `bf16_moe`, tiles shrunk to divide H and I; layers whose widths no tile divides keep the reference,
+decided when the layer is built), the shared experts as two GEMMs over the stacked experts, and
+`attention_kernels`, which gives the attention backends their kernels (`packed.py`: prefill /
+one-token-per-sequence attention over each `LayerCache`'s visible keys; `paged.py`: the decode step over the
+engine's pools, which the engine captures in CUDA graphs).
 
 `resolve_ops` maps a name to a bundle once, at build: "auto" (the default) takes the kernels for a CUDA device when
 Triton is installed, "reference" never does (benchmarks and parity checks on the GPU), "fast" always does (CPU
@@ -146,6 +147,14 @@ class TritonOps(Ops):
         if tp.size == 1 and _skinny(hidden, weight):
             return skinny_linear(hidden, weight[:vocab], divisor=divisor, out_dtype=torch.float32)
         return super().logits(hidden, weight, divisor, tp, vocab)
+
+    def fp8_logits(self, hidden, weight, scale, divisor, tp, vocab):
+        """One launch for any number of rows (`kernels.fp8_head`: the division fused, fp32 logits)."""
+        from kernels.fp8_head import fp8_logits
+
+        if hidden.dtype in (torch.float32, torch.float16, torch.bfloat16) and hidden.stride(-1) == 1:
+            return tp.gather_vocab(fp8_logits(hidden, weight, scale, divisor=divisor))[:, :vocab]
+        return super().fp8_logits(hidden, weight, scale, divisor, tp, vocab)
 
     def route(self, x, weight, bias, top_k, route_scale, global_scale):
         """Two launches: fp32 logits GEMV, then sigmoid/top-k/sink renorm/scales."""

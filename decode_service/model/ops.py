@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from common.nvfp4 import dequant_nvfp4
+from kernels.fp8_head import fp8_logits_reference
 from kernels.moe import MASKED_ROUTE
 from kernels.rms_norm import rms_norm_reference
 from kernels.router import route_reference
@@ -66,6 +67,19 @@ class Ops:
         the muP division (a true division, spec 9.8), the product gathered over `tp`, padded columns dropped."""
         z = hidden / divisor
         return tp.gather_vocab(F.linear(z, weight))[:, :vocab].float()
+
+    def fp8_logits(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        divisor: float,
+        tp: TPGroup,
+        vocab: int,
+    ) -> torch.Tensor:
+        """`logits` through an FP8 copy of the unembedding (e4m3 `[V/n, H]`, fp32 row scales `[V/n]`,
+        `kernels.fp8_head.quantize_rows_fp8`): the same division, products in fp32, logits not rounded."""
+        return tp.gather_vocab(fp8_logits_reference(hidden, weight, scale, divisor=divisor))[:, :vocab]
 
     def route(
         self,

@@ -234,3 +234,20 @@ def test_the_model_id_is_never_the_checkpoint_path(tmp_path):
     assert served_model_name(str(checkpoint), "inkling") == "inkling"
     with pytest.raises(ConfigError, match="--model-name"):
         served_model_name(str(checkpoint), " ")
+
+
+def test_mtp_draft_head_flag():
+    """`--mtp-draft-head` reaches the engine settings (default fp8, measured); `generate --local` takes it too; other
+    values are refused by the parser."""
+    from common.settings import DEFAULT_MTP_DRAFT_HEAD
+
+    engine = decode_settings(build_parser().parse_args(["decode", "--checkpoint", "ck", "--mtp-depth", "2"])).engine
+    assert engine.mtp_draft_head == DEFAULT_MTP_DRAFT_HEAD == "fp8"
+    args = build_parser().parse_args(["decode", "--checkpoint", "ck", "--mtp-draft-head", "bf16"])
+    assert decode_settings(args).engine.mtp_draft_head == "bf16"
+    generate = ["generate", "--local", "--checkpoint", "ck", "--prompt", "hi", "--mtp-draft-head", "bf16"]
+    assert build_parser().parse_args(generate).mtp_draft_head == "bf16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--checkpoint", "ck", "--mtp-draft-head", "int4"])
+    with pytest.raises(ConfigError, match="--mtp-draft-head"):
+        DecodeEngineSettings(mtp_draft_head="int4")

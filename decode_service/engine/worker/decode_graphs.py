@@ -13,6 +13,12 @@ one static buffer per conv pool); once the sampler knows how many rows each sequ
 the states after exactly those rows (`kernels.conv_verify.conv_commit`, a graph of its own per bucket and width).
 KV of the rejected rows stays in the pool past the sequence's length, where later steps overwrite it.
 
+Greedy steps (`greedy_tokens`): when every row of a step takes the argmax of its logits (the runner decides), a
+second graph per bucket and width runs the lm_head of all B*W rows of the step's static hidden and its argmax, so
+the host reads B*W token ids instead of the fp32 logits and their sampling ops. Its logits are a temporary of the
+graphs' pool: the pool holds the largest bucket's B*W x vocab x (2 + 4) bytes (386 MB at 64 sequences x W=5 for
+Inkling's 201024 columns).
+
 Graphs are captured once per bucket and width (the buckets up to `max_num_seqs`, which is the last one), after an
 eager warm-up run on padding rows (Triton compiles there), and share one memory pool. Without CUDA (CPU tests of
 this path under the kernels' interpreter), or with graphs off, the same buffers and padding run eagerly. The pinned
@@ -65,9 +71,11 @@ class DecodeGraphs:
             for states in cache.conv
         ] if self.widths[-1] > 1 else []  # fmt: skip
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._heads: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # -> token ids [B*W]
         self._commits: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._last: tuple[int, int] | None = None  # (bucket, width) of the verify awaiting its commit
+        self._stepped: tuple[int, int] | None = None  # (bucket, width) of the last step, for `greedy_tokens`
 
     def bucket(self, batch: int) -> int:
         """The bucket a batch of this size replays in (the scheduler never runs more than max_num_seqs)."""
@@ -96,6 +104,18 @@ class DecodeGraphs:
         self._last = (self.bucket(len(token_ids)), width)
         return hidden, width
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """After `run` or `verify`, with the hidden they returned: the argmax of every row's logits `[B*W]` int64 on
+        the device (the same lm_head op as `model.logits`), from the head graph of the step's bucket and width."""
+        assert self._stepped is not None, "greedy_tokens without a step"
+        size, width = self._stepped
+        if not self.capture:
+            return self._greedy(hidden)
+        graph, tokens = self._heads[size, width]
+        assert hidden.data_ptr() == self._graphs[size, width][1].data_ptr(), "the hidden of another step"
+        graph.replay()
+        return tokens[: hidden.shape[0]]
+
     def commit(self, accepted: list[int]) -> None:
         """After `verify`: sequence i keeps its first `accepted[i]` rows (1..its tokens); its conv states become
         those after them."""
@@ -121,6 +141,7 @@ class DecodeGraphs:
         """The step's graph (and a verify's commit graph) for this bucket and width, captured on first use."""
         if (size, width) not in self._graphs:
             self._graphs[size, width] = self._capture(size, width)
+            self._heads[size, width] = self._capture_head(self._graphs[size, width][1])
             if width > 1:
                 self._commits[size, width] = self._capture_commit(size, width)
 
@@ -131,6 +152,7 @@ class DecodeGraphs:
             self._ensure_graphs(size, width)  # before the fill: a capture runs on padding metadata
         self._fill(token_ids, views, size, width)
         self._upload(size, width)
+        self._stepped = (size, width)
         if not self.capture:
             return self._forward(size, width)[: batch * width]
         graph, hidden = self._graphs[size, width]
@@ -220,6 +242,19 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             hidden = self._forward(size, width)
         return graph, hidden
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[N, H]` final-normed rows -> `[N]` argmax of their logits (what a head graph records)."""
+        return self.model.logits(hidden).argmax(-1)
+
+    def _capture_head(self, hidden: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The lm_head + argmax over a step graph's static hidden (warm-up on whatever it holds)."""
+        self._greedy(hidden)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            tokens = self._greedy(hidden)
+        return graph, tokens
 
     def _capture_commit(self, size: int, width: int) -> torch.cuda.CUDAGraph:
         self._fill([], [], size, width)

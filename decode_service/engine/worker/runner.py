@@ -18,7 +18,7 @@ from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.engine.worker.kv_cache import KVCache, SequenceView
 from decode_service.engine.worker.mtp import DraftInput, DraftModel
 from decode_service.engine.worker.rejection import verify_draft
-from decode_service.engine.worker.sampler import Sampler, SampleResult, to_device
+from decode_service.engine.worker.sampler import Sampler, SampleResult, argmax_only, to_device
 from decode_service.engine.worker.snapshots import SnapshotStore
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.collectives import SINGLE, TPGroup
@@ -226,15 +226,42 @@ class ModelRunner:
         """A decode or verify step from the decode graphs; a verify commits the conv states of the accepted rows
         (`DecodeGraphs.commit`), so no replay is needed."""
         views = [self.views[c.request_id] for c in chunks]
+        greedy = self._argmax_only(chunks)
         if width == 1:
             hidden = self.decode_graphs.run([c.token_ids[0] for c in chunks], views)  # [B, H]
             first_rows = list(range(len(chunks)))
-            return hidden, first_rows, self._emitted(chunks, hidden, first_rows)
+            samples = self._greedy_samples(chunks, hidden, 1) if greedy else self._emitted(chunks, hidden, first_rows)
+            return hidden, first_rows, samples
         hidden, width = self.decode_graphs.verify([c.token_ids for c in chunks], views)  # [B*W, H]
         first_rows = [i * width for i in range(len(chunks))]
-        samples = self._emitted(chunks, hidden, first_rows)
+        samples = self._greedy_samples(chunks, hidden, width) if greedy else self._emitted(chunks, hidden, first_rows)
         self.decode_graphs.commit([len(samples[c.request_id]) if c.num_drafts else c.num_tokens for c in chunks])
         return hidden, first_rows, samples
+
+    def _argmax_only(self, chunks: tuple[ScheduledChunk, ...]) -> bool:
+        """Whether this rank samples every chunk of the step as the argmax of its logits and nothing else (greedy,
+        unconstrained, no penalties, no logprobs: `sampler.argmax_only`), so the decode graph's argmax stands in
+        for `_sample` (one rank: under tensor parallelism the logits are gathered outside the graphs)."""
+        if self.sampler is None or self.tp.size > 1:
+            return False
+        return all(c.needs_logits and argmax_only(self.requests[c.request_id]) for c in chunks)
+
+    def _greedy_samples(
+        self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor, width: int
+    ) -> dict[str, list[SampleResult]]:
+        """`_sample` for an `_argmax_only` step from the decode graph's token ids (`[B*W]`, read as B*W ints):
+        a verify chunk emits its rows' argmaxes while they equal the drafts, then the first that does not."""
+        ids = self.decode_graphs.greedy_tokens(hidden).tolist()
+        samples: dict[str, list[SampleResult]] = {}
+        for i, c in enumerate(chunks):
+            emitted = []
+            for j in range(c.num_drafts + 1):  # row i*W + j: the token after the chunk's j-th
+                emitted.append(ids[i * width + j])
+                if j == c.num_drafts or emitted[-1] != c.token_ids[j + 1]:
+                    break
+            self.requests[c.request_id].output_token_ids.extend(emitted)
+            samples[c.request_id] = [SampleResult(t) for t in emitted]
+        return samples
 
     def _forward_packed(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[int], dict[str, list[SampleResult]]]:
         """Any step through the packed path; verify chunks restore their conv states and run their accepted rows

@@ -133,6 +133,14 @@ class Sampler:
         return results
 
 
+def argmax_only(request: SamplingState) -> bool:
+    """Whether `Sampler.sample` returns this request's token as the argmax of its raw logits and nothing else:
+    greedy, no penalties, no grammar, no logprobs (the decode graphs' in-graph argmax, worker/runner.py)."""
+    p = request.sampling
+    no_penalty = p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+    return p.greedy and no_penalty and request.constraint is None and p.logprobs is None
+
+
 def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
     """Repetition penalty over prompt + output tokens; presence and frequency penalties over output tokens."""
     params = [r.sampling for r in requests]

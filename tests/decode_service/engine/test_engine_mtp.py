@@ -23,15 +23,19 @@ from decode_service.engine.request import MultimodalItem, Request, SamplingParam
 from decode_service.engine.worker.mtp import DraftInput
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.mtp import MTPDrafter
+from kernels.fp8_head import fp8_logits_reference
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
+def tiny_checkpoint(directory):
+    return make_tiny_checkpoint(directory, seed=3, mtp_config={"num_nextn_predict_layers": 4})
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("mtp4")
-    make_tiny_checkpoint(directory, seed=3, mtp_config={"num_nextn_predict_layers": 4})
+    directory = tiny_checkpoint(tmp_path_factory.mktemp("mtp4"))
     files, config = CheckpointFiles(directory), load_model_config(directory)
     weights, _ = load_decoder_weights(files, config, dtype=torch.float32)
     trunk = InklingDecoder.from_weights(config.text, weights, torch.float32)
@@ -383,6 +387,58 @@ def test_checkpoint_drafter_samples_its_drafts_above_temperature_zero(tiny):
     assert [r.output_token_ids for r in requests] == again and all(len(t) == 8 for t in again)
 
 
+@pytest.fixture(scope="module")
+def fp8_drafter(tmp_path_factory, tiny) -> MTPDrafter:
+    """The checkpoint's drafter (the same files again) on the same trunk, drafting through the FP8 copy of the
+    lm_head."""
+    trunk, _, config = tiny
+    directory = tiny_checkpoint(tmp_path_factory.mktemp("mtp4_fp8"))
+    mtp, _ = load_mtp_weights(CheckpointFiles(directory), config, dtype=torch.float32)
+    return MTPDrafter.from_weights(mtp, config.mtp, trunk, head="fp8")
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_fp8_draft_head_greedy_equals_no_speculation(tiny, baseline, fp8_drafter, depth):
+    assert run(tiny, fresh(SPECS), drafter=fp8_drafter, mtp_depth=depth) == baseline
+
+
+def test_fp8_draft_head_q_is_the_distribution_of_its_logits(tiny, fp8_drafter, monkeypatch):
+    """Temperature > 0 with the FP8 head: every draft logit row the speculator computes is the FP8 copy's (not the
+    bf16 head's), and every `q` kept for rejection sampling is softmax(those logits / T)."""
+    trunk, bf16_drafter, config = tiny
+    temperature = 0.7
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (hidden, logits) of every draft-head call
+    logits = fp8_drafter.logits
+
+    def spy(hidden: torch.Tensor) -> torch.Tensor:
+        out = logits(hidden)
+        seen.append((hidden.clone(), out.clone()))
+        return out
+
+    monkeypatch.setattr(fp8_drafter, "logits", spy)
+    sampling = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=5)
+    requests = fresh([("f0", prompt(7, 41), sampling, ()), ("f1", prompt(12, 42), sampling, ())])
+    engine = Engine(trunk, config, settings(mtp_depth=2), drafter=fp8_drafter)
+    qs = []
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished:
+        engine.step()
+        qs += [q for r in requests if (q := engine.speculator.draft_probs(r.request_id)) is not None]
+    assert seen and qs
+    w8, scale = fp8_drafter.fp8_head
+    mup = config.text.mup_multiplier
+    for hidden, out in seen:
+        assert torch.equal(out, fp8_logits_reference(hidden, w8, scale, divisor=mup))
+        bf16 = bf16_drafter.logits(hidden)
+        assert (out - bf16).abs().max() > 1e-4 * bf16.abs().max()
+    rows = torch.cat([out for _, out in seen])  # [N, V]
+    for q in qs:
+        for row in q:
+            want = torch.softmax(rows / temperature, -1)
+            assert torch.isclose(want, row[None], rtol=1e-6, atol=1e-9).all(-1).any(), "q of no FP8 logit row"
+
+
 def test_structured_output_matcher_sees_only_emitted_tokens(tiny):
     """A regex constraint with the oracle's partly wrong drafts: the output equals the non-speculative one and the
     matcher accepted exactly the emitted tokens (it is advanced per emitted token, never by a rejected draft)."""
@@ -533,20 +589,23 @@ def _one_sequence_budget(config, tokens: int) -> int:
 
 def test_verify_steps_through_the_decode_graphs_equal_no_speculation(cpu_interpreter, kernel_model, kernel_config):
     """The batched paged path (kernels in the interpreter, the decode graphs' static-buffer steps run eagerly):
-    with the oracle's drafts (every accepted length 0..3) each verify step is one `DecodeGraphs.verify` and its
-    commit, never the packed path's replay; tokens, and the trunk's KV and conv state at every position the
-    speculative run reaches, equal the non-speculative run on the same path."""
+    with the oracle's drafts (every accepted length 0..3) each verify step is one `DecodeGraphs.verify`, its
+    tokens the graphs' argmax, and its commit, never the packed path's replay; tokens, and the trunk's KV and conv
+    state at every position the speculative run reaches, equal the non-speculative run on the same path."""
     model = kernel_model.with_ops("fast")
     plain, answer = states_by_position(trunk_engine(model, kernel_config, 0))
     oracle = Oracle({"s": prompt(19, 8, 90) + answer}, 3, vocab=90)
     engine = trunk_engine(model, kernel_config, 3, oracle)
-    runner, widths, packed = engine.runner, [], []
+    runner, widths, packed, argmax = engine.runner, [], [], []
     verify, forward_packed = runner.decode_graphs.verify, runner._forward_packed
     runner.decode_graphs.verify = lambda ids, views: widths.append(max(map(len, ids))) or verify(ids, views)
     runner._forward_packed = lambda output: packed.extend(c.num_drafts for c in output.chunks) or forward_packed(output)
+    greedy_samples = runner._greedy_samples
+    runner._greedy_samples = lambda chunks, hidden, width: argmax.append(width) or greedy_samples(chunks, hidden, width)
     spec, tokens = states_by_position(engine)
     assert tokens == answer
     assert len(widths) > 3 and max(widths) == 4
+    assert sum(w > 1 for w in argmax) == len(widths)  # every verify step: the tokens are the graphs' argmax
     assert packed and not any(packed)  # only the prompt went through the packed path
     assert len(spec) < len(plain) - 5  # the oracle made steps advance several positions
     for position, state in spec.items():

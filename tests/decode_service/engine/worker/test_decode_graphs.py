@@ -79,6 +79,36 @@ def test_batched_decode_equals_each_sequence_alone(cpu_interpreter, kernel_model
             assert rows == [cache.scratch_slot]
 
 
+def test_greedy_steps_take_the_graph_argmax(cpu_interpreter, kernel_model, kernel_config):
+    """Greedy requests without logprobs, penalties or grammar: every decode step's tokens are the decode graphs'
+    argmax (`greedy_tokens`; the host samples only the prompts' first tokens); a request asking for logprobs or
+    with a repetition penalty sends every step it is in to the host sampler; the tokens are the same."""
+    prompts = [prompt(n, 20 + i) for i, n in enumerate((3, 13, 21))]
+
+    def generate(samplings: list[SamplingParams]) -> tuple[list[list[int]], list[set[str]], list[set[str]]]:
+        """Tokens, and the request ids of each step sampled by the graphs' argmax / on the host."""
+        engine = Engine(kernel_model.with_ops("fast"), kernel_config, settings())
+        runner, steps = engine.runner, ([], [])
+        greedy_samples, sample = runner._greedy_samples, runner._sample
+
+        def counted(fn, seen: list[set[str]]):
+            return lambda chunks, *args: seen.append({c.request_id for c in chunks}) or fn(chunks, *args)
+
+        runner._greedy_samples, runner._sample = counted(greedy_samples, steps[0]), counted(sample, steps[1])
+        requests = [Request(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))]
+        return [o.token_ids for o in engine.generate(requests)], *steps
+
+    fast, argmax_steps, host_steps = generate([GREEDY] * 3)
+    assert len(argmax_steps) >= 7 and len(host_steps) <= 3  # 8 tokens each: 7+ decode steps; the prompts' ends
+    logprobs = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    tokens, argmax_steps, _ = generate([logprobs] * 3)
+    assert tokens == fast and not argmax_steps
+    penalty = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.0 + 1e-9)
+    tokens, argmax_steps, host_steps = generate([GREEDY, penalty, logprobs])
+    assert tokens == fast and all(ids == {"r0"} for ids in argmax_steps)
+    assert any(len(ids) == 3 for ids in host_steps)  # a decode step of all three, on the host
+
+
 @pytest.mark.gpu
 def test_graph_replay_equals_the_eager_step(cuda_device, kernel_model, kernel_config):
     """On CUDA: the same requests with graphs captured and with the static-buffer step run eagerly."""

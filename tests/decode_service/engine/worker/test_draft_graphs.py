@@ -30,13 +30,13 @@ def checkpoint(tmp_path_factory):
     return directory
 
 
-def build(directory, dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple:
-    """(trunk, drafter, config) of the checkpoint, on the kernels (`fast` ops)."""
+def build(directory, dtype: torch.dtype = torch.float32, device: str = "cpu", head: str = "bf16") -> tuple:
+    """(trunk, drafter, config) of the checkpoint, on the kernels (`fast` ops), drafting through `head`."""
     files, config = CheckpointFiles(directory), load_model_config(directory)
     weights, _ = load_decoder_weights(files, config, dtype=dtype)
     trunk = InklingDecoder.from_weights(config.text, weights, dtype, device).with_ops("fast")
     mtp, _ = load_mtp_weights(files, config, dtype=dtype)
-    return trunk, MTPDrafter.from_weights(mtp, config.mtp, trunk), config
+    return trunk, MTPDrafter.from_weights(mtp, config.mtp, trunk, head=head), config
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +139,18 @@ def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool, sc
 
 def test_paged_chain_equals_the_contiguous_speculator(cpu_interpreter, drafter):
     compare(MTPSpeculator(drafter, 3), paged(drafter, 3), drafter, 3, exact=False)
+
+
+@pytest.mark.gpu
+def test_paged_chain_with_the_fp8_head_equals_the_contiguous_speculator(cuda_device, checkpoint):
+    """The FP8 draft head on its kernel (fp32 on CUDA: the 200k-row head is too slow for the CPU interpreter): the
+    paged chain from its graphs drafts what the per-request speculator drafts, the same depth-0 `q`; and its
+    graph replays equal the same chain run eagerly, in bf16."""
+    drafter = build(checkpoint, torch.float32, "cuda", head="fp8")[1]
+    assert drafter.fp8_head is not None
+    compare(MTPSpeculator(drafter, 3), paged(drafter, 3), drafter, 3, exact=False)
+    drafter = build(checkpoint, torch.bfloat16, "cuda", head="fp8")[1]
+    compare(paged(drafter, DEPTHS, use_graphs=False), paged(drafter, DEPTHS), drafter, DEPTHS, exact=True)
 
 
 def test_fewer_drafts_per_round_queue_the_deeper_depths_exactly(cpu_interpreter, drafter):

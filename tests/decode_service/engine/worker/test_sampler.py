@@ -6,7 +6,7 @@ import torch
 from common.errors import InvalidInputError
 from decode_service.engine.request import SamplingParams
 from decode_service.engine.worker.runner import WorkerRequest
-from decode_service.engine.worker.sampler import Sampler, apply_penalties, filtered_probs
+from decode_service.engine.worker.sampler import Sampler, apply_penalties, argmax_only, filtered_probs
 
 V = 12
 
@@ -31,6 +31,34 @@ def test_greedy_is_argmax():
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
     out = Sampler().sample(logits, [req(str(i), temperature=0.0) for i in range(4)])
     assert [o.token_id for o in out] == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "params,expected",
+    [
+        ({}, True),
+        ({"top_k": 3, "top_p": 0.5, "min_p": 0.1, "seed": 4}, True),  # filters do not move a greedy argmax
+        ({"temperature": 0.5}, False),
+        ({"repetition_penalty": 1.1}, False),
+        ({"presence_penalty": 0.5}, False),
+        ({"frequency_penalty": -0.5}, False),
+        ({"logprobs": 0}, False),
+    ],
+)
+def test_argmax_only_is_what_sample_returns(params, expected):
+    """`argmax_only`: exactly the requests whose sampled token is the raw argmax with nothing else to compute."""
+    request = req(**({"temperature": 0.0} | params))
+    assert argmax_only(request) is expected
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(2))
+    if expected:
+        out = Sampler().sample(logits, [request] * 6)
+        assert [o.token_id for o in out] == logits.argmax(-1).tolist() and all(o.logprobs is None for o in out)
+
+
+def test_argmax_only_refuses_a_constrained_request():
+    request = req(temperature=0.0)
+    request.constraint = object()  # any matcher: its mask moves the argmax
+    assert not argmax_only(request)
 
 
 def test_temperature_sampling_follows_softmax():

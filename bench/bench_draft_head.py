@@ -1,0 +1,97 @@
+"""The MTP drafter's lm_head alone: the bf16 shared head against its FP8 copy (`kernels.fp8_head`), per row count.
+
+Shapes: Inkling-Small's unembedding (`bench.proxy`: 201024 x 4096, the unpadded vocabulary rows read), the muP
+division and fp32 logits as the drafter computes them. Per M rows (default 1 / 8 / 64, the drafter's batch
+buckets): "bf16 cuBLAS" is the torch reference op (`Ops.logits`: F.linear, what the drafter ran before), "bf16 op"
+the trunk's `TritonOps.logits` (the skinny GEMV at one row, cuBLAS above), "fp8" the FP8 kernel at its
+`default_config`, then each tile of a short sweep. Floor = (weight bytes once + scales + x + fp32 logits) / the
+copy bandwidth measured in the same run (`bench.floors`). Each figure is the median replay of a CUDA graph holding
+the op (the weight is 1.6 / 0.8 GB, far past L2). The fp8 logits are checked against their torch reference, and
+the share of rows whose argmax equals the bf16 head's is printed (random weights: a lower bound of agreement).
+
+    python3 -m bench.bench_draft_head [--rows 1 8 64] [--skip-sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import torch
+
+from bench.floors import measure_ceilings, row, time_graph_ms
+from bench.proxy import proxy_config
+from decode_service.model.collectives import SINGLE
+from decode_service.model.fast_path import TritonOps
+from decode_service.model.ops import REFERENCE
+from kernels.fp8_head import Fp8HeadConfig, default_config, fp8_logits, fp8_logits_reference, quantize_rows_fp8
+
+GEMV_SWEEP = [  # M <= 4; bytes in flight per program: block_n * block_k
+    Fp8HeadConfig(dot=False, block_n=8, block_k=512, num_warps=4),
+    Fp8HeadConfig(dot=False, block_n=8, block_k=1024, num_warps=4),
+    Fp8HeadConfig(dot=False, block_n=16, block_k=1024, num_warps=8),
+    Fp8HeadConfig(dot=False, block_n=4, block_k=2048, num_warps=4),
+]
+DOT_SWEEP = [
+    Fp8HeadConfig(dot=True, block_n=32, block_k=256, num_warps=4, num_stages=4),
+    Fp8HeadConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4),
+    Fp8HeadConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3),
+    Fp8HeadConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3),
+]
+
+
+def run(rows: Sequence[int], sweep: bool) -> None:
+    ceil = measure_ceilings(copy_bytes=1 << 30)
+    print(ceil.line(), flush=True)
+    config = proxy_config(6)
+    h, vocab, mup = config.hidden_size, config.unpadded_vocab_size, config.mup_multiplier
+    gen = torch.Generator("cuda").manual_seed(0)
+    weight = (torch.randn(config.vocab_size, h, generator=gen, device="cuda") * h**-0.5).bfloat16()
+    w8, scale = quantize_rows_fp8(weight[:vocab])
+    fast = TritonOps()
+    print(f"# lm_head {vocab} x {h}: bf16 {vocab * h * 2 / 1e9:.2f} GB, fp8 copy {vocab * h / 1e9:.2f} GB "
+          f"(+{vocab * 4 / 1e6:.1f} MB scales)", flush=True)  # fmt: skip
+    widths = [4, 24, 9, 9, 7]
+    print(row(["M", "head", "us", "floor us", "x floor"], widths))
+    for m in rows:
+        x = torch.randn(m, h, generator=gen, device="cuda").bfloat16()
+        io = m * h * 2 + m * vocab * 4
+        floors = {"bf16": ceil.floor_us(vocab * h * 2 + io), "fp8": ceil.floor_us(vocab * h + vocab * 4 + io)}
+        cases = [
+            ("bf16 cuBLAS", "bf16", lambda x=x: REFERENCE.logits(x, weight, mup, SINGLE, vocab)),
+            ("bf16 op", "bf16", lambda x=x: fast.logits(x, weight, mup, SINGLE, vocab)),
+            ("fp8 default", "fp8", lambda x=x: fp8_logits(x, w8, scale, divisor=mup)),
+        ]
+        if sweep:
+            for c in GEMV_SWEEP if default_config(m).dot is False else DOT_SWEEP:
+                name = f"fp8 {c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+                cases.append((name, "fp8", lambda x=x, c=c: fp8_logits(x, w8, scale, divisor=mup, config=c)))
+        for name, kind, fn in cases:
+            try:
+                us = time_graph_ms(fn, reps=20) * 1e3
+            except Exception as exc:  # a tile that does not compile on this device: say so, time the others
+                print(f"# M={m} {name}: failed ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
+                continue
+            floor = floors[kind]
+            print(row([str(m), name, f"{us:.1f}", f"{floor:.1f}", f"{us / floor:.2f}"], widths), flush=True)
+        out = fp8_logits(x, w8, scale, divisor=mup)
+        ref = fp8_logits_reference(x, w8, scale, divisor=mup)
+        bf16 = REFERENCE.logits(x, weight, mup, SINGLE, vocab)
+        same = (out.argmax(-1) == bf16.argmax(-1)).float().mean().item()
+        print(f"# M={m}: fp8 max |kernel - reference| {(out - ref).abs().max().item():.2e} "
+              f"(logits up to {ref.abs().max().item():.2f}); argmax = bf16 head's on {same:.0%} of rows; "
+              f"max |fp8 - bf16| {(out - bf16).abs().max().item():.3f}", flush=True)  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--skip-sweep", action="store_true", help="only the default tiles")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    run(args.rows, not args.skip_sweep)
+
+
+if __name__ == "__main__":
+    main()
