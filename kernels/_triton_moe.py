@@ -203,6 +203,7 @@ def moe_w13_kernel(
     PRESPLIT_K: tl.constexpr = 0,
     SWAP: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
+    X_SPLIT: tl.constexpr = False,
 ):
     if N_FAST:
         pid_m = tl.program_id(1)
@@ -221,6 +222,7 @@ def moe_w13_kernel(
     w_off = expert.to(tl.int64) * stride_we
     up_off = N_HALF.to(tl.int64) * stride_wn
     x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    xh_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
     ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
     acc_g = tl.zeros(ACC, dtype=tl.float32)
     acc_u = tl.zeros(ACC, dtype=tl.float32)
@@ -228,11 +230,15 @@ def moe_w13_kernel(
     acc_u2 = tl.zeros(ACC, dtype=tl.float32)
     k_lo = tl.multiple_of(pid_s * K, BLOCK_K)  # K is a multiple of BLOCK_K
     for k0 in range(k_lo, k_lo + K, BLOCK_K):
-        x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
         if FP4:
             s_off = expert.to(tl.int64) * stride_se
             s_up = N_HALF.to(tl.int64) * stride_sn
-            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+            if X_SPLIT:  # x stored with each K block as [even columns | odd columns] (moe_w13's permuted copy)
+                x_even = tl.load(xh_ptrs + k0, mask=valid[:, None], other=0.0)
+                x_odd = tl.load(xh_ptrs + (k0 + BLOCK_K // 2), mask=valid[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
+                x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
             g_even, g_odd = _fp4_tile(W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM)
             u_even, u_odd = _fp4_tile(
                 W, S, w_off + up_off, s_off + s_up, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM
@@ -246,6 +252,7 @@ def moe_w13_kernel(
                 acc_g = _mma(acc_g, x_odd, g_odd, SWAP)
                 acc_u = _mma(acc_u, x_odd, u_odd, SWAP)
         else:
+            x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
             w_ptrs = W + w_off + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
             acc_g = _mma(acc_g, x, tl.load(w_ptrs), SWAP)
             acc_u = _mma(acc_u, x, tl.load(w_ptrs + up_off), SWAP)

@@ -67,6 +67,7 @@ class MoeConfig:
     swap_ab: bool = True  # weights as the MMA's M operand, the block's rows as its N (keep the rows <= 8)
     presplit: bool = True  # NVFP4: w13 stores each block_k2 slice of the intermediate as [even | odd] columns
     split_acc: bool = False  # w13: separate accumulators for the even and the odd columns of a K block
+    x_split: bool = False  # NVFP4 w13: read x from a copy with each block_k13 slice as [even | odd] columns
 
 
 MASKED_ROUTE = -1  # a route id that no expert computes and that contributes 0 to its token
@@ -286,6 +287,9 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
     s13, s13b, fp4, asm = _fp4_args(w13, scales, x.dtype)
     r = routing
     i = w13.shape[1] // 2
+    x_split = fp4 and cfg.x_split
+    if x_split:  # the even and the odd columns of each K block as two contiguous halves: both MMA operands as read
+        x = x.unflatten(1, (-1, cfg.block_k13 // 2, 2)).transpose(2, 3).reshape(x.shape)
     inter = torch.empty((r.ids.numel(), i), dtype=x.dtype, device=x.device)
     n_tiles, splits = i // cfg.block_n13, cfg.split_k13
     grid, n_fast = _grid(cfg.n_fast13, r.n_blocks, n_tiles, splits)
@@ -300,7 +304,7 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
         s13.stride(1), inter.stride(0),
         TOPK=r.topk, BLOCK_M=r.block_m, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k13, IDENTITY=r.identity, FP4=fp4,
         ASM=asm, N_FAST=n_fast, SPLIT_ACC=cfg.split_acc, PRESPLIT_K=cfg.block_k2 if fp4 and cfg.presplit else 0,
-        SWAP=cfg.swap_ab, SPLIT_K=splits, **_launch_opts(cfg, cfg.num_warps13),
+        SWAP=cfg.swap_ab, SPLIT_K=splits, X_SPLIT=x_split, **_launch_opts(cfg, cfg.num_warps13),
     )  # fmt: skip
     return inter
 

@@ -160,6 +160,8 @@ def test_nvfp4_moe_matches_reference(cpu_interpreter, t, k, sorted_min_pairs, dt
         {"swap_ab": True, "presplit": True, "block_m": 4, "identity_block_m": 16},
         {"swap_ab": True, "presplit": True, "block_n13": 32, "block_k13": 64, "block_k2": 32, "num_warps13": 2},
         {"swap_ab": False, "block_m": 64},  # the prefill tiles: several experts' rows padded in 64-row blocks
+        {"swap_ab": True, "x_split": True, "block_m": 64},  # x read as [even | odd] halves of each K block
+        {"swap_ab": False, "x_split": True, "split_k13": 2},
     ],
 )
 @pytest.mark.parametrize("sorted_min_pairs", [1, 64])
