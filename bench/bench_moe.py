@@ -319,11 +319,10 @@ PREFILL_VARIANTS = {
         "block_n2": 128,
         "num_warps13": 8,
         "num_warps2": 8,
-    },  # fmt: skip
-    "swap_xs_m128w8": {"swap_ab": True, "x_split": True, "block_m": 128, "num_warps13": 8, "num_warps2": 8},
+    },
     "swap_xs_s4": {"swap_ab": True, "x_split": True, "num_stages": 4},
-    "swap_xs_w8": {"swap_ab": True, "x_split": True, "num_warps13": 8, "num_warps2": 8},
     "xs": {"x_split": True},
+    "xs_m128w8": {"x_split": True, "block_m": 128, "num_warps13": 8, "num_warps2": 8},
     "swap_n128w8": {"swap_ab": True, "block_n13": 128, "block_n2": 128, "num_warps13": 8, "num_warps2": 8},
     "swap_m128w8": {"swap_ab": True, "block_m": 128, "num_warps13": 8, "num_warps2": 8},
     "k256s2": {"block_k13": 256, "block_k2": 256, "num_stages": 2},
