@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -290,6 +292,33 @@ def test_nvfp4_moe_gpu_code_paths(cuda_device, t, variant):
     out = nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg)
     err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
     print(f"nvfp4_moe T={t} {variant}: rel {err:.2e}")
+    assert err < 1e-2
+
+
+PREFILL_TILES = [  # prefill code shapes on the GPU (bf16, inline-PTX dequant), over default_config(PREFILL_MIN_PAIRS)
+    {},
+    {"swap_ab": True, "x_split": True},
+    {"swap_ab": True, "x_split": True, "block_n13": 128, "block_n2": 128, "num_warps13": 8, "num_warps2": 8},
+    {"x_split": True, "block_m": 128, "num_warps13": 8, "num_warps2": 8},
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", PREFILL_TILES)
+def test_nvfp4_moe_gpu_prefill_tiles(cuda_device, variant):
+    """Full Inkling-Small widths, ~96 pairs per expert (row blocks of 64 and 128 pairs, partly filled): the prefill
+    tiles give the reference result."""
+    gen = torch.Generator().manual_seed(17)
+    e, h, i, k, t = 16, 4096, 2048, 6, 256
+    w13 = nvfp4_stack(e, 2 * i, h, gen, cuda_device)
+    w2 = nvfp4_stack(e, h, i, gen, cuda_device)
+    w13, w2 = (w13[0], w13[1], w13[2] * 1e-3), (w2[0], w2[1], w2[2] * 1e-3)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
+    ids, wts = routing(t, e, k, gen, cuda_device)
+    cfg = replace(default_config(moe_module.PREFILL_MIN_PAIRS), **variant)
+    out = nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg)
+    err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
+    print(f"nvfp4_moe prefill tiles {variant}: rel {err:.2e}")
     assert err < 1e-2
 
 
