@@ -300,7 +300,7 @@ def precompile(configs: list, batches: list[int], jobs: int, extra: list = ()) -
 
 
 PREFILL_BATCHES = [2048, 4096]
-BF16_VARIANTS = 3  # the first variants also timed with bf16 weights
+BF16_VARIANTS = ["default", "swap", "m128w8"]  # also timed with bf16 weights (x_split and kperm are NVFP4 only)
 PREFILL_SETS = 2  # routings per graph (the 3.6 GB NVFP4 stack is far beyond L2 anyway)
 WIDTHS3 = [5, 4, 12, 9, 7, 8, 8, 6, 8]
 # tile variants of the prefill kernels: overrides of default_config at prefill sizes (both kernels timed alone)
@@ -311,6 +311,17 @@ PREFILL_VARIANTS = {
     "m128w8": {"block_m": 128, "num_warps13": 8, "num_warps2": 8},
     "swap": {"swap_ab": True},
     "swap_xs": {"swap_ab": True, "x_split": True},
+    "swap_kp": {"swap_ab": True, "x_split": True, "kperm": True},
+    "swap_kp_n128w8": {
+        "swap_ab": True,
+        "x_split": True,
+        "kperm": True,
+        "block_n13": 128,
+        "block_n2": 128,
+        "num_warps13": 8,
+        "num_warps2": 8,
+    },
+    "swap_kp_s4": {"swap_ab": True, "x_split": True, "kperm": True, "num_stages": 4},
     "swap_xs_k64s4": {"swap_ab": True, "x_split": True, "block_k13": 64, "block_k2": 64, "num_stages": 4},
     "swap_xs_n128w8": {
         "swap_ab": True,
@@ -373,7 +384,8 @@ def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generat
     dev = "cuda"
     weights = (*make_nvfp4(E, 2 * I, H, dev), *make_nvfp4(E, H, I, dev))
     print(f"# NVFP4 MoE at prefill sizes, CUDA graph over {PREFILL_SETS} routings; floors: FLOPs at the bf16 peak,")
-    print("# bytes at the copy bandwidth; ratio = time / the larger floor; rel vs the default config's result")
+    print("# bytes at the copy bandwidth; ratio = time / the larger floor; rel vs the default config's result (w13:")
+    print("# kperm variants store the intermediate in their own column order, so only their w2 rel compares)")
     print(row(["T", "kern", "config", "time_us", "TFLOP/s", "flop_fl", "byte_fl", "ratio", "rel"], WIDTHS3))
     for t in batches:
         sets = routings(t, dev, gen, PREFILL_SETS)
@@ -511,12 +523,12 @@ def main() -> None:
         variants = args.variants.split(",")
         if args.jobs > 1:
             jobs = [(prefill_variant(v), 512, True) for v in variants]
-            jobs += [(prefill_variant(v), 512, False) for v in variants[:BF16_VARIANTS]]
+            jobs += [(prefill_variant(v), 512, False) for v in BF16_VARIANTS]
             precompile([], [], args.jobs, jobs)
         ceil = measure_ceilings()
         print(ceil.line(), flush=True)
         bench_prefill_kernels(ceil, PREFILL_BATCHES, gen, variants)
-        bench_prefill_bf16(ceil, PREFILL_BATCHES, gen, variants[:BF16_VARIANTS])
+        bench_prefill_bf16(ceil, PREFILL_BATCHES, gen, BF16_VARIANTS)
         print(ceil.line())
         return
     ceil = measure_ceilings()

@@ -68,6 +68,7 @@ class MoeConfig:
     presplit: bool = True  # NVFP4: w13 stores each block_k2 slice of the intermediate as [even | odd] columns
     split_acc: bool = False  # w13: separate accumulators for the even and the odd columns of a K block
     x_split: bool = False  # NVFP4 w13: read x from a copy with each block_k13 slice as [even | odd] columns
+    kperm: bool = False  # NVFP4, with x_split and presplit: the K order of ``_fp4_tile``'s KPERM in both kernels
 
 
 MASKED_ROUTE = -1  # a route id that no expert computes and that contributes 0 to its token
@@ -246,6 +247,8 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
     ):
         if dim % blk:
             raise ValueError(f"{name}={dim} is not a multiple of the tile {blk}")
+    if fp4 and cfg.kperm and not (cfg.x_split and cfg.presplit and cfg.block_k13 % 32 == 0 and cfg.block_k2 % 32 == 0):
+        raise ValueError(f"kperm needs x_split, presplit and K tiles that are multiples of 32, got {cfg}")
     if topk_ids.numel() == 0:
         return torch.empty_like(x)
     routing = moe_routing(topk_ids, topk_weights, e, cfg)
@@ -287,8 +290,10 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
     s13, s13b, fp4, asm = _fp4_args(w13, scales, x.dtype)
     r = routing
     i = w13.shape[1] // 2
-    x_split = fp4 and cfg.x_split
-    if x_split:  # the even and the odd columns of each K block as two contiguous halves: both MMA operands as read
+    x_split, kperm = fp4 and cfg.x_split, fp4 and cfg.kperm
+    if kperm:  # column 32c + 8l + 4h + 2b + nibble of a K block to nibble * BK/2 + 16c + 8h + 2l + b
+        x = x.unflatten(1, (-1, cfg.block_k13 // 32, 4, 2, 2, 2)).permute(0, 1, 6, 2, 4, 3, 5).reshape(x.shape)
+    elif x_split:  # the even and the odd columns of each K block as two contiguous halves, as the MMA reads them
         x = x.unflatten(1, (-1, cfg.block_k13 // 2, 2)).transpose(2, 3).reshape(x.shape)
     inter = torch.empty((r.ids.numel(), i), dtype=x.dtype, device=x.device)
     n_tiles, splits = i // cfg.block_n13, cfg.split_k13
@@ -304,7 +309,7 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
         s13.stride(1), inter.stride(0),
         TOPK=r.topk, BLOCK_M=r.block_m, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k13, IDENTITY=r.identity, FP4=fp4,
         ASM=asm, N_FAST=n_fast, SPLIT_ACC=cfg.split_acc, PRESPLIT_K=cfg.block_k2 if fp4 and cfg.presplit else 0,
-        SWAP=cfg.swap_ab, SPLIT_K=splits, X_SPLIT=x_split, **_launch_opts(cfg, cfg.num_warps13),
+        SWAP=cfg.swap_ab, SPLIT_K=splits, X_SPLIT=x_split, KPERM=kperm, **_launch_opts(cfg, cfg.num_warps13),
     )  # fmt: skip
     return inter
 
@@ -324,7 +329,8 @@ def moe_w2(inter: torch.Tensor, routing: MoeRouting, w2: torch.Tensor, scales, c
         r.ids.numel(), inter.shape[1], inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         part.stride(0),
         BLOCK_M=r.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, IDENTITY=r.identity, FP4=fp4, ASM=asm,
-        N_FAST=n_fast, PRESPLIT=fp4 and cfg.presplit, SWAP=cfg.swap_ab, **_launch_opts(cfg, cfg.num_warps2),
+        N_FAST=n_fast, PRESPLIT=fp4 and cfg.presplit, SWAP=cfg.swap_ab, KPERM=fp4 and cfg.kperm,
+        **_launch_opts(cfg, cfg.num_warps2),
     )  # fmt: skip
     return part
 

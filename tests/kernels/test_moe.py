@@ -164,6 +164,8 @@ def test_nvfp4_moe_matches_reference(cpu_interpreter, t, k, sorted_min_pairs, dt
         {"swap_ab": False, "block_m": 64},  # the prefill tiles: several experts' rows padded in 64-row blocks
         {"swap_ab": True, "x_split": True, "block_m": 64},  # x read as [even | odd] halves of each K block
         {"swap_ab": False, "x_split": True, "split_k13": 2},
+        {"swap_ab": True, "x_split": True, "kperm": True, "block_m": 64},  # K permuted per 32 columns, both kernels
+        {"swap_ab": False, "x_split": True, "kperm": True, "block_k13": 64},
     ],
 )
 @pytest.mark.parametrize("sorted_min_pairs", [1, 64])
@@ -298,6 +300,7 @@ def test_nvfp4_moe_gpu_code_paths(cuda_device, t, variant):
 PREFILL_TILES = [  # prefill code shapes on the GPU (bf16, inline-PTX dequant), over default_config(PREFILL_MIN_PAIRS)
     {},
     {"swap_ab": True, "x_split": True},
+    {"swap_ab": True, "x_split": True, "kperm": True},
     {"swap_ab": True, "x_split": True, "block_n13": 128, "block_n2": 128, "num_warps13": 8, "num_warps2": 8},
     {"x_split": True, "block_m": 128, "num_warps13": 8, "num_warps2": 8},
 ]
