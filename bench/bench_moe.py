@@ -5,7 +5,7 @@ block scales + scale2 of w13 and w2) + activations in and out. Each timing is a 
 over ``SETS`` independent routings (different experts, so weights do not sit in the 60 MB L2), divided by
 SETS. The full op runs with ``default_config`` and with round 1's tiles (``round1``) side by side, then each
 kernel alone with the default; also the torch baseline (per touched expert: dequantise to bf16, then bf16
-matmuls; eager). ``--prefill`` times the prefill sizes (T = 2048, 4096 tokens: ~48-96 pairs per expert) each
+matmuls; eager). ``--prefill`` times the prefill sizes (T = 2048, 4096 tokens: ~48-96 pairs per expert; 1024) each
 kernel alone per tile variant (``PREFILL_VARIANTS``) against both floors (FLOPs at the measured bf16 peak, bytes
 at the copy bandwidth), the routing and slot-sum stages, and bf16-weight experts through the Triton kernels and
 through ``torch._grouped_mm`` (the GEMM half of "dequantise to bf16, then grouped bf16 GEMMs"). ``--sweep``
@@ -299,7 +299,7 @@ def precompile(configs: list, batches: list[int], jobs: int, extra: list = ()) -
     print(f"# precompiled {len(work)} configs in {jobs} processes" + (f"; failed: {failed}" if failed else ""))
 
 
-PREFILL_BATCHES = [2048, 4096]
+PREFILL_BATCHES = [2048, 4096, 1024]  # 1024: 24 pairs per expert, below PREFILL_MIN_PAIRS (the crossover)
 BF16_VARIANTS = ["default", "swap", "m128w8"]  # also timed with bf16 weights (x_split and kperm are NVFP4 only)
 PREFILL_SETS = 2  # routings per graph (the 3.6 GB NVFP4 stack is far beyond L2 anyway)
 WIDTHS3 = [5, 4, 12, 9, 7, 8, 8, 6, 8]
