@@ -304,46 +304,26 @@ BF16_VARIANTS = ["default", "swap", "m128w8"]  # also timed with bf16 weights (x
 PREFILL_SETS = 2  # routings per graph (the 3.6 GB NVFP4 stack is far beyond L2 anyway)
 WIDTHS3 = [5, 4, 12, 9, 7, 8, 8, 6, 8]
 # tile variants of the prefill kernels: overrides of default_config at prefill sizes (both kernels timed alone)
+KP = {"swap_ab": True, "x_split": True, "kperm": True}  # weights as the MMA's M operand, K in the kperm order
+GU = {**KP, "fuse_gu": True, "num_warps13": 8}  # and the gate/up rows as one operand
+W8 = {"num_warps13": 8, "num_warps2": 8}
 PREFILL_VARIANTS = {
     "default": {},
-    "n128w8": {"block_n13": 128, "block_n2": 128, "num_warps13": 8, "num_warps2": 8},
-    "w8": {"num_warps13": 8, "num_warps2": 8},
-    "m128w8": {"block_m": 128, "num_warps13": 8, "num_warps2": 8},
-    "swap": {"swap_ab": True},
+    "swap_kp": KP,
+    "swap_kp_gu": GU,
+    "swap_kp_gu_s4": {**GU, "num_stages": 4},
+    "swap_kp_gu_m128s2": {**GU, "block_m": 128, "num_stages": 2},
+    "swap_kp_n128w8": {**KP, **W8, "block_n13": 128, "block_n2": 128},
+    "swap_kp_s4": {**KP, "num_stages": 4},
     "swap_xs": {"swap_ab": True, "x_split": True},
-    "swap_kp": {"swap_ab": True, "x_split": True, "kperm": True},
-    "swap_kp_n128w8": {
-        "swap_ab": True,
-        "x_split": True,
-        "kperm": True,
-        "block_n13": 128,
-        "block_n2": 128,
-        "num_warps13": 8,
-        "num_warps2": 8,
-    },
-    "swap_kp_s4": {"swap_ab": True, "x_split": True, "kperm": True, "num_stages": 4},
     "swap_xs_k64s4": {"swap_ab": True, "x_split": True, "block_k13": 64, "block_k2": 64, "num_stages": 4},
-    "swap_xs_n128w8": {
-        "swap_ab": True,
-        "x_split": True,
-        "block_n13": 128,
-        "block_n2": 128,
-        "num_warps13": 8,
-        "num_warps2": 8,
-    },
-    "swap_xs_s4": {"swap_ab": True, "x_split": True, "num_stages": 4},
+    "swap": {"swap_ab": True},
     "xs": {"x_split": True},
-    "xs_m128w8": {"x_split": True, "block_m": 128, "num_warps13": 8, "num_warps2": 8},
-    "swap_n128w8": {"swap_ab": True, "block_n13": 128, "block_n2": 128, "num_warps13": 8, "num_warps2": 8},
-    "swap_m128w8": {"swap_ab": True, "block_m": 128, "num_warps13": 8, "num_warps2": 8},
-    "k256s2": {"block_k13": 256, "block_k2": 256, "num_stages": 2},
-    "k64s4": {"block_k13": 64, "block_k2": 64, "num_stages": 4},
-    "stages2": {"num_stages": 2},
+    "xs_m128w8": {**W8, "x_split": True, "block_m": 128},
+    "m128w8": {**W8, "block_m": 128},
+    "n128w8": {**W8, "block_n13": 128, "block_n2": 128},
+    "w8": W8,
     "stages4": {"num_stages": 4},
-    "n128w4": {"block_n13": 128, "block_n2": 128},
-    "m32": {"block_m": 32},
-    "acc2": {"split_acc": True},
-    "m_fast": {"n_fast13": False, "n_fast2": False},
 }
 
 

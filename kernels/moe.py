@@ -69,6 +69,7 @@ class MoeConfig:
     split_acc: bool = False  # w13: separate accumulators for the even and the odd columns of a K block
     x_split: bool = False  # NVFP4 w13: read x from a copy with each block_k13 slice as [even | odd] columns
     kperm: bool = False  # NVFP4, with x_split and presplit: the K order of ``_fp4_tile``'s KPERM in both kernels
+    fuse_gu: bool = False  # NVFP4 sorted, with kperm: gate and up rows as one MMA operand (``moe_w13_gu_kernel``)
 
 
 MASKED_ROUTE = -1  # a route id that no expert computes and that contributes 0 to its token
@@ -297,6 +298,15 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
         x = x.unflatten(1, (-1, cfg.block_k13 // 2, 2)).transpose(2, 3).reshape(x.shape)
     inter = torch.empty((r.ids.numel(), i), dtype=x.dtype, device=x.device)
     n_tiles, splits = i // cfg.block_n13, cfg.split_k13
+    if kperm and cfg.fuse_gu and not r.identity:
+        tk.moe_w13_gu_kernel[(n_tiles, r.n_blocks)](
+            x, r.sorted_pairs, r.block_expert, w13, s13, s13b, inter,
+            r.ids.numel(), i, x.shape[1], x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+            inter.stride(0),
+            TOPK=r.topk, BLOCK_M=r.block_m, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k13, PRESPLIT_K=cfg.block_k2,
+            ASM=asm, **_launch_opts(cfg, cfg.num_warps13),
+        )  # fmt: skip
+        return inter
     grid, n_fast = _grid(cfg.n_fast13, r.n_blocks, n_tiles, splits)
     if splits > 1:  # per tile: each slice's fp32 gate and up partials, and the count of slices done
         partial = torch.empty((r.n_blocks * n_tiles, splits, 2, cfg.block_n13 * r.block_m), device=x.device)

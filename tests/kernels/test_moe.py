@@ -166,6 +166,7 @@ def test_nvfp4_moe_matches_reference(cpu_interpreter, t, k, sorted_min_pairs, dt
         {"swap_ab": False, "x_split": True, "split_k13": 2},
         {"swap_ab": True, "x_split": True, "kperm": True, "block_m": 64},  # K permuted per 32 columns, both kernels
         {"swap_ab": False, "x_split": True, "kperm": True, "block_k13": 64},
+        {"swap_ab": True, "x_split": True, "kperm": True, "fuse_gu": True, "block_m": 64},  # gate and up as one MMA
     ],
 )
 @pytest.mark.parametrize("sorted_min_pairs", [1, 64])
@@ -301,6 +302,16 @@ PREFILL_TILES = [  # prefill code shapes on the GPU (bf16, inline-PTX dequant), 
     {},
     {"swap_ab": True, "x_split": True},
     {"swap_ab": True, "x_split": True, "kperm": True},
+    {"swap_ab": True, "x_split": True, "kperm": True, "fuse_gu": True, "num_warps13": 8},
+    {
+        "swap_ab": True,
+        "x_split": True,
+        "kperm": True,
+        "fuse_gu": True,
+        "num_warps13": 8,
+        "block_m": 128,
+        "num_stages": 2,
+    },
     {"swap_ab": True, "x_split": True, "block_n13": 128, "block_n2": 128, "num_warps13": 8, "num_warps2": 8},
     {"x_split": True, "block_m": 128, "num_warps13": 8, "num_warps2": 8},
 ]
