@@ -67,6 +67,8 @@ def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False):
     if None in tiles.values():
         return None
     split_k13 = base.split_k13 if hidden % (tiles["block_k13"] * base.split_k13) == 0 else 1
+    if base.kperm and min(tiles["block_k13"], tiles["block_k2"]) < 32:  # kperm permutes K in steps of 32
+        tiles |= {"kperm": False, "fuse_gu": False}
     return MoeConfig(**{**base.__dict__, **tiles, "split_k13": split_k13})
 
 
