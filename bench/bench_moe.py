@@ -300,26 +300,20 @@ def precompile(configs: list, batches: list[int], jobs: int, extra: list = ()) -
 
 
 PREFILL_BATCHES = [2048, 4096, 1024]  # 1024: 24 pairs per expert, below PREFILL_MIN_PAIRS (the crossover)
-BF16_VARIANTS = ["default", "swap", "m128w8"]  # also timed with bf16 weights (x_split and kperm are NVFP4 only)
+BF16_VARIANTS = ["default", "swap", "m128w8"]  # also timed with bf16 weights (kperm is NVFP4 only)
 PREFILL_SETS = 2  # routings per graph (the 3.6 GB NVFP4 stack is far beyond L2 anyway)
 WIDTHS3 = [5, 4, 12, 9, 7, 8, 8, 6, 8]
 # tile variants of the prefill kernels: overrides of default_config at prefill sizes (both kernels timed alone)
-KP = {"swap_ab": True, "x_split": True, "kperm": True}  # weights as the MMA's M operand, K in the kperm order
-GU = {**KP, "fuse_gu": True, "num_warps13": 8}  # and the gate/up rows as one operand
+KP = {"swap_ab": True, "kperm": True}  # weights as the MMA's M operand, K in the kperm order
 W8 = {"num_warps13": 8, "num_warps2": 8}
+# measured in round 1 (issue 17, decisions.md); "chosen" is default_config's NVFP4 prefill choice since
 PREFILL_VARIANTS = {
-    "default": {},
+    "default": {},  # the base: the prefill tiles before this work
+    "chosen": {**KP, "block_n2": 128, "num_warps2": 8},
     "swap_kp": KP,
-    "swap_kp_gu": GU,
-    "swap_kp_gu_s4": {**GU, "num_stages": 4},
-    "swap_kp_gu_m128s2": {**GU, "block_m": 128, "num_stages": 2},
     "swap_kp_n128w8": {**KP, **W8, "block_n13": 128, "block_n2": 128},
     "swap_kp_s4": {**KP, "num_stages": 4},
-    "swap_xs": {"swap_ab": True, "x_split": True},
-    "swap_xs_k64s4": {"swap_ab": True, "x_split": True, "block_k13": 64, "block_k2": 64, "num_stages": 4},
     "swap": {"swap_ab": True},
-    "xs": {"x_split": True},
-    "xs_m128w8": {**W8, "x_split": True, "block_m": 128},
     "m128w8": {**W8, "block_m": 128},
     "n128w8": {**W8, "block_n13": 128, "block_n2": 128},
     "w8": W8,
@@ -327,8 +321,13 @@ PREFILL_VARIANTS = {
 }
 
 
+# the prefill tiles before issue 17's MoE prefill work (default_config from PREFILL_MIN_PAIRS pairs then), the base
+# of every PREFILL_VARIANTS entry
+PREFILL_BASE = MoeConfig(block_m=64, swap_ab=False, block_k13=128, block_k2=128)
+
+
 def prefill_variant(name: str) -> MoeConfig:
-    return replace(default_config(1 << 20), **PREFILL_VARIANTS[name])
+    return replace(PREFILL_BASE, **PREFILL_VARIANTS[name])
 
 
 def time_any_ms(fn, reps: int = 10) -> float:
@@ -376,7 +375,10 @@ def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generat
         rel = f"{((out - ref).norm() / ref.norm()).item():.1e}"
         both = tuple(a + b for a, b in zip(*(prefill_floors(ceil, k, ids, True) for k in ("w13", "w2")), strict=True))
         us = 1e3 * time_any_ms(lambda sets=sets: [nvfp4_moe(*s, *weights) for s in sets]) / len(sets)
-        print(prefill_row(ceil, t, "all", "default", us, both, rel + "(fp32 ref)"), flush=True)
+        print(prefill_row(ceil, t, "all", "now", us, both, rel + "(fp32 ref)"), flush=True)
+        run = [(x_, i_, w_, PREFILL_BASE) for x_, i_, w_ in sets]
+        us = 1e3 * time_any_ms(lambda run=run: [nvfp4_moe(*s[:3], *weights, config=s[3]) for s in run]) / len(sets)
+        print(prefill_row(ceil, t, "all", "before", us, both), flush=True)
         us = 1e3 * time_any_ms(lambda cfg=cfg, sets=sets: [moe_routing(i, w, E, cfg) for _, i, w in sets]) / len(sets)
         print(f"T={t} routing (moe_align, torch sort beyond its kernel's sizes): {us:.0f} us", flush=True)
         r = moe_routing(ids, wts, E, cfg)

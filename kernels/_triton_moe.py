@@ -326,69 +326,6 @@ def moe_w13_kernel(
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
-def moe_w13_gu_kernel(
-    X,
-    SortedPairs,
-    BlockExpert,
-    W,
-    S,
-    S2,
-    Out,
-    n_pairs,
-    N_HALF,
-    K,
-    stride_xm,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    stride_om,
-    TOPK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PRESPLIT_K: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    """NVFP4 gate/up + SwiGLU of one sorted row block and BLOCK_N columns of I as ONE product: the BLOCK_N gate rows
-    and their BLOCK_N up rows stacked as the MMA's M operand (2 * BLOCK_N rows, one accumulator), against the
-    block's rows of x (``moe_w13``'s x_split + kperm copy) as its N; the intermediate stored presplit + kperm."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    expert = tl.load(BlockExpert + pid_m).to(tl.int32)
-    if expert < 0:
-        return
-    pairs = tl.load(SortedPairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)
-    valid = pairs < n_pairs
-    DT: tl.constexpr = X.dtype.element_ty
-    r = tl.arange(0, 2 * BLOCK_N)
-    w_rows = pid_n * BLOCK_N + r % BLOCK_N + (r // BLOCK_N) * N_HALF  # gate rows, then the matching up rows
-    w_off = expert.to(tl.int64) * stride_we
-    s_off = expert.to(tl.int64) * stride_se
-    xh_ptrs = X + (pairs // TOPK).to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
-    acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x_even = tl.load(xh_ptrs + k0, mask=valid[:, None], other=0.0)
-        x_odd = tl.load(xh_ptrs + (k0 + BLOCK_K // 2), mask=valid[:, None], other=0.0)
-        w_even, w_odd = _fp4_tile(W, S, w_off, s_off, k0, stride_wn, stride_sn, w_rows, BLOCK_K, DT, ASM, True)
-        acc = tl.dot(w_even, tl.trans(x_even), acc)
-        acc = tl.dot(w_odd, tl.trans(x_odd), acc)
-    s2 = tl.load(S2 + expert)
-    if ASM:
-        s2 = s2 * _ASM_UNSCALE
-    acc = acc * s2
-    gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N, BLOCK_M]), [1, 2, 0]))
-    h = tl.trans(gate * tl.sigmoid(gate) * up)  # [BLOCK_M, BLOCK_N]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c = offs_n % PRESPLIT_K  # the column's place in moe_w13_kernel's PRESPLIT_K + KPERM order
-    m = c // 2
-    m = m - (m % 16) + ((m // 2) % 2) * 8 + ((m // 4) % 4) * 2 + m % 2
-    cols = offs_n - c + (c % 2) * (PRESPLIT_K // 2) + m
-    o_ptrs = Out + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
-    tl.store(o_ptrs, h.to(Out.dtype.element_ty), mask=valid[:, None])
-
-
-@triton.jit(do_not_specialize=["n_pairs"])
 def moe_w2_kernel(
     X,
     TopkIds,
