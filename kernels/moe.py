@@ -21,6 +21,10 @@ dequantisation (~2 instructions per weight) overlapping the weight stream. What 
 only ~58% of the copy bandwidth even without any dequantisation), the weights as the MMA's M operand and
 the block's <= 8 rows as its N (``swap_ab``: no padded token rows through shared memory, half the MMAs),
 8-row sorted blocks, and the intermediate stored even/odd-split per w2 K block (``presplit``).
+Prefill-sized calls (``PREFILL_MIN_PAIRS`` on) take 64-row blocks of one expert's pairs, the NVFP4 weights still as
+the MMA's M operand (wgmma, fed from registers) and K in the ``kperm`` order: per 32 columns, column
+16c + 8h + 2l + b of each nibble half reads packed byte 16c + 4l + 2h + b, so the 4 bytes an operand thread holds
+per row and 16-column step are one word under one block scale; x (a permuted copy) and the intermediate follow.
 Masked routes: a (token, slot) pair whose id is ``MASKED_ROUTE`` (-1; expert parallelism marks the routes to
 other ranks' experts so) reaches no expert: ``moe_align`` leaves it out of every block, its identity block exits at
 once, and the slot sum skips it (it adds exactly 0). Ids must otherwise lie in [0, E).
