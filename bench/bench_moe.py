@@ -5,24 +5,39 @@ block scales + scale2 of w13 and w2) + activations in and out. Each timing is a 
 over ``SETS`` independent routings (different experts, so weights do not sit in the 60 MB L2), divided by
 SETS. The full op runs with ``default_config`` and with round 1's tiles (``round1``) side by side, then each
 kernel alone with the default; also the torch baseline (per touched expert: dequantise to bf16, then bf16
-matmuls; eager). ``--sweep`` times the gate/up and the down kernel alone for each tile variant
-(``W13_VARIANTS``, ``W2_VARIANTS``, ...) against its own byte floor; ``--jobs N`` compiles the configs in N
+matmuls; eager). ``--prefill`` times the prefill sizes (T = 2048, 4096 tokens: ~48-96 pairs per expert; 1024) each
+kernel alone per tile variant (``PREFILL_VARIANTS``) against both floors (FLOPs at the measured bf16 peak, bytes
+at the copy bandwidth), the routing and slot-sum stages, and bf16-weight experts through the Triton kernels and
+through ``torch._grouped_mm`` (the GEMM half of "dequantise to bf16, then grouped bf16 GEMMs"). ``--sweep``
+times the gate/up and the down kernel alone for each tile variant (``W13_VARIANTS``, ``W2_VARIANTS``, ...)
+against its own byte floor; ``--jobs N`` compiles the configs in N
 processes first (Triton's disk cache).
 
-    python3 -m bench.bench_moe [--quick] [--sweep] [--jobs N]
+    python3 -m bench.bench_moe [--quick] [--sweep] [--prefill] [--jobs N]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from bench.floors import Ceilings, measure_ceilings, row, time_eager_ms, time_graph_ms
 from common.nvfp4 import dequant_nvfp4
-from kernels.moe import MoeConfig, bf16_moe, default_config, moe_reference, moe_routing, moe_w2, moe_w13, nvfp4_moe
+from kernels.moe import (
+    MoeConfig,
+    bf16_moe,
+    default_config,
+    moe_reference,
+    moe_routing,
+    moe_sum,
+    moe_w2,
+    moe_w13,
+    nvfp4_moe,
+)
 
 H, I, E, TOPK = 4096, 2048, 256, 6
 SETS = 8
@@ -92,9 +107,9 @@ def make_nvfp4(e: int, rows: int, cols: int, dev: str):
     return packed, scale, scale2
 
 
-def routings(t: int, dev: str, gen: torch.Generator):
+def routings(t: int, dev: str, gen: torch.Generator, n: int = SETS):
     sets = []
-    for _ in range(SETS):
+    for _ in range(n):
         ids = torch.argsort(torch.rand(t, E, generator=gen), dim=1)[:, :TOPK].to(torch.int32)
         wts = torch.softmax(torch.randn(t, TOPK, generator=gen), dim=-1)
         x = torch.randn(t, H, generator=gen).to(torch.bfloat16)
@@ -196,7 +211,7 @@ def time_kernel(kind: str, cfg: MoeConfig, sets, weights, reps: int) -> tuple[fl
             return [moe_w2(h, r, w2, (s2, s2b), cfg) for h, r in zip(inters, routes, strict=True)]
 
         first = moe_w2(inters[0], routes[0], w2, (s2, s2b), cfg)
-    return 1e3 * time_graph_ms(run, reps=reps) / SETS, first.float()
+    return 1e3 * time_graph_ms(run, reps=reps) / len(sets), first.float()
 
 
 def kernels_table(ceil: Ceilings, batches: list[int], weights, gen: torch.Generator, configs: list) -> None:
@@ -253,24 +268,28 @@ def sweep_configs() -> list:
 
 def _compile_one(job) -> str:
     """Worker of ``precompile``: one MoE call with this config on a small expert stack (fills the disk cache)."""
-    cfg, t = job
+    cfg, t, fp4 = job if len(job) == 3 else (*job, True)
     gen = torch.Generator().manual_seed(0)
     e = 8
-    weights = (*make_nvfp4(e, 2 * I, H, "cuda"), *make_nvfp4(e, H, I, "cuda"))
     ids = torch.argsort(torch.rand(t, e, generator=gen), dim=1)[:, :TOPK].to(torch.int32).cuda()
     wts = torch.softmax(torch.randn(t, TOPK, generator=gen), dim=-1).cuda()
     x = torch.randn(t, H, generator=gen).to(torch.bfloat16).cuda()
     try:
-        nvfp4_moe(x, ids, wts, *weights, config=cfg)
+        if fp4:
+            nvfp4_moe(x, ids, wts, *make_nvfp4(e, 2 * I, H, "cuda"), *make_nvfp4(e, H, I, "cuda"), config=cfg)
+        else:
+            w13 = torch.randn(e, 2 * I, H, dtype=torch.bfloat16, device="cuda")
+            bf16_moe(x, ids, wts, w13, torch.randn(e, H, I, dtype=torch.bfloat16, device="cuda"), config=cfg)
         torch.cuda.synchronize()
     except Exception as exc:  # reported; the timing run reports it again
         return f"{cfg}: {type(exc).__name__}"
     return ""
 
 
-def precompile(configs: list, batches: list[int], jobs: int) -> None:
-    """Compile every config the run will time in ``jobs`` processes (Triton caches the binaries on disk)."""
-    work = []
+def precompile(configs: list, batches: list[int], jobs: int, extra: list = ()) -> None:
+    """Compile every config the run will time in ``jobs`` processes (Triton caches the binaries on disk);
+    ``extra``: more (config, T, fp4) jobs."""
+    work = list(extra)
     for _, _, pick in configs:
         t = next((t for t in batches if pick(t) is not None), None)
         if t is not None:
@@ -278,6 +297,163 @@ def precompile(configs: list, batches: list[int], jobs: int) -> None:
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         failed = [f for f in pool.map(_compile_one, work, chunksize=1) if f]
     print(f"# precompiled {len(work)} configs in {jobs} processes" + (f"; failed: {failed}" if failed else ""))
+
+
+PREFILL_BATCHES = [2048, 4096, 1024]  # 1024: 24 pairs per expert, below PREFILL_MIN_PAIRS (the crossover)
+BF16_VARIANTS = ["default", "swap", "m128w8"]  # also timed with bf16 weights (kperm is NVFP4 only)
+PREFILL_SETS = 2  # routings per graph (the 3.6 GB NVFP4 stack is far beyond L2 anyway)
+WIDTHS3 = [5, 4, 12, 9, 7, 8, 8, 6, 8]
+# tile variants of the prefill kernels: overrides of default_config at prefill sizes (both kernels timed alone)
+KP = {"swap_ab": True, "kperm": True}  # weights as the MMA's M operand, K in the kperm order
+W8 = {"num_warps13": 8, "num_warps2": 8}
+# measured in round 1 (issue 17, decisions.md); "chosen" is default_config's NVFP4 prefill choice since
+PREFILL_VARIANTS = {
+    "default": {},  # the base: the prefill tiles before this work
+    "chosen": {**KP, "block_n2": 128, "num_warps2": 8},
+    "swap_kp": KP,
+    "swap_kp_n128w8": {**KP, **W8, "block_n13": 128, "block_n2": 128},
+    "swap_kp_s4": {**KP, "num_stages": 4},
+    "swap": {"swap_ab": True},
+    "m128w8": {**W8, "block_m": 128},
+    "n128w8": {**W8, "block_n13": 128, "block_n2": 128},
+    "w8": W8,
+    "stages4": {"num_stages": 4},
+}
+
+
+# the prefill tiles before issue 17's MoE prefill work (default_config from PREFILL_MIN_PAIRS pairs then), the base
+# of every PREFILL_VARIANTS entry
+PREFILL_BASE = MoeConfig(block_m=64, swap_ab=False, block_k13=128, block_k2=128)
+
+
+def prefill_variant(name: str) -> MoeConfig:
+    return replace(PREFILL_BASE, **PREFILL_VARIANTS[name])
+
+
+def time_any_ms(fn, reps: int = 10) -> float:
+    """``time_graph_ms``, or eager timing where the op cannot be captured (reported)."""
+    try:
+        return time_graph_ms(fn, reps=reps)
+    except Exception as exc:  # e.g. a host sync inside a torch op
+        print(f"# (not capturable: {type(exc).__name__}; timed eagerly)", flush=True)
+        torch.cuda.synchronize()
+        return time_eager_ms(fn, reps=reps)
+
+
+def prefill_floors(ceil: Ceilings, kind: str, ids: torch.Tensor, fp4: bool) -> tuple[float, float]:
+    """(FLOP floor, byte floor) in us of one kernel ("w13", "w2") on routing ``ids``: its MMA FLOPs at the
+    measured bf16 peak; its must-move bytes (``w13_bytes``/``w2_bytes``, bf16 weights: 4x the packed) at the
+    copy bandwidth."""
+    flops = 2.0 * ids.numel() * H * I * (2 if kind == "w13" else 1)
+    nbytes = (w13_bytes if kind == "w13" else w2_bytes)(ids)
+    if not fp4:  # 2 bytes per weight instead of 9/16
+        nbytes += torch.unique(ids).numel() * (2 if kind == "w13" else 1) * H * I * (2 - 9 / 16)
+    return flops / (ceil.bf16_tflops * 1e12) * 1e6, ceil.floor_us(nbytes)
+
+
+def prefill_row(ceil, t, kind, name, us, floors, rel="") -> str:
+    flops_us, bytes_us = floors
+    tflops = flops_us * ceil.bf16_tflops / us
+    cells = [str(t), kind, name, f"{us:.0f}", f"{tflops:.0f}", f"{flops_us:.0f}", f"{bytes_us:.0f}"]
+    return row([*cells, f"{us / max(floors):.2f}", rel], WIDTHS3)
+
+
+def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generator, variants: list[str]) -> None:
+    """NVFP4 prefill sizes: the whole op, its stages, then each kernel alone per tile variant."""
+    dev = "cuda"
+    weights = (*make_nvfp4(E, 2 * I, H, dev), *make_nvfp4(E, H, I, dev))
+    print(f"# NVFP4 MoE at prefill sizes, CUDA graph over {PREFILL_SETS} routings; floors: FLOPs at the bf16 peak,")
+    print("# bytes at the copy bandwidth; ratio = time / the larger floor; rel vs the default config's result (w13:")
+    print("# kperm variants store the intermediate in their own column order, so only their w2 rel compares)")
+    print(row(["T", "kern", "config", "time_us", "TFLOP/s", "flop_fl", "byte_fl", "ratio", "rel"], WIDTHS3))
+    for t in batches:
+        sets = routings(t, dev, gen, PREFILL_SETS)
+        x, ids, wts = sets[0]
+        cfg = default_config(ids.numel())
+        ref = moe_reference(x, ids, wts, *weights).float()
+        out = nvfp4_moe(x, ids, wts, *weights).float()
+        rel = f"{((out - ref).norm() / ref.norm()).item():.1e}"
+        both = tuple(a + b for a, b in zip(*(prefill_floors(ceil, k, ids, True) for k in ("w13", "w2")), strict=True))
+        us = 1e3 * time_any_ms(lambda sets=sets: [nvfp4_moe(*s, *weights) for s in sets]) / len(sets)
+        print(prefill_row(ceil, t, "all", "now", us, both, rel + "(fp32 ref)"), flush=True)
+        run = [(x_, i_, w_, PREFILL_BASE) for x_, i_, w_ in sets]
+        us = 1e3 * time_any_ms(lambda run=run: [nvfp4_moe(*s[:3], *weights, config=s[3]) for s in run]) / len(sets)
+        print(prefill_row(ceil, t, "all", "before", us, both), flush=True)
+        us = 1e3 * time_any_ms(lambda cfg=cfg, sets=sets: [moe_routing(i, w, E, cfg) for _, i, w in sets]) / len(sets)
+        print(f"T={t} routing (moe_align, torch sort beyond its kernel's sizes): {us:.0f} us", flush=True)
+        r = moe_routing(ids, wts, E, cfg)
+        part = moe_w2(moe_w13(x, r, weights[0], weights[1:3], cfg), r, weights[3], weights[4:6], cfg)
+        us = 1e3 * time_graph_ms(lambda part=part, r=r: moe_sum(part, r, torch.bfloat16), reps=10)
+        print(f"T={t} slot sum: {us:.0f} us (floor {ceil.floor_us(part.numel() * 4 + t * H * 2):.0f})", flush=True)
+        for kind in ("w13", "w2"):
+            floors = prefill_floors(ceil, kind, ids, True)
+            base = None
+            for name in variants:
+                try:
+                    us, first = time_kernel(kind, prefill_variant(name), sets, weights, 10)
+                except Exception as exc:  # a variant that does not compile on this Triton: report, go on
+                    print(f"T={t} {kind} {name}: failed: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                    continue
+                base = first if base is None else base
+                rel = f"{((first - base).norm() / base.norm()).item():.1e}"
+                print(prefill_row(ceil, t, kind, name, us, floors, rel), flush=True)
+
+
+def grouped_mm_moe(x, ids, wts, w13, w2):
+    """bf16 experts through ``torch._grouped_mm``: pairs sorted by expert, the [gate; up] GEMM, SwiGLU in fp32,
+    the down GEMM, the slot sum in fp32 (the GEMM half of dequantise-then-GEMM; bf16 GEMM outputs)."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=w13.shape[0]), 0).to(torch.int32)
+    tok = order // k
+    gate, up = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
+    y = torch._grouped_mm((F.silu(gate) * up).to(x.dtype), w2.transpose(1, 2), offs=offs)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, y.float() * wts.reshape(-1)[order, None])
+    return out.to(x.dtype)
+
+
+def bench_prefill_bf16(ceil: Ceilings, batches: list[int], gen: torch.Generator, variants: list[str]) -> None:
+    """bf16-weight experts at prefill sizes: the Triton kernels (per variant, each alone) and torch._grouped_mm."""
+    dev = "cuda"
+    w13 = torch.randn(E, 2 * I, H, dtype=torch.bfloat16, device=dev) * 0.02
+    w2 = torch.randn(E, H, I, dtype=torch.bfloat16, device=dev) * 0.02
+    weights = (w13, None, None, w2, None, None)
+    print("# bf16-weight MoE at prefill sizes (Triton kernels vs torch._grouped_mm); floors as above, bf16 bytes")
+    print(row(["T", "kern", "config", "time_us", "TFLOP/s", "flop_fl", "byte_fl", "ratio", "rel"], WIDTHS3))
+    for t in batches:
+        sets = routings(t, dev, gen, PREFILL_SETS)
+        x, ids, wts = sets[0]
+        ref = moe_reference(x, ids, wts, w13, None, None, w2, None, None).float()
+        both = tuple(a + b for a, b in zip(*(prefill_floors(ceil, k, ids, False) for k in ("w13", "w2")), strict=True))
+        for name, fn in (("triton", bf16_moe), ("grouped_mm", grouped_mm_moe)):
+            try:
+                rel = f"{((fn(x, ids, wts, w13, w2).float() - ref).norm() / ref.norm()).item():.1e}(fp32 ref)"
+                us = 1e3 * time_any_ms(lambda fn=fn, sets=sets: [fn(*s, w13, w2) for s in sets]) / len(sets)
+                print(prefill_row(ceil, t, "all", name, us, both, rel), flush=True)
+            except Exception as exc:
+                print(f"T={t} bf16 {name}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        offs = torch.cumsum(torch.bincount(ids.reshape(-1), minlength=E), 0).to(torch.int32)
+        xs = x[order // TOPK]
+        inter = torch.randn(ids.numel(), I, device=dev).to(torch.bfloat16)
+        for kind, a, b in (("w13", xs, w13), ("w2", inter, w2)):
+            floors = prefill_floors(ceil, kind, ids, False)
+            try:
+                us = 1e3 * time_graph_ms(
+                    lambda a=a, b=b, offs=offs: torch._grouped_mm(a, b.transpose(1, 2), offs=offs), reps=10
+                )
+                print(prefill_row(ceil, t, kind, "grouped_mm", us, floors), flush=True)
+            except Exception as exc:
+                print(f"T={t} grouped_mm {kind}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            for name in variants:
+                try:
+                    us, _ = time_kernel(kind, prefill_variant(name), sets[:1], weights, 10)
+                except Exception as exc:
+                    print(f"T={t} {kind} {name}: failed: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                    continue
+                print(prefill_row(ceil, t, kind, name, us, floors), flush=True)
 
 
 def bench_bf16(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> None:
@@ -317,12 +493,26 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="T: just run the op 3 times (for ncu), no timing")
     ap.add_argument("--sweep", action="store_true", help="time each kernel's tile variants alone")
     ap.add_argument("--jobs", type=int, default=1, help="compile the configs in this many processes first")
+    ap.add_argument("--prefill", action="store_true", help="the prefill sizes only: variants, stages, grouped_mm")
+    ap.add_argument("--variants", default=",".join(PREFILL_VARIANTS), help="--prefill: the tile variants to time")
     args = ap.parse_args()
     if args.profile:
         profile(args.profile)
         return
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
+    if args.prefill:
+        variants = args.variants.split(",")
+        if args.jobs > 1:
+            jobs = [(prefill_variant(v), 512, True) for v in variants]
+            jobs += [(prefill_variant(v), 512, False) for v in BF16_VARIANTS]
+            precompile([], [], args.jobs, jobs)
+        ceil = measure_ceilings()
+        print(ceil.line(), flush=True)
+        bench_prefill_kernels(ceil, PREFILL_BATCHES, gen, variants)
+        bench_prefill_bf16(ceil, PREFILL_BATCHES, gen, BF16_VARIANTS)
+        print(ceil.line())
+        return
     ceil = measure_ceilings()
     print(ceil.line(), flush=True)
     batches = [1, 8, 64, 256] if not args.quick else [1, 64]

@@ -1,17 +1,20 @@
 """Prefill of the Small-L6 proxy (bench/proxy.py) against its FLOP floor, and the prefill attention kernel's tiles.
 
-Whole prefill: one `--tokens`-token prompt (default 8192) in `--chunk`-token steps (default 2048) on the packed
-path with the fast kernels, through a contiguous state (attention over the keys its cache returns) and through
-the engine's paged KV cache (attention over the pools in place); tokens/s and the share of the bf16 matmul peak
-measured in the same run (`bench/floors.py`) in model FLOPs (`bench_decode.prefill_flops`), then the GPU time by
-kernel of the first and the last chunk of the prompt.
+Whole prefill: one `--tokens`-token prompt (default 8192) in `--chunk`-token steps (default 2048; a comma list
+times each) on the packed path with the fast kernels, through a contiguous state (attention over the keys its cache
+returns) and through the engine's paged KV cache (attention over the pools in place); tokens/s and the share of the
+bf16 matmul peak measured in the same run (`bench/floors.py`) in model FLOPs (`bench_decode.prefill_flops`), then
+the GPU time by kernel of the first and the last chunk of the prompt. `--moe-tiles a,b` also times the same
+weights with the routed experts' prefill-sized calls on `bench_moe`'s PREFILL_VARIANTS a, b ("default": the tiles
+of before issue 17's MoE prefill work), side by side.
 
 Attention: `prefill_attention` on the proxy's chunk shapes (2048 queries, 32 query / 8 KV heads of 128, d_rel 16,
 R 1024) for each `PrefillConfig` side by side: a sliding layer (W 512), the global layer (tau) on the first and
 the last chunk of the prompt; attention FLOPs (4 nH hd per visible pair) over time, next to the bf16 peak, and
 the error against the fp32 reference.
 
-    python3 -m bench.bench_prefill [--tokens 8192] [--chunk 2048] [--no-model] [--no-attention]
+    python3 -m bench.bench_prefill [--tokens 8192] [--chunk 2048[,4096]] [--moe-tiles default,...]
+        [--no-model] [--no-attention]
 """
 
 from __future__ import annotations
@@ -22,13 +25,44 @@ import math
 import torch
 
 from bench.bench_decode import count_launches, prefill_flops
+from bench.bench_moe import PREFILL_VARIANTS, prefill_variant
 from bench.floors import Ceilings, measure_ceilings, time_eager_ms
 from bench.proxy import NVFP4_LAYERS, PAGE, proxy_config, random_proxy
 from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
 from decode_service.model.batch import ForwardBatch, SequenceSlice
+from decode_service.model.fast_path import TritonOps
 from decode_service.model.inkling import InklingDecoder
+from kernels.moe import PREFILL_MIN_PAIRS, MoeConfig, bf16_moe, nvfp4_moe
 from kernels.prefill_attention import PrefillConfig, prefill_attention, prefill_attention_reference
+
+
+class TilesOps(TritonOps):
+    """`TritonOps` with the routed experts' prefill-sized calls (from PREFILL_MIN_PAIRS pairs) on `config`."""
+
+    def __init__(self, config: MoeConfig):
+        self.config = config
+
+    def bf16_experts(self, hidden: int, width: int):
+        fast = super().bf16_experts(hidden, width)
+
+        def experts(x, ids, weights, w13, w2):
+            if ids.numel() < PREFILL_MIN_PAIRS:
+                return fast(x, ids, weights, w13, w2)
+            return bf16_moe(x, ids.to(torch.int32), weights.float(), w13, w2, config=self.config)
+
+        return experts
+
+    def nvfp4_experts(self, hidden: int, width: int):
+        fast = super().nvfp4_experts(hidden, width)
+
+        def experts(x, ids, weights, *stacks):
+            if ids.numel() < PREFILL_MIN_PAIRS:
+                return fast(x, ids, weights, *stacks)
+            return nvfp4_moe(x, ids.to(torch.int32), weights.float(), *stacks, config=self.config)
+
+        return experts
+
 
 CONFIGS = [
     PrefillConfig(64, 64, 4, 2),  # the default
@@ -78,19 +112,41 @@ def bench_attention(ceil: Ceilings, n: int = 2048, heads: int = 32, kv_heads: in
     print(f"# (bf16 matmul peak {ceil.bf16_tflops:.0f} TFLOP/s)", flush=True)
 
 
-def bench_model(ceil: Ceilings, tokens: int, chunk: int) -> None:
+def bench_model(ceil: Ceilings, tokens: int, chunks: list[int], tiles: list[str]) -> None:
+    """The prefill rate per chunk size with the model as built, then with each `tiles` variant (`bench_moe`'s
+    PREFILL_VARIANTS) on the NVFP4 experts' prefill-sized calls; the breakdown of the model as built."""
     model = random_proxy(proxy_config(), NVFP4_LAYERS)
-    dev = model.embed.weight.device
-    ids = torch.randint(0, model.config.unpadded_vocab_size, (tokens,), device=dev)
+    for chunk in chunks:
+        bench_prefill_rate(ceil, model, tokens, chunk, "MoE tiles of default_config")
+        for name in tiles:
+            variant = model.with_ops(TilesOps(prefill_variant(name)))
+            bench_prefill_rate(ceil, variant, tokens, chunk, f"MoE prefill tiles {name}")
+        breakdown(model, tokens, chunk)
+
+
+def prefill_fn(model: InklingDecoder, ids: torch.Tensor, chunk: int):
+    """`prefill(end)`: the prompt's chunks up to token `end` on a fresh state -> (state, last hidden rows)."""
 
     def prefill(end: int):
-        """The prompt's chunks up to token `end` on a fresh state -> (state, last hidden rows)."""
         state, hidden = model.new_state(), None
         with torch.inference_mode():
             for start in range(0, end, chunk):
                 n = min(chunk, end - start)
                 hidden = model(ForwardBatch(ids[start : start + n], [SequenceSlice(start, n, state.layers)]))
         return state, hidden
+
+    return prefill
+
+
+def prompt(model: InklingDecoder, tokens: int) -> torch.Tensor:
+    gen = torch.Generator(device=model.embed.weight.device).manual_seed(0)
+    vocab = model.config.unpadded_vocab_size
+    return torch.randint(0, vocab, (tokens,), device=model.embed.weight.device, generator=gen)
+
+
+def bench_prefill_rate(ceil: Ceilings, model: InklingDecoder, tokens: int, chunk: int, what: str) -> None:
+    ids = prompt(model, tokens)
+    prefill = prefill_fn(model, ids, chunk)
 
     def run() -> None:
         _, hidden = prefill(tokens)
@@ -101,11 +157,17 @@ def bench_model(ceil: Ceilings, tokens: int, chunk: int) -> None:
     for where, fn in (("contiguous state", run), ("engine's paged cache", engine_prefill(model, ids, chunk))):
         ms = time_eager_ms(fn, reps=3, warmup=1)
         print(
-            f"# prefill {tokens} tokens in {chunk}-token chunks (packed path, fast kernels, {where}): "
+            f"# prefill {tokens} tokens in {chunk}-token chunks ({what}; packed path, fast kernels, {where}): "
             f"{tokens / ms * 1e3:.0f} tokens/s = {ms:.1f} ms vs FLOP floor {floor_ms:.1f} ms at the measured bf16 "
             f"peak ({floor_ms / ms:.0%} of peak in model FLOPs)",
             flush=True,
         )
+
+
+def breakdown(model: InklingDecoder, tokens: int, chunk: int) -> None:
+    """GPU time by kernel of the prompt's first and last chunk."""
+    ids = prompt(model, tokens)
+    prefill = prefill_fn(model, ids, chunk)
     for start in sorted({0, (tokens - 1) // chunk * chunk}):  # the first chunk and the last
         state, _ = prefill(start)
         n = min(chunk, tokens - start)
@@ -150,14 +212,16 @@ def engine_prefill(model: InklingDecoder, ids: torch.Tensor, chunk: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--chunk", default="2048", help="chunk tokens, or a comma list of them (each timed)")
+    parser.add_argument("--moe-tiles", default="", help=f"also these MoE prefill tiles, of {list(PREFILL_VARIANTS)}")
     parser.add_argument("--no-model", action="store_true", help="only the attention tiles")
     parser.add_argument("--no-attention", action="store_true", help="only the whole prefill")
     args = parser.parse_args()
     ceil = measure_ceilings()
     print(ceil.line(), flush=True)
     if not args.no_model:
-        bench_model(ceil, args.tokens, args.chunk)
+        tiles = [t for t in args.moe_tiles.split(",") if t]
+        bench_model(ceil, args.tokens, [int(c) for c in args.chunk.split(",")], tiles)
     if not args.no_attention:
         bench_attention(ceil)
 

@@ -113,11 +113,14 @@ def _fp4_tile(
     BLOCK_K: tl.constexpr,
     DT: tl.constexpr,
     ASM: tl.constexpr,
+    KPERM: tl.constexpr = False,
 ):
     """Dequantise rows ``offs_n`` x columns [k0, k0 + BLOCK_K) -> (even cols, odd cols), each [BN, BK/2].
 
     ``ASM`` (GPU, bf16 only): packed-bf16 inline PTX (1: fp32 scale decode, 2: e4m3 convert for the scales);
     otherwise portable Triton arithmetic (interpreter).
+    ``KPERM``: column j = 16c + 8h + 2l + b of each half holds packed byte 16c + 4l + 2h + b (``kperm_bytes``), so
+    the 4 bytes an MMA operand thread holds per row and 16-column step are contiguous and share one block scale.
     """
     BN: tl.constexpr = offs_n.shape[0]
     G: tl.constexpr = BLOCK_K // 16
@@ -126,6 +129,27 @@ def _fp4_tile(
     # 2-D load (rows of BLOCK_K/2 contiguous bytes -> 16-byte copies), then [BN, G, 8]: one scale per 8 bytes.
     w_ptrs = W + w_row_off + offs_n[:, None] * stride_wn + (k0 // 2 + offs_b[None, :])
     s_ptrs = S + s_row_off + offs_n[:, None] * stride_sn + (k0 // 16 + offs_g[None, :])
+    if KPERM:  # [BN, c, lh, ll, h, b] (byte 16c + 8lh + 4ll + 2h + b) -> [BN, c, h, lh, ll, b] (column j)
+        C: tl.constexpr = BLOCK_K // 32
+        packed = tl.permute(tl.reshape(tl.load(w_ptrs), [BN, C, 2, 2, 2, 2]), [0, 1, 4, 2, 3, 5])
+        raw_scale = tl.reshape(tl.load(s_ptrs), [BN, C, 1, 2, 1, 1])  # group 2c + lh
+        if ASM:
+            if ASM == 2:
+                scale = tl.inline_asm_elementwise(
+                    _E4M3_ASM, "=r,h", [raw_scale], dtype=tl.bfloat16, is_pure=True, pack=2
+                )
+            else:
+                scale = _e4m3_times_2pow119(raw_scale).to(tl.bfloat16)
+            scale = tl.broadcast_to(scale, (BN, C, 2, 2, 2, 2))
+            lo, hi = tl.inline_asm_elementwise(
+                _E2M1_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                pack=4,
+            )  # fmt: skip
+        else:
+            scale = _e4m3_times_2pow14(raw_scale)
+            lo = (_e2m1_times_2pow_m14(packed & 15) * scale).to(DT)
+            hi = (_e2m1_times_2pow_m14(packed >> 4) * scale).to(DT)
+        return tl.reshape(lo, [BN, BLOCK_K // 2]), tl.reshape(hi, [BN, BLOCK_K // 2])
     packed = tl.reshape(tl.load(w_ptrs), [BN, G, 8])
     if ASM:
         if ASM == 2:
@@ -203,6 +227,8 @@ def moe_w13_kernel(
     PRESPLIT_K: tl.constexpr = 0,
     SWAP: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
+    X_SPLIT: tl.constexpr = False,
+    KPERM: tl.constexpr = False,
 ):
     if N_FAST:
         pid_m = tl.program_id(1)
@@ -221,6 +247,7 @@ def moe_w13_kernel(
     w_off = expert.to(tl.int64) * stride_we
     up_off = N_HALF.to(tl.int64) * stride_wn
     x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    xh_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
     ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
     acc_g = tl.zeros(ACC, dtype=tl.float32)
     acc_u = tl.zeros(ACC, dtype=tl.float32)
@@ -228,14 +255,18 @@ def moe_w13_kernel(
     acc_u2 = tl.zeros(ACC, dtype=tl.float32)
     k_lo = tl.multiple_of(pid_s * K, BLOCK_K)  # K is a multiple of BLOCK_K
     for k0 in range(k_lo, k_lo + K, BLOCK_K):
-        x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
         if FP4:
             s_off = expert.to(tl.int64) * stride_se
             s_up = N_HALF.to(tl.int64) * stride_sn
-            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
-            g_even, g_odd = _fp4_tile(W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM)
+            if X_SPLIT:  # x stored with each K block as [even columns | odd columns] (moe_w13's permuted copy)
+                x_even = tl.load(xh_ptrs + k0, mask=valid[:, None], other=0.0)
+                x_odd = tl.load(xh_ptrs + (k0 + BLOCK_K // 2), mask=valid[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
+                x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+            g_even, g_odd = _fp4_tile(W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM)
             u_even, u_odd = _fp4_tile(
-                W, S, w_off + up_off, s_off + s_up, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM
+                W, S, w_off + up_off, s_off + s_up, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM
             )
             acc_g = _mma(acc_g, x_even, g_even, SWAP)
             acc_u = _mma(acc_u, x_even, u_even, SWAP)
@@ -246,6 +277,7 @@ def moe_w13_kernel(
                 acc_g = _mma(acc_g, x_odd, g_odd, SWAP)
                 acc_u = _mma(acc_u, x_odd, u_odd, SWAP)
         else:
+            x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
             w_ptrs = W + w_off + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
             acc_g = _mma(acc_g, x, tl.load(w_ptrs), SWAP)
             acc_u = _mma(acc_u, x, tl.load(w_ptrs + up_off), SWAP)
@@ -283,7 +315,12 @@ def moe_w13_kernel(
         # column c of a PRESPLIT_K-wide block goes to (c % 2) * PRESPLIT_K / 2 + c // 2 within the block: the w2
         # kernel then reads the even and the odd columns of its K block as two contiguous halves.
         r = offs_n % PRESPLIT_K
-        cols = offs_n - r + (r % 2) * (PRESPLIT_K // 2) + r // 2
+        if KPERM:  # and byte m = 16c + 4l + 2h + b of each half to 16c + 8h + 2l + b (``_fp4_tile``'s KPERM)
+            m = r // 2
+            m = m - (m % 16) + ((m // 2) % 2) * 8 + ((m // 4) % 4) * 2 + m % 2
+            cols = offs_n - r + (r % 2) * (PRESPLIT_K // 2) + m
+        else:
+            cols = offs_n - r + (r % 2) * (PRESPLIT_K // 2) + r // 2
     o_ptrs = Out + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(o_ptrs, h.to(Out.dtype.element_ty), mask=valid[:, None])
 
@@ -316,6 +353,7 @@ def moe_w2_kernel(
     N_FAST: tl.constexpr = False,
     PRESPLIT: tl.constexpr = False,
     SWAP: tl.constexpr = False,
+    KPERM: tl.constexpr = False,
 ):
     if N_FAST:
         pid_m = tl.program_id(1)
@@ -343,7 +381,7 @@ def moe_w2_kernel(
             else:
                 x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
                 x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
-            w_even, w_odd = _fp4_tile(W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM)
+            w_even, w_odd = _fp4_tile(W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM)
             acc = _mma(acc, x_even, w_even, SWAP)
             acc = _mma(acc, x_odd, w_odd, SWAP)
         else:

@@ -21,6 +21,10 @@ dequantisation (~2 instructions per weight) overlapping the weight stream. What 
 only ~58% of the copy bandwidth even without any dequantisation), the weights as the MMA's M operand and
 the block's <= 8 rows as its N (``swap_ab``: no padded token rows through shared memory, half the MMAs),
 8-row sorted blocks, and the intermediate stored even/odd-split per w2 K block (``presplit``).
+Prefill-sized calls (``PREFILL_MIN_PAIRS`` on) take 64-row blocks of one expert's pairs, the NVFP4 weights still as
+the MMA's M operand (wgmma, fed from registers) and K in the ``kperm`` order: per 32 columns, column
+16c + 8h + 2l + b of each nibble half reads packed byte 16c + 4l + 2h + b, so the 4 bytes an operand thread holds
+per row and 16-column step are one word under one block scale; x (a permuted copy) and the intermediate follow.
 Masked routes: a (token, slot) pair whose id is ``MASKED_ROUTE`` (-1; expert parallelism marks the routes to
 other ranks' experts so) reaches no expert: ``moe_align`` leaves it out of every block, its identity block exits at
 once, and the slot sum skips it (it adds exactly 0). Ids must otherwise lie in [0, E).
@@ -64,21 +68,24 @@ class MoeConfig:
     n_fast13: bool = True  # grid order: the N tiles of one row block adjacent (else the row blocks of one N tile)
     n_fast2: bool = True
     split_k13: int = 1  # gate/up: H in this many programs per tile, the last to finish adds their partials
-    swap_ab: bool = True  # weights as the MMA's M operand, the block's rows as its N (keep the rows <= 8)
+    swap_ab: bool = True  # weights as the MMA's M operand, the block's rows as its N (decode: rows <= 8)
     presplit: bool = True  # NVFP4: w13 stores each block_k2 slice of the intermediate as [even | odd] columns
     split_acc: bool = False  # w13: separate accumulators for the even and the odd columns of a K block
+    # NVFP4, with presplit: both kernels take K in ``_fp4_tile``'s KPERM order (w13 reads a permuted copy of x)
+    kperm: bool = False
 
 
 MASKED_ROUTE = -1  # a route id that no expert computes and that contributes 0 to its token
 
-PREFILL_MIN_PAIRS = 8192  # from here on prefill-sized tiles (~32+ pairs per expert at E = 256)
+PREFILL_MIN_PAIRS = 6144  # from here on (T = 1024 at k = 6, 24 pairs per expert at E = 256) prefill-sized tiles
+BF16_WIDE_MIN_PAIRS = 24576  # bf16 weights from here on (T = 4096, 96 pairs per expert): 128-row blocks, 8 warps
 # up to here (T = 1 at k = 6) the identity gate/up kernel splits H in two: 2 * 64 tiles per pair of 2-warp CTAs
 # (144 registers: 7 per SM) stay within one wave of the 132 SMs
 SPLIT_K13_MAX_PAIRS = 8
 NARROW_WARPS_MAX_PAIRS = 767  # sorted decode below T = 128 at k = 6: 2-warp tiles (32 weight rows per warp)
 
 
-def default_config(n_pairs: int) -> MoeConfig:
+def default_config(n_pairs: int, fp4: bool = True) -> MoeConfig:
     """Measured choice (H200, H=4096, I=2048, E=256, k=6; ``bench_moe --sweep``, each kernel alone, 2026-12-01):
 
     * below ``sorted_min_pairs`` (identity routing, one block per pair): 32-row tiles of 2 warps, so a batch-1 call
@@ -87,8 +94,12 @@ def default_config(n_pairs: int) -> MoeConfig:
     * sorted 8-row blocks up to ``NARROW_WARPS_MAX_PAIRS``: 64-row tiles of 2 warps for both kernels (T=64: gate/up
       551 us against 566 with 4 warps, down 283 against 300); beyond, the class defaults' 4 warps (T=256: down
       423-445 us against 460 with 2 warps, gate/up even);
-    * from ``PREFILL_MIN_PAIRS`` on 64-row blocks of pairs as the MMA's M operand, so each expert's weights are
-      dequantised once per 64 pairs (T=2048: 3.40 ms against 7.18 ms with the decode tiles, 182 TFLOP/s).
+    * from ``PREFILL_MIN_PAIRS`` on 64-row blocks, so each expert's weights are dequantised once per 64 pairs
+      (T=2048: 3.40 ms against 7.18 ms with the decode tiles). NVFP4 (``bench_moe --prefill``): the weights as the
+      MMA's M operand fed from registers (``swap_ab``) in the ``kperm`` K order, the down kernel in 128-wide
+      tiles of 8 warps (T=1024/2048/4096: gate/up 1575/1743/3517 us against 1972 (decode tiles)/2113/4070, down
+      789/815/1561 against 976/1017/2006); bf16 weights: the 64-row tiles as before up to ``BF16_WIDE_MIN_PAIRS``,
+      then 128-row blocks of 8 warps (T=4096: gate/up 2502 us against 3464, down 1831 against 1796).
 
     Measured and not taken: 16-row blocks (T=256: gate/up 968-1568 us against 858; the 16-wide MMA operand costs
     more than the 15% of blocks it saves), 4-row blocks, 128-row tiles of 8 warps, 128-wide K tiles, 2 or 4
@@ -99,7 +110,10 @@ def default_config(n_pairs: int) -> MoeConfig:
                         split_acc=True)  # fmt: skip
         return replace(few, split_k13=2) if n_pairs <= SPLIT_K13_MAX_PAIRS else few
     if n_pairs >= PREFILL_MIN_PAIRS:
-        return MoeConfig(block_m=64, swap_ab=False, block_k13=128, block_k2=128)
+        if fp4:
+            return MoeConfig(block_m=64, block_k13=128, block_k2=128, block_n2=128, num_warps2=8, kperm=True)
+        wide = {"block_m": 128, "num_warps13": 8, "num_warps2": 8} if n_pairs >= BF16_WIDE_MIN_PAIRS else {}
+        return MoeConfig(**{"block_m": 64, "swap_ab": False, "block_k13": 128, "block_k2": 128, **wide})
     if n_pairs <= NARROW_WARPS_MAX_PAIRS:
         return replace(base, num_warps13=2, num_warps2=2)
     return base
@@ -232,7 +246,7 @@ def moe_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts:
 
 
 def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: MoeConfig | None):
-    cfg = config or default_config(topk_ids.numel())
+    cfg = config or default_config(topk_ids.numel(), fp4)
     e, i = _check(x, topk_ids, topk_weights, w13, w2, fp4, scales)
     if not fp4 and x.element_size() > 2:  # fp32 weight tiles: keep the pipeline within shared memory
         cfg = replace(cfg, block_k13=min(cfg.block_k13, 128), block_k2=min(cfg.block_k2, 128))
@@ -245,6 +259,8 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
     ):
         if dim % blk:
             raise ValueError(f"{name}={dim} is not a multiple of the tile {blk}")
+    if fp4 and cfg.kperm and not (cfg.presplit and cfg.block_k13 % 32 == 0 and cfg.block_k2 % 32 == 0):
+        raise ValueError(f"kperm needs presplit and K tiles that are multiples of 32, got {cfg}")
     if topk_ids.numel() == 0:
         return torch.empty_like(x)
     routing = moe_routing(topk_ids, topk_weights, e, cfg)
@@ -286,6 +302,10 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
     s13, s13b, fp4, asm = _fp4_args(w13, scales, x.dtype)
     r = routing
     i = w13.shape[1] // 2
+    kperm = fp4 and cfg.kperm
+    if kperm:  # column 32c + 8l + 4h + 2b + nibble of a K block to nibble * BK/2 + 16c + 8h + 2l + b: the even and
+        # the odd columns as two halves, each in the KPERM order, as the MMA reads them
+        x = x.unflatten(1, (-1, cfg.block_k13 // 32, 4, 2, 2, 2)).permute(0, 1, 6, 2, 4, 3, 5).reshape(x.shape)
     inter = torch.empty((r.ids.numel(), i), dtype=x.dtype, device=x.device)
     n_tiles, splits = i // cfg.block_n13, cfg.split_k13
     grid, n_fast = _grid(cfg.n_fast13, r.n_blocks, n_tiles, splits)
@@ -300,7 +320,7 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
         s13.stride(1), inter.stride(0),
         TOPK=r.topk, BLOCK_M=r.block_m, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k13, IDENTITY=r.identity, FP4=fp4,
         ASM=asm, N_FAST=n_fast, SPLIT_ACC=cfg.split_acc, PRESPLIT_K=cfg.block_k2 if fp4 and cfg.presplit else 0,
-        SWAP=cfg.swap_ab, SPLIT_K=splits, **_launch_opts(cfg, cfg.num_warps13),
+        SWAP=cfg.swap_ab, SPLIT_K=splits, X_SPLIT=kperm, KPERM=kperm, **_launch_opts(cfg, cfg.num_warps13),
     )  # fmt: skip
     return inter
 
@@ -320,7 +340,8 @@ def moe_w2(inter: torch.Tensor, routing: MoeRouting, w2: torch.Tensor, scales, c
         r.ids.numel(), inter.shape[1], inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         part.stride(0),
         BLOCK_M=r.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, IDENTITY=r.identity, FP4=fp4, ASM=asm,
-        N_FAST=n_fast, PRESPLIT=fp4 and cfg.presplit, SWAP=cfg.swap_ab, **_launch_opts(cfg, cfg.num_warps2),
+        N_FAST=n_fast, PRESPLIT=fp4 and cfg.presplit, SWAP=cfg.swap_ab, KPERM=fp4 and cfg.kperm,
+        **_launch_opts(cfg, cfg.num_warps2),
     )  # fmt: skip
     return part
 

@@ -52,12 +52,12 @@ def _fit(tile: int, dim: int) -> int | None:
 
 
 @functools.cache
-def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False):
+def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False, fp4: bool = True):
     """The kernels' measured default tiles for this many (token, slot) pairs, shrunk to divide H and I; fp32
     activations get two pipeline stages (three overflow the H200's shared memory at Inkling-Small widths)."""
     from kernels.moe import MoeConfig, default_config
 
-    base = default_config(n_pairs)
+    base = default_config(n_pairs, fp4)
     tiles = {
         "num_stages": min(base.num_stages, 2) if fp32 else base.num_stages,
         "block_n13": _fit(base.block_n13, width),
@@ -68,6 +68,8 @@ def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False):
     if None in tiles.values():
         return None
     split_k13 = base.split_k13 if hidden % (tiles["block_k13"] * base.split_k13) == 0 else 1
+    if base.kperm and min(tiles["block_k13"], tiles["block_k2"]) < 32:  # kperm permutes K in steps of 32
+        tiles["kperm"] = False
     return MoeConfig(**{**base.__dict__, **tiles, "split_k13": split_k13})
 
 
@@ -91,7 +93,7 @@ def _bf16_moe(
 ) -> torch.Tensor:
     from kernels.moe import bf16_moe
 
-    config = _moe_config(ids.numel(), x.shape[1], w2.shape[-1], x.dtype == torch.float32)
+    config = _moe_config(ids.numel(), x.shape[1], w2.shape[-1], x.dtype == torch.float32, fp4=False)
     return bf16_moe(x, ids.to(torch.int32), weights.float(), w13, w2, config=config)
 
 

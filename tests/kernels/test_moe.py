@@ -1,3 +1,6 @@
+import itertools
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -160,6 +163,9 @@ def test_nvfp4_moe_matches_reference(cpu_interpreter, t, k, sorted_min_pairs, dt
         {"swap_ab": True, "presplit": True, "block_m": 4, "identity_block_m": 16},
         {"swap_ab": True, "presplit": True, "block_n13": 32, "block_k13": 64, "block_k2": 32, "num_warps13": 2},
         {"swap_ab": False, "block_m": 64},  # the prefill tiles: several experts' rows padded in 64-row blocks
+        {"swap_ab": True, "kperm": True, "block_m": 64},  # K permuted per 32 columns in both kernels (prefill)
+        {"swap_ab": False, "kperm": True, "block_k13": 64},
+        {"swap_ab": True, "kperm": True, "split_k13": 2},
     ],
 )
 @pytest.mark.parametrize("sorted_min_pairs", [1, 64])
@@ -214,13 +220,14 @@ def test_masked_routes_reach_no_expert(cpu_interpreter, sorted_min_pairs, fp4):
 
 def test_default_config_tiles_fit_inkling_small():
     h, i, k = 4096, 2048, 6
-    for t in (1, 8, 10, 11, 64, 256, 2048):
-        cfg = default_config(t * k)
+    for t, fp4 in itertools.product((1, 8, 10, 11, 64, 256, 1024, 2048, 4096), (True, False)):
+        cfg = default_config(t * k, fp4)
         assert (t * k >= cfg.sorted_min_pairs) == (t >= 11)
         assert i % cfg.block_n13 == 0 and h % cfg.block_n2 == 0 and i % cfg.block_k2 == 0
         assert h % (cfg.block_k13 * cfg.split_k13) == 0
-        if cfg.swap_ab:  # the swapped MMA keeps a block's rows as its N <= 8
+        if cfg.swap_ab and t * k < moe_module.PREFILL_MIN_PAIRS:  # decode: the block's rows as the MMA's N <= 8
             assert (cfg.block_m if t * k >= cfg.sorted_min_pairs else cfg.identity_block_m) <= 8
+        assert not cfg.kperm or (fp4 and cfg.block_k13 % 32 == 0 and cfg.block_k2 % 32 == 0)
 
 
 def test_bf16_weight_moe_matches_reference(cpu_interpreter):
@@ -288,6 +295,32 @@ def test_nvfp4_moe_gpu_code_paths(cuda_device, t, variant):
     out = nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg)
     err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
     print(f"nvfp4_moe T={t} {variant}: rel {err:.2e}")
+    assert err < 1e-2
+
+
+PREFILL_TILES = [  # prefill code shapes on the GPU (bf16, inline-PTX dequant): default_config's, then the old ones
+    {},
+    {"swap_ab": False, "kperm": False, "block_n2": 64, "num_warps2": 4},
+    {"block_m": 128, "block_n2": 64, "num_warps2": 4},
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", PREFILL_TILES)
+def test_nvfp4_moe_gpu_prefill_tiles(cuda_device, variant):
+    """Full Inkling-Small widths, ~96 pairs per expert (row blocks of 64 and 128 pairs, partly filled): the prefill
+    tiles give the reference result."""
+    gen = torch.Generator().manual_seed(17)
+    e, h, i, k, t = 16, 4096, 2048, 6, 256
+    w13 = nvfp4_stack(e, 2 * i, h, gen, cuda_device)
+    w2 = nvfp4_stack(e, h, i, gen, cuda_device)
+    w13, w2 = (w13[0], w13[1], w13[2] * 1e-3), (w2[0], w2[1], w2[2] * 1e-3)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
+    ids, wts = routing(t, e, k, gen, cuda_device)
+    cfg = replace(default_config(moe_module.PREFILL_MIN_PAIRS), **variant)
+    out = nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg)
+    err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
+    print(f"nvfp4_moe prefill tiles {variant}: rel {err:.2e}")
     assert err < 1e-2
 
 
