@@ -11,6 +11,8 @@ Two launches per gate call:
      the warp) sums the K splits, then sigmoid + bias, an iterative top-k (largest first; among equal
      scores the lowest expert id), logsigmoid of the k chosen raw logits and the S shared ("sink") logits,
      softmax over those k + S, times route_scale * global_scale.
+``PDL`` (kernels/pdl.py): both wait for the previous kernel before reading x / the partials; the GEMV loads its
+first weight tile before that wait.
 """
 
 import triton

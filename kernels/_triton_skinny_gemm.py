@@ -15,6 +15,8 @@ and up rows of each output column (groups of [gate ``I`` rows; up ``I`` rows] in
 ``silu(gate) * up`` (times the group's gamma with ``HAS_GAMMA``); ``HAS_SCALE`` multiplies the rounded product by a
 one-element tensor, ``HAS_RESIDUAL`` then adds a tensor of the output's shape; ``DIVIDE_X`` divides x by a scalar
 (rounded) before the product.
+``PDL`` (kernels/pdl.py): the GEMV loads its first weight block, then waits for the previous kernel, then reads x
+(the weights stream in while the previous kernel finishes); the tensor-core path waits first.
 """
 
 import triton
