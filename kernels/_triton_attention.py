@@ -89,7 +89,7 @@ def attn_decode_split_kernel(
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     b = tl.program_id(0)  # the sequence (its ROWS query rows are b*ROWS .. b*ROWS+ROWS-1)
@@ -209,7 +209,7 @@ def attn_combine_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     b = tl.program_id(0)

@@ -206,7 +206,7 @@ def moe_w13_kernel(
     PRESPLIT_K: tl.constexpr = 0,
     SWAP: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     if N_FAST:
@@ -322,7 +322,7 @@ def moe_w2_kernel(
     N_FAST: tl.constexpr = False,
     PRESPLIT: tl.constexpr = False,
     SWAP: tl.constexpr = False,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     if N_FAST:
@@ -371,7 +371,7 @@ def moe_w2_kernel(
 
 
 @triton.jit
-def moe_sum_kernel(Part, TopkIds, Out, N, TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+def moe_sum_kernel(Part, TopkIds, Out, N, TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``Out[t, :] = sum_i Part[t * TOPK + i, :]`` over the slots whose id is not masked (< 0: no expert wrote
     their rows), an fp32 sum with one rounding to Out's dtype."""
     wait_for_inputs(PDL)
@@ -398,7 +398,7 @@ def moe_align_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     FILL: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """One program: count the pairs per expert (atomics into ``Scratch[:EXPERT_ROWS]``), lay the experts' padded
     row spans out in expert order, fill every row with the pad id and every block with -1, then place each pair

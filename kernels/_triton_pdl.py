@@ -6,9 +6,8 @@ import triton.language as tl
 
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
-    """PDL 1: wait until the previous grid has completed and its writes are visible (``griddepcontrol.wait``);
-    2: then let the next grid launch (``griddepcontrol.launch_dependents``). 0: nothing (no PDL launch)."""
+    """With PDL: wait until the previous grid has completed and its writes are visible (``griddepcontrol.wait``),
+    then let the next grid launch (``griddepcontrol.launch_dependents``); without, nothing."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        if PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()

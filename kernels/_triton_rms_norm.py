@@ -61,7 +61,7 @@ def rms_norm_kernel(
     BLOCK_C: tl.constexpr,
     NUM_BLOCKS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)

@@ -61,7 +61,7 @@ def router_logits_kernel(
     USE_DOT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)  # fastest: consecutive programs share a token block (x stays in L2)
     pid_t = tl.program_id(1)
@@ -122,7 +122,7 @@ def router_topk_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_A: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)

@@ -107,7 +107,7 @@ def conv_decode_kernel(
     NUM_BLOCKS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_NORM: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -192,7 +192,7 @@ def kv_prologue_kernel(
     HAS_Q: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_ROWS: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)

@@ -167,7 +167,7 @@ def skinny_gemm_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     DIVIDE_X: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M

@@ -6,9 +6,9 @@ A kernel launched with ``launch_pdl=True`` may start before the previous grid ha
 visible) before its first load of anything a kernel writes and before its first store (its output may reuse memory
 the previous kernel still reads); before the wait it loads only weights, which no kernel of a step writes. Since
 every kernel waits before it completes, a kernel that passed its wait sees the writes of every earlier kernel, so
-a kernel may read an input written several launches back. With ``EARLY_TRIGGER`` a kernel signals its dependents
+a kernel may read an input written several launches back. A kernel signals its dependents
 (``griddepcontrol.launch_dependents``) right after its wait rather than at its exit, so the next kernel's programs
-are placed on free SMs while this one runs (they wait in turn).
+are placed on free SMs while this one runs (they wait in turn); at most two grids are in flight.
 
 Kernels take ``pdl: bool`` (the decode path's `TritonOps` passes it); ``launch_args`` turns it into the kernel's
 ``PDL`` constexpr and the launch option, off where the device lacks it (before sm_90), under the interpreter, and on
@@ -21,8 +21,6 @@ import functools
 import os
 
 import torch
-
-EARLY_TRIGGER = True  # signal the dependents after the wait (2) rather than at exit (1)
 
 
 @functools.cache
@@ -41,8 +39,7 @@ def enabled(pdl: bool, device: torch.device) -> bool:
 
 
 def launch_args(pdl: bool, device: torch.device) -> dict:
-    """Keyword arguments of a launch: the kernel's ``PDL`` constexpr (0 off, 1 wait, 2 wait and trigger early)
-    and Triton's ``launch_pdl`` option."""
+    """Keyword arguments of a launch: the kernel's ``PDL`` constexpr and Triton's ``launch_pdl`` option."""
     if not enabled(pdl, device):
-        return {"PDL": 0}
-    return {"PDL": 2 if EARLY_TRIGGER else 1, "launch_pdl": True}
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}

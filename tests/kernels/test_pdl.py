@@ -18,8 +18,8 @@ EPS = 1e-6
 def test_no_pdl_off_the_gpu(cpu_interpreter):
     cpu = torch.device("cpu")
     assert not enabled(True, cpu)
-    assert launch_args(True, cpu) == {"PDL": 0}
-    assert launch_args(False, cpu) == {"PDL": 0}
+    assert launch_args(True, cpu) == {"PDL": False}
+    assert launch_args(False, cpu) == {"PDL": False}
 
 
 def _decode_step_inputs(device: torch.device) -> dict[str, torch.Tensor]:
