@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -67,7 +66,6 @@ from bench.proxy import (
 from common.config import parse_model_config
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.model.batch import ForwardBatch, SequenceSlice
-from decode_service.model.fast_path import TritonOps
 from decode_service.model.inkling import InklingDecoder
 from tools.make_tiny_checkpoint import raw_config
 
@@ -245,38 +243,20 @@ class Row:
     experts: str  # distinct routed experts touched per MoE layer, "a/b/c"
     floor_ms: float
     reference: str  # ms, or why not timed
-    fast_ms: float | None  # None: not timed (--skip-packed)
+    fast_ms: float
     graphs_ms: float
     kernels: int
     copies: int
     busy_ms: float
-    graphs_no_pdl_ms: float | None = None  # the same step with the kernels launched without PDL (--compare-pdl)
 
     @property
     def ratio(self) -> float:
         return self.graphs_ms / self.floor_ms
 
 
-def interleaved_ms(fns: list[Callable[[], object]], rounds: int = 4, reps: int = 10) -> list[float]:
-    """Median ms of each of `fns`, timed in alternating rounds (so drift of the GPU's clocks hits them alike)."""
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for fn, samples in zip(fns, times, strict=True):
-            for _ in range(reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end))
-    return [statistics.median(samples) for samples in times]
-
-
 def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx: int, max_model_len: int,
-               ceil: Ceilings, ref_max_batch: int, breakdown: bool, packed_path: bool = True,
-               no_pdl: InklingDecoder | None = None) -> Row:  # fmt: skip
-    """One (B, ctx) decode step timed on the packed reference path, the packed fast path and the engine's graphs
-    (and, given `no_pdl`, the same graphs step of that twin of the model, its kernels launched without PDL)."""
+               ceil: Ceilings, ref_max_batch: int, breakdown: bool) -> Row:  # fmt: skip
+    """One (B, ctx) decode step timed on the packed reference path, the packed fast path and the engine's graphs."""
     fb, graphs, handles = paged_decode_batch(model, batch, ctx, max_model_len)
     tokens = fb.token_ids.tolist()
     eager = DecodeGraphs(model, graphs.cache, max_num_seqs=batch, max_model_len=max_model_len, use_graphs=False)
@@ -285,38 +265,27 @@ def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx
         with torch.inference_mode():
             return built.logits(built(fb))
 
-    def batched(runner: DecodeGraphs = graphs, built: InklingDecoder = model) -> torch.Tensor:
+    def batched(runner: DecodeGraphs = graphs) -> torch.Tensor:
         with torch.inference_mode():
-            return built.logits(runner.run(tokens, handles))
+            return model.logits(runner.run(tokens, handles))
 
-    touched = touched_experts(model, fb, None if packed_path else partial(batched, runner=eager))
+    touched = touched_experts(model, fb)
     floor = ceil.floor_us(step_bytes(model, batch, ctx, touched)) / 1e3
-    fast = time_eager_ms(packed, reps=3, warmup=1) if packed_path else None
-    graphed = time_eager_ms(batched, reps=30 if no_pdl is None else 2, warmup=3)  # the first run captures B's graph
-    without = None
-    if no_pdl is not None:  # same cache and sequences, its own graphs; timed in turns with the PDL graphs
-        twin = DecodeGraphs(no_pdl, graphs.cache, max_num_seqs=batch, max_model_len=max_model_len)
-        other = partial(batched, runner=twin, built=no_pdl)
-        time_eager_ms(other, reps=2, warmup=3)  # captures
-        graphed, without = interleaved_ms([batched, other])
+    fast = time_eager_ms(packed, reps=3, warmup=1)
+    graphed = time_eager_ms(batched, reps=30, warmup=3)  # the first run captures B's graph
     kernels, copies, busy, top = count_launches(partial(batched, runner=eager))
     ref = f"skipped (B > --ref-max-batch {ref_max_batch})"
     if batch <= ref_max_batch:
         ref = f"{time_eager_ms(partial(packed, built=reference), reps=3, warmup=1):.2f}"
     row = Row(ctx, batch, "/".join(str(touched[i]) for i in sorted(touched)), floor, ref, fast, graphed,
-              kernels, copies, busy, without)  # fmt: skip
+              kernels, copies, busy)  # fmt: skip
     if breakdown:
         by_kernel = "; ".join(f"{name[:60]} x{n} {us:.0f}" for name, n, us in top[:14])
         print(f"# ctx={ctx} B={batch} GPU time by kernel (launches, us): {by_kernel}", flush=True)
-        # ours are the Triton `*_kernel`s; torch/cuBLAS launches and copies between them break the PDL chain
-        others = "; ".join(f"{name[:70]} x{n} {us:.0f}" for name, n, us in top if not name.endswith("_kernel"))
-        print(f"# ctx={ctx} B={batch} launches not from kernels/ (launches, us): {others}", flush=True)
-    fast_cell = f"{fast:.2f} ms" if fast is not None else "not timed"
-    pdl_cell = f", without PDL {without:.2f} ms ({without / floor:.2f}x)" if without is not None else ""
     print(
         f"# ctx={ctx} B={batch}: experts {row.experts}, floor {floor:.2f} ms, reference {ref} ms, packed fast "
-        f"{fast_cell}, graphs {graphed:.2f} ms ({row.ratio:.2f}x floor){pdl_cell}, kernels {kernels} + {copies} "
-        f"copies per step, GPU busy {busy:.2f} ms",
+        f"{fast:.2f} ms, graphs {graphed:.2f} ms ({row.ratio:.2f}x floor), kernels {kernels} + {copies} copies per "
+        f"step, GPU busy {busy:.2f} ms",
         flush=True,
     )
     return row
@@ -348,19 +317,16 @@ def print_table(rows: list[Row], hf: dict[tuple[int, int], HFResult], layers: in
     print(ceil.line())
     print(
         "| ctx | B | experts touched per MoE layer | floor ms | reference ms | packed fast ms | graphs ms |"
-        " graphs / floor | graphs without PDL ms | kernels + copies / step (per layer) | GPU busy ms |"
-        " transformers ms | speedup |"
+        " graphs / floor | kernels + copies / step (per layer) | GPU busy ms | transformers ms | speedup |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         theirs = hf.get((r.ctx, r.batch))
         hf_cell = theirs.cell() if theirs is not None else "not run (no --hf)"
         speedup = f"{theirs.ms / r.graphs_ms:.1f}x" if theirs is not None and theirs.ms is not None else "-"
-        fast = f"{r.fast_ms:.2f}" if r.fast_ms is not None else "not timed"
-        without = f"{r.graphs_no_pdl_ms:.2f}" if r.graphs_no_pdl_ms is not None else "not timed"
         print(
-            f"| {r.ctx} | {r.batch} | {r.experts} | {r.floor_ms:.2f} | {r.reference} | {fast} | "
-            f"{r.graphs_ms:.2f} | {r.ratio:.2f}x | {without} | {r.kernels} + {r.copies} ({r.kernels / layers:.0f}) | "
+            f"| {r.ctx} | {r.batch} | {r.experts} | {r.floor_ms:.2f} | {r.reference} | {r.fast_ms:.2f} | "
+            f"{r.graphs_ms:.2f} | {r.ratio:.2f}x | {r.kernels} + {r.copies} ({r.kernels / layers:.0f}) | "
             f"{r.busy_ms:.2f} | {hf_cell} | {speedup} |"
         )
 
@@ -397,9 +363,6 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=8192, help="prefill this many tokens (0: skip)")
     parser.add_argument("--prefill-chunks", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     parser.add_argument("--plot", default=None, help="write the PNG (ratio vs batch, prefill vs chunk) here")
-    parser.add_argument("--compare-pdl", action="store_true",
-                        help="also time the graphs step with the kernels launched without PDL, in turns")  # fmt: skip
-    parser.add_argument("--skip-packed", action="store_true", help="do not time the packed fast path")
     bench_decode_tp.add_args(parser)
     args = parser.parse_args()
     if args.tensor_parallel_size > 1 or args.tiny or args.device == "cpu":
@@ -424,19 +387,17 @@ def main() -> None:
         return
 
     reference, model = model.with_ops("reference"), model.with_ops("fast")
-    no_pdl = model.with_ops(TritonOps(pdl=False)) if args.compare_pdl else None
     rates = prefill_rates(model, args.prefill, args.prefill_chunks, ceil) if args.prefill else []
     max_model_len = max(args.contexts) + 1
     rows = []
     for ctx in args.contexts:
         for b in args.batches:
             breakdown = ctx == args.contexts[0]
-            rows.append(decode_row(model, reference, b, ctx, max_model_len, ceil, args.ref_max_batch, breakdown,
-                                   not args.skip_packed, no_pdl))  # fmt: skip
+            rows.append(decode_row(model, reference, b, ctx, max_model_len, ceil, args.ref_max_batch, breakdown))
             hf_decode.release()  # the row's cache and graphs
     hf = {}
     if args.hf:
-        del model, reference, no_pdl
+        del model, reference
         hf_decode.release()
         hf = hf_decode.time_grid(proxy_raw_text(args.layers), args.batches, args.contexts, tuple(args.hf_experts))
 

@@ -6,7 +6,6 @@ batches over the engine's pools, and the bytes a decode step must move (the floo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -147,11 +146,8 @@ def paged_decode_batch(
     return ForwardBatch(tokens, seqs), graphs, handles
 
 
-def touched_experts(
-    model: InklingDecoder, fb: ForwardBatch, forward: Callable[[], object] | None = None
-) -> dict[int, int]:
-    """Distinct routed experts per MoE layer in this step's routing (of this rank's: masked routes not counted),
-    from `model(fb)` or from `forward` (the same step on another path of `model`, e.g. the engine's paged step)."""
+def touched_experts(model: InklingDecoder, fb: ForwardBatch) -> dict[int, int]:
+    """Distinct routed experts per MoE layer in this step's routing (of this rank's: masked routes not counted)."""
     counts: dict[int, int] = {}
     hooks = []
     for i, layer in enumerate(model.layers):
@@ -161,7 +157,7 @@ def touched_experts(
                 lambda _m, args, i=i: counts.__setitem__(i, int(args[1][args[1] >= 0].unique().numel()))
             ))  # fmt: skip
     with torch.inference_mode():
-        forward() if forward is not None else model(fb)
+        model(fb)
     for h in hooks:
         h.remove()
     return counts

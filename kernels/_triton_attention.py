@@ -29,8 +29,6 @@ some pair closer than R form a bias.
 import triton
 import triton.language as tl
 
-from kernels._triton_pdl import wait_for_inputs
-
 
 @triton.jit
 def _kv_rows(Table, b, slots, s_mask, stride_tb, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
@@ -89,9 +87,7 @@ def attn_decode_split_kernel(
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     b = tl.program_id(0)  # the sequence (its ROWS query rows are b*ROWS .. b*ROWS+ROWS-1)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -209,9 +205,7 @@ def attn_combine_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

@@ -30,8 +30,6 @@ accumulator in the epilogue.
 import triton
 import triton.language as tl
 
-from kernels._triton_pdl import wait_for_inputs
-
 
 @triton.jit
 def _e2m1_times_2pow_m14(c):
@@ -206,9 +204,7 @@ def moe_w13_kernel(
     PRESPLIT_K: tl.constexpr = 0,
     SWAP: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     if N_FAST:
         pid_m = tl.program_id(1)
         pid_n = tl.program_id(0)
@@ -322,9 +318,7 @@ def moe_w2_kernel(
     N_FAST: tl.constexpr = False,
     PRESPLIT: tl.constexpr = False,
     SWAP: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     if N_FAST:
         pid_m = tl.program_id(1)
         pid_n = tl.program_id(0)
@@ -371,10 +365,9 @@ def moe_w2_kernel(
 
 
 @triton.jit
-def moe_sum_kernel(Part, TopkIds, Out, N, TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def moe_sum_kernel(Part, TopkIds, Out, N, TOPK: tl.constexpr, BLOCK: tl.constexpr):
     """``Out[t, :] = sum_i Part[t * TOPK + i, :]`` over the slots whose id is not masked (< 0: no expert wrote
     their rows), an fp32 sum with one rounding to Out's dtype."""
-    wait_for_inputs(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -398,14 +391,12 @@ def moe_align_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     FILL: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """One program: count the pairs per expert (atomics into ``Scratch[:EXPERT_ROWS]``), lay the experts' padded
     row spans out in expert order, fill every row with the pad id and every block with -1, then place each pair
     at its expert's cursor (``Scratch[EXPERT_ROWS:]``; pairs of one expert in pair order, as a stable sort) and
     name the block it lands in; pairs of a negative (masked) id are counted and placed nowhere. Scratch is int32
     ``[2 * EXPERT_ROWS]``; cursors are read past L1 (``.cg``), since the atomics that advance them act in L2."""
-    wait_for_inputs(PDL)
     experts = tl.arange(0, EXPERT_ROWS)
     Counts = Scratch
     Cursor = Scratch + EXPERT_ROWS

@@ -9,8 +9,6 @@ normalise), the second re-reading x (and recomputing residual + x) rather than h
 import triton
 import triton.language as tl
 
-from kernels._triton_pdl import wait_for_inputs
-
 
 @triton.jit
 def rms_apply(xf, rstd, w, ROUND: tl.constexpr):
@@ -61,9 +59,7 @@ def rms_norm_kernel(
     BLOCK_C: tl.constexpr,
     NUM_BLOCKS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < n_rows
     offs = tl.arange(0, BLOCK_C)

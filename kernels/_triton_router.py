@@ -11,14 +11,10 @@ Two launches per gate call:
      the warp) sums the K splits, then sigmoid + bias, an iterative top-k (largest first; among equal
      scores the lowest expert id), logsigmoid of the k chosen raw logits and the S shared ("sink") logits,
      softmax over those k + S, times route_scale * global_scale.
-``PDL`` (kernels/pdl.py): both wait for the previous kernel before reading x / the partials; the GEMV loads its
-first weight tile before that wait.
 """
 
 import triton
 import triton.language as tl
-
-from kernels._triton_pdl import wait_for_inputs
 
 
 @triton.jit
@@ -28,18 +24,6 @@ def _load(ptrs, row_mask, k_mask, EVEN_K: tl.constexpr):
         return tl.load(ptrs, mask=row_mask, other=0.0)
     else:
         return tl.load(ptrs, mask=row_mask & k_mask, other=0.0)
-
-
-@triton.jit
-def _gemv_tile(acc, w, X, pid_t, k0, offs_k, k_mask, T, stride_xt, BLOCK_T: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc ``[BLOCK_T, BLOCK_N]`` += each token row's columns [k0, k0 + BLOCK_K) of x against the fp32 tile w."""
-    for i in tl.static_range(BLOCK_T):
-        row = pid_t * BLOCK_T + i
-        row_mask = (row + offs_k * 0) < T  # a vector: the interpreter rejects a scalar mask
-        x = _load(X + row.to(tl.int64) * stride_xt + k0 + offs_k, row_mask, k_mask, EVEN_K)
-        dot = tl.sum(w * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
-        acc = tl.where((tl.arange(0, BLOCK_T) == i)[:, None], acc + dot[None, :], acc)
-    return acc
 
 
 @triton.jit
@@ -61,7 +45,6 @@ def router_logits_kernel(
     USE_DOT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)  # fastest: consecutive programs share a token block (x stays in L2)
     pid_t = tl.program_id(1)
@@ -77,25 +60,24 @@ def router_logits_kernel(
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
 
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    if USE_DOT:
-        wait_for_inputs(PDL)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            k_mask = (k0 + offs_k) < k_end
-            w = _load(w_ptrs + k0, n_mask[:, None], k_mask[None, :], EVEN_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_mask = (k0 + offs_k) < k_end
+        w = _load(w_ptrs + k0, n_mask[:, None], k_mask[None, :], EVEN_K)
+        if USE_DOT:
             x = _load(x_ptrs + k0, t_mask[:, None], k_mask[None, :], EVEN_K)
             if DOT_FP32:  # fp32 (or mixed-dtype) operands: exact fp32 products, no TF32
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
-    else:
-        # GEMV: the weight tile stays in registers while each token's row of x is multiplied into it; the first
-        # tile streams in before the wait (no kernel writes the weights).
-        w = _load(w_ptrs + k_start, n_mask[:, None], ((k_start + offs_k) < k_end)[None, :], EVEN_K)
-        wait_for_inputs(PDL)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            k_mask = (k0 + offs_k) < k_end
-            acc = _gemv_tile(acc, w.to(tl.float32), X, pid_t, k0, offs_k, k_mask, T, stride_xt, BLOCK_T, EVEN_K)
-            w = _load(w_ptrs + k0 + BLOCK_K, n_mask[:, None], ((k0 + BLOCK_K + offs_k) < k_end)[None, :], False)
+        else:
+            # GEMV: the weight tile stays in registers while each token's row of x is multiplied into it.
+            w = w.to(tl.float32)
+            for i in tl.static_range(BLOCK_T):
+                row = pid_t * BLOCK_T + i
+                row_mask = (row + offs_k * 0) < T  # a vector: the interpreter rejects a scalar mask
+                x = _load(X + row.to(tl.int64) * stride_xt + k0 + offs_k, row_mask, k_mask, EVEN_K)
+                dot = tl.sum(w * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+                acc = tl.where((tl.arange(0, BLOCK_T) == i)[:, None], acc + dot[None, :], acc)
 
     p_ptrs = Partial + split * stride_ps + offs_t[:, None].to(tl.int64) * stride_pt + offs_n[None, :]
     tl.store(p_ptrs, acc, mask=t_mask[:, None] & n_mask[None, :])
@@ -122,9 +104,7 @@ def router_topk_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_A: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)  # routed experts
     offs_a = tl.arange(0, BLOCK_A)  # active slots: k routed, then S shared, then padding

@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_pdl import wait_for_inputs
 from kernels._triton_rms_norm import rms_apply
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -107,9 +106,7 @@ def conv_decode_kernel(
     NUM_BLOCKS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_NORM: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     X += b * stride_xm
     States += tl.load(Slots + b).to(tl.int64) * stride_ss
@@ -192,9 +189,7 @@ def kv_prologue_kernel(
     HAS_Q: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_ROWS: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     slot = tl.load(Slots + b).to(tl.int64)

@@ -15,14 +15,10 @@ and up rows of each output column (groups of [gate ``I`` rows; up ``I`` rows] in
 ``silu(gate) * up`` (times the group's gamma with ``HAS_GAMMA``); ``HAS_SCALE`` multiplies the rounded product by a
 one-element tensor, ``HAS_RESIDUAL`` then adds a tensor of the output's shape; ``DIVIDE_X`` divides x by a scalar
 (rounded) before the product.
-``PDL`` (kernels/pdl.py): the GEMV loads its first weight block, then waits for the previous kernel, then reads x
-(the weights stream in while the previous kernel finishes); the tensor-core path waits first.
 """
 
 import triton
 import triton.language as tl
-
-from kernels._triton_pdl import wait_for_inputs
 
 
 @triton.jit
@@ -46,7 +42,6 @@ def _accumulate(
     stride_wn,
     stride_xm,
     divisor,
-    k_start,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -55,7 +50,7 @@ def _accumulate(
     DIVIDE_X: tl.constexpr,
     PAIRED: tl.constexpr,
 ):
-    """acc ``[BLOCK_N, BLOCK_M]`` += W[rows, k_start:] @ X[m0 : m0 + BLOCK_M, k_start:]^T in fp32 (and acc_up
+    """acc ``[BLOCK_N, BLOCK_M]`` += W[rows, :] @ X[m0 : m0 + BLOCK_M, :]^T over all of K in fp32 (and acc_up
     with W[up_rows, :] in the same loop when PAIRED: both weight tiles in flight at once)."""
     dtype = X.dtype.element_ty
     offs_k = tl.arange(0, BLOCK_K)
@@ -63,9 +58,13 @@ def _accumulate(
     m_mask = offs_m < M
     w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = W + up_rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    for k0 in range(k_start, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
-        w, w_up = _weight_tile(w_ptrs, up_ptrs, k0, n_mask, offs_k, K, EVEN_K, PAIRED)
+        # EVEN_K: every K block is full, so only whole rows are masked (keeps the loads vectorised)
+        w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
+        if PAIRED:
+            w_up = tl.load(up_ptrs + k0, mask=w_mask, other=0.0)
         if USE_DOT:
             x = tl.load(
                 X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
@@ -85,55 +84,16 @@ def _accumulate(
                 if PAIRED:
                     acc_up = tl.dot(w_up, xt, acc_up)
         else:
-            acc, acc_up = _gemv_block(acc, acc_up, w, w_up, X, k0, m0, M, K, stride_xm, divisor, BLOCK_M, BLOCK_K,
-                                      DIVIDE_X, PAIRED)  # fmt: skip
-    return acc, acc_up
-
-
-@triton.jit
-def _weight_tile(w_ptrs, up_ptrs, k0, n_mask, offs_k, K, EVEN_K: tl.constexpr, PAIRED: tl.constexpr):
-    """The weight rows' (and with PAIRED the up rows') columns [k0, k0 + BLOCK_K)."""
-    # EVEN_K: every K block is full, so only whole rows are masked (keeps the loads vectorised)
-    w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & ((k0 + offs_k) < K)[None, :]
-    w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
-    w_up = w
-    if PAIRED:
-        w_up = tl.load(up_ptrs + k0, mask=w_mask, other=0.0)
-    return w, w_up
-
-
-@triton.jit
-def _gemv_block(
-    acc,
-    acc_up,
-    w,
-    w_up,
-    X,
-    k0,
-    m0,
-    M,
-    K,
-    stride_xm,
-    divisor,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DIVIDE_X: tl.constexpr,
-    PAIRED: tl.constexpr,
-):
-    """GEMV step of K block k0: each of the BLOCK_M rows of x multiplied into the weight tile (in registers)."""
-    dtype = X.dtype.element_ty
-    offs_k = tl.arange(0, BLOCK_K)
-    k_mask = (k0 + offs_k) < K
-    for i in tl.static_range(BLOCK_M):
-        row_mask = (m0 + i + offs_k * 0) < M  # a vector: the interpreter rejects a scalar mask
-        x = tl.load(X + (m0 + i) * stride_xm + k0 + offs_k, mask=row_mask & k_mask, other=0.0)
-        if DIVIDE_X:
-            x = tl.math.div_rn(x.to(tl.float32), divisor).to(dtype)
-        x = x.to(tl.float32)[None, :]
-        column = (tl.arange(0, BLOCK_M) == i)[None, :]
-        acc = tl.where(column, acc + tl.sum(w.to(tl.float32) * x, axis=1)[:, None], acc)
-        if PAIRED:
-            acc_up = tl.where(column, acc_up + tl.sum(w_up.to(tl.float32) * x, axis=1)[:, None], acc_up)
+            for i in tl.static_range(BLOCK_M):
+                row_mask = (m0 + i + offs_k * 0) < M  # a vector: the interpreter rejects a scalar mask
+                x = tl.load(X + (m0 + i) * stride_xm + k0 + offs_k, mask=row_mask & k_mask, other=0.0)
+                if DIVIDE_X:
+                    x = tl.math.div_rn(x.to(tl.float32), divisor).to(dtype)
+                x = x.to(tl.float32)[None, :]
+                column = (tl.arange(0, BLOCK_M) == i)[None, :]
+                acc = tl.where(column, acc + tl.sum(w.to(tl.float32) * x, axis=1)[:, None], acc)
+                if PAIRED:
+                    acc_up = tl.where(column, acc_up + tl.sum(w_up.to(tl.float32) * x, axis=1)[:, None], acc_up)
     return acc, acc_up
 
 
@@ -167,7 +127,6 @@ def skinny_gemm_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     DIVIDE_X: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
@@ -179,20 +138,8 @@ def skinny_gemm_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     group = offs_n // width if SWIGLU else offs_n  # column g * I + j: gate row g * 2I + j, up row g * 2I + I + j
     rows = offs_n + group * width if SWIGLU else offs_n
-    up = acc
-    k_start = 0
-    if USE_DOT or not PDL:
-        wait_for_inputs(PDL)
-    else:  # the GEMV's first weight block streams in before the wait (no kernel writes the weights)
-        offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        up_ptrs = W + (rows + width)[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        w, w_up = _weight_tile(w_ptrs, up_ptrs, 0, n_mask, offs_k, K, EVEN_K, SWIGLU)
-        wait_for_inputs(PDL)
-        acc, up = _gemv_block(acc, up, w, w_up, X, 0, m0, M, K, stride_xm, divisor, BLOCK_M, BLOCK_K, DIVIDE_X, SWIGLU)
-        k_start = BLOCK_K
-    acc, up = _accumulate(acc, up, W, X, rows, rows + width, n_mask, m0, M, K, stride_wn, stride_xm, divisor,
-                          k_start, BLOCK_M, BLOCK_K, USE_DOT, DOT_IEEE, EVEN_K, DIVIDE_X, SWIGLU)  # fmt: skip
+    acc, up = _accumulate(acc, acc, W, X, rows, rows + width, n_mask, m0, M, K, stride_wn, stride_xm, divisor,
+                          BLOCK_M, BLOCK_K, USE_DOT, DOT_IEEE, EVEN_K, DIVIDE_X, SWIGLU)  # fmt: skip
     if SWIGLU:
         gate = _round(acc, dtype)
         silu = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)  # F.silu in the activation dtype

@@ -104,14 +104,11 @@ def _split_plan(b: int, n_kv: int, max_keys: int, window: int | None, num_splits
 
 
 def _launch(
-    q, r, rel_proj, k, v, seq_lens, block_table, page_size, kv_strides, window, log_scaling, num_splits, rows=1,
-    pdl=False,
-):  # fmt: skip
+    q, r, rel_proj, k, v, seq_lens, block_table, page_size, kv_strides, window, log_scaling, num_splits, rows=1
+):
     """Split kernel + combine. ``kv_strides``: (batch, row, head) strides of k then v (batch 0 for a pool);
-    ``block_table`` None for the contiguous layout; ``rows`` query rows per sequence (paged only); ``pdl``: both
-    launched with programmatic dependent launch (kernels/pdl.py)."""
+    ``block_table`` None for the contiguous layout; ``rows`` query rows per sequence (paged only)."""
     from kernels import _triton_attention as tk
-    from kernels.pdl import launch_args
 
     b, n_heads, hd = q.shape
     n_kv = k.shape[-2]
@@ -165,7 +162,6 @@ def _launch(
         ROWS=rows,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
-        **launch_args(pdl, q.device),
     )
     tk.attn_combine_kernel[(b, n_heads)](
         acc,
@@ -183,7 +179,6 @@ def _launch(
         HEAD_DIM=hd,
         BLOCK_S=max(2, 1 << (num_splits - 1).bit_length()),
         num_warps=4,
-        **launch_args(pdl, q.device),
     )
     return out
 
@@ -227,7 +222,6 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     rows_per_seq: int = 1,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """``decode_attention`` over a paged KV pool; returns ``[B, nH, hd]`` in q's dtype.
 
@@ -241,7 +235,6 @@ def paged_decode_attention(
     sequence b, each row a query at position ``seq_lens[row] - 1`` over sequence b's keys), ``block_table`` one
     row per sequence. One program serves the W rows of a sequence (its query tile holds W x the group of heads),
     so each visible key is read once for all of them; its key range spans its rows' windows.
-    ``pdl``: launch with programmatic dependent launch (kernels/pdl.py).
     """
     rows = q.shape[0]
     _, _, _, n_kv = _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_size, rows_per_seq)
@@ -250,7 +243,7 @@ def paged_decode_attention(
     num_splits = _split_plan(rows // rows_per_seq, n_kv, max_keys, window, num_splits)
     return _launch(
         q, r, rel_proj, k_pool, v_pool, seq_lens, block_table, page_size, kv_strides, window, log_scaling, num_splits,
-        rows_per_seq, pdl,
+        rows_per_seq,
     )  # fmt: skip
 
 

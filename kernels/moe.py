@@ -109,9 +109,7 @@ ALIGN_KERNEL_MAX_PAIRS = 4096  # one program walks the pairs in chunks: decode s
 _ALIGN_CHUNK = 128  # pairs per step of the align program (a [CHUNK, CHUNK] comparison ranks them)
 
 
-def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Group (token, slot) pairs by expert into row blocks, without reading anything back to the host.
 
     Returns ``sorted_pairs`` int32 ``[n_blocks * block_m]`` (pair ids ``t * k + i``, pad = n_pairs) and
@@ -119,12 +117,10 @@ def moe_align(
     no block. ``n_blocks`` is the static upper
     bound ``ceil(n_pairs / block_m) + min(n_pairs, E)``. Up to ``ALIGN_KERNEL_MAX_PAIRS`` pairs in one launch
     (``moe_align_kernel``), beyond that ``moe_align_reference``'s torch sort; the results are identical.
-    ``pdl``: the kernel launched with programmatic dependent launch (kernels/pdl.py).
     """
     import triton
 
     from kernels import _triton_moe as tk
-    from kernels.pdl import launch_args
 
     flat = topk_ids.reshape(-1)
     n_pairs = flat.numel()
@@ -143,7 +139,6 @@ def moe_align(
     tk.moe_align_kernel[(1,)](
         flat.contiguous(), sorted_pairs, block_expert, scratch, n_pairs, n_blocks * block_m, n_blocks,
         EXPERT_ROWS=expert_rows, BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, FILL=1024, num_warps=4,
-        **launch_args(pdl, dev),
     )  # fmt: skip
     return sorted_pairs, block_expert
 
@@ -223,22 +218,20 @@ class MoeRouting:
     topk: int
 
 
-def moe_routing(
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, cfg: MoeConfig, pdl: bool = False
-) -> MoeRouting:
+def moe_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, cfg: MoeConfig) -> MoeRouting:
     """Row blocks for ``topk_ids`` [T, k]: identity below ``cfg.sorted_min_pairs`` pairs, else ``moe_align``'s."""
     n_pairs = topk_ids.numel()
     ids = topk_ids.reshape(-1).contiguous()
     wts = topk_weights.reshape(-1).contiguous()
     if n_pairs >= cfg.sorted_min_pairs:
-        sorted_pairs, block_expert = moe_align(ids, num_experts, cfg.block_m, pdl)
+        sorted_pairs, block_expert = moe_align(ids, num_experts, cfg.block_m)
         return MoeRouting(
             ids, wts, sorted_pairs, block_expert, False, cfg.block_m, block_expert.numel(), topk_ids.shape[1]
         )
     return MoeRouting(ids, wts, ids, ids, True, cfg.identity_block_m, n_pairs, topk_ids.shape[1])
 
 
-def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: MoeConfig | None, pdl: bool):
+def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: MoeConfig | None):
     cfg = config or default_config(topk_ids.numel())
     e, i = _check(x, topk_ids, topk_weights, w13, w2, fp4, scales)
     if not fp4 and x.element_size() > 2:  # fp32 weight tiles: keep the pipeline within shared memory
@@ -254,10 +247,10 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
             raise ValueError(f"{name}={dim} is not a multiple of the tile {blk}")
     if topk_ids.numel() == 0:
         return torch.empty_like(x)
-    routing = moe_routing(topk_ids, topk_weights, e, cfg, pdl)
+    routing = moe_routing(topk_ids, topk_weights, e, cfg)
     s13, s2 = ((scales[0], scales[1]), (scales[2], scales[3])) if fp4 else ((None, None), (None, None))
-    inter = moe_w13(x, routing, w13, s13, cfg, pdl)
-    return moe_sum(moe_w2(inter, routing, w2, s2, cfg, pdl), routing, x.dtype, pdl)
+    inter = moe_w13(x, routing, w13, s13, cfg)
+    return moe_sum(moe_w2(inter, routing, w2, s2, cfg), routing, x.dtype)
 
 
 _SCALE_ASM = 2  # 2: block scales through the native e4m3 convert, 1: through fp32 bit arithmetic
@@ -279,10 +272,8 @@ def _grid(n_fast: bool, n_blocks: int, n_tiles: int, *rest: int) -> tuple[tuple[
     return ((n_tiles, n_blocks, *rest) if n_fast else (n_blocks, n_tiles, *rest)), n_fast
 
 
-def _launch_opts(cfg: MoeConfig, num_warps: int, pdl: bool, device: torch.device) -> dict:
-    from kernels.pdl import launch_args
-
-    opts = {"num_warps": num_warps, "num_stages": cfg.num_stages, **launch_args(pdl, device)}
+def _launch_opts(cfg: MoeConfig, num_warps: int) -> dict:
+    opts = {"num_warps": num_warps, "num_stages": cfg.num_stages}
     return opts if cfg.maxnreg is None else {**opts, "maxnreg": cfg.maxnreg}
 
 
@@ -292,18 +283,16 @@ _counters: dict[torch.device, list[torch.Tensor]] = {}
 
 def _arrival_counters(n: int, device: torch.device) -> torch.Tensor:
     """``n`` zero int32 split-K arrival counters from one buffer per device: the last slice of each tile puts its
-    counter back to 0, so the buffer is zero between launches and a call needs no memset launch (one launch fewer,
-    and no break in a PDL chain). Launches that share it must run in stream order (the engine's one stream; CUDA
-    graphs captured from it replay in that order too). Buffers are never freed: a captured graph may hold one."""
+    counter back to 0, so the buffer is zero between launches and a call needs no memset launch (one launch
+    fewer). Launches that share it must run in stream order (the engine's one stream; CUDA graphs captured from it
+    replay in that order too). Buffers are never freed: a captured graph may hold one."""
     buffers = _counters.setdefault(device, [])
     if not buffers or buffers[-1].numel() < n:
         buffers.append(torch.zeros((max(n, _COUNTERS_MIN),), dtype=torch.int32, device=device))
     return buffers[-1][:n]
 
 
-def moe_w13(
-    x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg: MoeConfig, pdl: bool = False
-) -> torch.Tensor:
+def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg: MoeConfig) -> torch.Tensor:
     """Gate/up projection + SwiGLU of every routed pair: ``[n_pairs, I]`` in x's dtype (``presplit`` NVFP4: each
     ``block_k2`` slice stored as [even | odd] columns, the order ``moe_w2`` reads). ``scales``: (w13_scale,
     w13_scale2), or (None, None) for weights in x's dtype."""
@@ -326,14 +315,12 @@ def moe_w13(
         s13.stride(1), inter.stride(0),
         TOPK=r.topk, BLOCK_M=r.block_m, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k13, IDENTITY=r.identity, FP4=fp4,
         ASM=asm, N_FAST=n_fast, SPLIT_ACC=cfg.split_acc, PRESPLIT_K=cfg.block_k2 if fp4 and cfg.presplit else 0,
-        SWAP=cfg.swap_ab, SPLIT_K=splits, **_launch_opts(cfg, cfg.num_warps13, pdl, x.device),
+        SWAP=cfg.swap_ab, SPLIT_K=splits, **_launch_opts(cfg, cfg.num_warps13),
     )  # fmt: skip
     return inter
 
 
-def moe_w2(
-    inter: torch.Tensor, routing: MoeRouting, w2: torch.Tensor, scales, cfg: MoeConfig, pdl: bool = False
-) -> torch.Tensor:
+def moe_w2(inter: torch.Tensor, routing: MoeRouting, w2: torch.Tensor, scales, cfg: MoeConfig) -> torch.Tensor:
     """Down projection of every routed pair times its routing weight: fp32 ``[n_pairs, H]``. ``scales``:
     (w2_scale, w2_scale2), or (None, None) for weights in the activations' dtype."""
     from kernels import _triton_moe as tk
@@ -348,26 +335,24 @@ def moe_w2(
         r.ids.numel(), inter.shape[1], inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         part.stride(0),
         BLOCK_M=r.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, IDENTITY=r.identity, FP4=fp4, ASM=asm,
-        N_FAST=n_fast, PRESPLIT=fp4 and cfg.presplit, SWAP=cfg.swap_ab,
-        **_launch_opts(cfg, cfg.num_warps2, pdl, inter.device),
+        N_FAST=n_fast, PRESPLIT=fp4 and cfg.presplit, SWAP=cfg.swap_ab, **_launch_opts(cfg, cfg.num_warps2),
     )  # fmt: skip
     return part
 
 
-def moe_sum(part: torch.Tensor, routing: MoeRouting, dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
+def moe_sum(part: torch.Tensor, routing: MoeRouting, dtype: torch.dtype) -> torch.Tensor:
     """``out[t] = sum over its k slots of part`` ``[n_pairs, H]`` -> ``[T, H]`` in ``dtype`` (one rounding);
     masked slots add exactly 0."""
     import triton
 
     from kernels import _triton_moe as tk
-    from kernels.pdl import launch_args
 
     n_pairs, h = part.shape
     t = n_pairs // routing.topk
     out = torch.empty((t, h), dtype=dtype, device=part.device)
     block = min(1024, triton.next_power_of_2(h))
     tk.moe_sum_kernel[(t, triton.cdiv(h, block))](
-        part, routing.ids, out, h, TOPK=routing.topk, BLOCK=block, num_warps=4, **launch_args(pdl, part.device)
+        part, routing.ids, out, h, TOPK=routing.topk, BLOCK=block, num_warps=4
     )
     return out
 
@@ -383,12 +368,9 @@ def nvfp4_moe(
     w2_scale: torch.Tensor,
     w2_scale2: torch.Tensor,
     config: MoeConfig | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
-    """Routed experts with NVFP4 weights (layout in the module docstring). Returns ``[T, H]`` in x's dtype.
-    ``pdl``: every launch with programmatic dependent launch (kernels/pdl.py)."""
-    scales = (w13_scale, w13_scale2, w2_scale, w2_scale2)
-    return _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, True, config, pdl)
+    """Routed experts with NVFP4 weights (layout in the module docstring). Returns ``[T, H]`` in x's dtype."""
+    return _fused_moe(x, topk_ids, topk_weights, w13, w2, (w13_scale, w13_scale2, w2_scale, w2_scale2), True, config)
 
 
 def bf16_moe(
@@ -398,11 +380,9 @@ def bf16_moe(
     w13: torch.Tensor,
     w2: torch.Tensor,
     config: MoeConfig | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
-    """Routed experts with plain weights in x's dtype: w13 ``[E, 2I, H]``, w2 ``[E, H, I]`` (``pdl`` as in
-    ``nvfp4_moe``)."""
-    return _fused_moe(x, topk_ids, topk_weights, w13, w2, None, False, config, pdl)
+    """Routed experts with plain weights in x's dtype: w13 ``[E, 2I, H]``, w2 ``[E, H, I]``."""
+    return _fused_moe(x, topk_ids, topk_weights, w13, w2, None, False, config)
 
 
 def moe_reference(

@@ -36,14 +36,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl: bool = False
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``RMSNorm`` of x ``[N, C]`` (or of ``residual + x``: then returns ``(residual + x, its norm)``); ``pdl``:
-    launch with programmatic dependent launch (kernels/pdl.py)."""
+    """``RMSNorm`` of x ``[N, C]`` (or of ``residual + x``: then returns ``(residual + x, its norm)``)."""
     import triton
 
     from kernels import _triton_rms_norm as tk
-    from kernels.pdl import launch_args
 
     n, c = _check(x, weight, residual)
     out = torch.empty((n, c), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
@@ -70,7 +68,6 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             num_warps=min(16, max(1, block_m * block_c // 512)),
             enable_fp_fusion=False,  # products rounded on their own, as torch computes them
-            **launch_args(pdl, x.device),
         )
     return out if summed is None else (summed, out)
 

@@ -91,17 +91,13 @@ def route(
     route_scale: float,
     global_scale: torch.Tensor,
     tiles: GateTiles | None = None,
-    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x ``[T, H]``, weight ``[E+S, H]`` (model dtype), bias fp32 ``[E]``, global_scale fp32 ``[1]`` (device).
 
     Returns expert ids int64 ``[T, k]`` (descending selection score), routed weights fp32 ``[T, k]`` and
-    shared gammas fp32 ``[T, S]``. ``tiles`` overrides ``default_tiles`` for the logits launch. ``pdl``: both
-    launches with programmatic dependent launch (kernels/pdl.py); the gate weight is then read before the wait
-    and must not be written by the previous kernel on the stream.
+    shared gammas fp32 ``[T, S]``. ``tiles`` overrides ``default_tiles`` for the logits launch.
     """
     from kernels import _triton_router as tk
-    from kernels.pdl import launch_args
 
     e, s = _check(x, weight, bias, top_k, global_scale)
     t, h = x.shape
@@ -143,7 +139,6 @@ def route(
         EVEN_K=h % cfg.block_k == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **launch_args(pdl, dev),
     )
 
     block_e, block_s = _next_pow2(e), _next_pow2(split)
@@ -168,7 +163,6 @@ def route(
         BLOCK_A=_next_pow2(top_k + s),
         BLOCK_S=block_s,
         num_warps=min(4, max(1, block_e * block_s // 2048)),
-        **launch_args(pdl, dev),
     )
     return ids, weights, gammas
 

@@ -65,15 +65,12 @@ def conv_decode(
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x ``[B, C]``, states ``[num_slots, K-1, C]`` (updated in place at ``slots``), slots int64 ``[B]``, weight
-    ``[C, K]`` -> (``y`` or ``residual + y`` in x's dtype ``[B, C]``, its RMSNorm by ``norm_weight`` or None);
-    ``pdl``: launch with programmatic dependent launch (kernels/pdl.py)."""
+    ``[C, K]`` -> (``y`` or ``residual + y`` in x's dtype ``[B, C]``, its RMSNorm by ``norm_weight`` or None)."""
     import triton
 
     from kernels import _triton_short_conv as tk
-    from kernels.pdl import launch_args
 
     k = _check_conv("conv_decode", x, states, slots, weight)
     b, c = x.shape
@@ -125,7 +122,6 @@ def conv_decode(
         HAS_NORM=normed is not None,
         num_warps=min(16, max(1, block_c // 256)),
         enable_fp_fusion=False,
-        **launch_args(pdl, x.device),
     )
     return out, normed
 
@@ -209,16 +205,13 @@ def kv_prologue(
     q: torch.Tensor | None = None,
     q_norm_weight: torch.Tensor | None = None,
     q_eps: float = 1e-6,
-    pdl: bool = False,
 ) -> torch.Tensor | None:
     """k0, v0 ``[B, nKV*hd]`` -> ``k_pool[kv_rows] = k_norm(conv_k(k0))``, ``v_pool[kv_rows] = conv_v(v0)``
     (pools ``[rows, nKV, hd]``), conv states ``[num_slots, K-1, nKV*hd]`` updated in place at ``slots``; returns
-    ``q_norm(q)`` ``[B, nH, hd]`` (contiguous, dtype of q and q_norm_weight promoted) when q is given, else None.
-    ``pdl``: launch with programmatic dependent launch (kernels/pdl.py)."""
+    ``q_norm(q)`` ``[B, nH, hd]`` (contiguous, dtype of q and q_norm_weight promoted) when q is given, else None."""
     import triton
 
     from kernels import _triton_short_conv as tk
-    from kernels.pdl import launch_args
 
     k, n_kv, hd = _check_prologue(
         k0, v0, k_states, v_states, slots, k_weight, v_weight, k_norm_weight, k_pool, v_pool, kv_rows
@@ -276,7 +269,6 @@ def kv_prologue(
         GROUP_ROWS=triton.next_power_of_2(max(group, 1)),
         num_warps=max(1, hd // 128),
         enable_fp_fusion=False,
-        **launch_args(pdl, k0.device),
     )
     return q_out
 

@@ -85,10 +85,8 @@ def _launch(
     scale: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     divisor: float | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     from kernels import _triton_skinny_gemm as tk
-    from kernels.pdl import launch_args
 
     m, n = out.shape
     k = x.shape[1]
@@ -120,7 +118,7 @@ def _launch(
         BLOCK_K=config.block_k,
         USE_DOT=config.dot,
         DOT_IEEE=x.dtype == torch.float32,
-        EVEN_K=k % config.block_k == 0 and k > 0,
+        EVEN_K=k % config.block_k == 0,
         SWIGLU=width > 0,
         HAS_GAMMA=gammas is not None,
         HAS_SCALE=scale is not None,
@@ -128,7 +126,6 @@ def _launch(
         DIVIDE_X=divisor is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **launch_args(pdl, x.device),
     )
     return out
 
@@ -142,11 +139,8 @@ def skinny_linear(
     divisor: float | None = None,
     out_dtype: torch.dtype | None = None,
     config: SkinnyConfig | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
-    """x ``[M, K]``, weight ``[N, K]`` -> ``[M, N]`` in ``out_dtype`` (default x's); see the module docstring.
-    ``pdl``: launch with programmatic dependent launch (kernels/pdl.py); the weight is then read before the wait
-    and must not be written by the previous kernel on the stream."""
+    """x ``[M, K]``, weight ``[N, K]`` -> ``[M, N]`` in ``out_dtype`` (default x's); see the module docstring."""
     _check(x, weight)
     if scale is not None and (scale.numel() != 1 or scale.dtype != x.dtype or scale.device != x.device):
         raise ValueError(f"scale must be one element of x's dtype {x.dtype}, got {scale.dtype} {tuple(scale.shape)}")
@@ -160,8 +154,7 @@ def skinny_linear(
         raise ValueError("divisor must be non-zero")
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    cfg = config or default_config(m, n, k)
-    return _launch(x, weight, out, cfg, scale=scale, residual=residual, divisor=divisor, pdl=pdl)
+    return _launch(x, weight, out, config or default_config(m, n, k), scale=scale, residual=residual, divisor=divisor)
 
 
 def skinny_swiglu(
@@ -171,10 +164,8 @@ def skinny_swiglu(
     *,
     gammas: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
-    """x ``[M, K]``, w13 ``[G * 2 * width, K]`` -> ``[M, G * width]``; see the module docstring (``pdl`` as in
-    ``skinny_linear``)."""
+    """x ``[M, K]``, w13 ``[G * 2 * width, K]`` -> ``[M, G * width]``; see the module docstring."""
     _check(x, w13)
     if width <= 0 or w13.shape[0] % (2 * width):
         raise ValueError(f"w13 has {w13.shape[0]} rows: expected groups of 2 * width = {2 * width}")
@@ -183,7 +174,7 @@ def skinny_swiglu(
         raise ValueError(f"gammas must be fp32 [M, G] = [{m}, {groups}], got {gammas.dtype} {tuple(gammas.shape)}")
     n = groups * width
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    return _launch(x, w13, out, config or default_config(m, n, k), width=width, gammas=gammas, pdl=pdl)
+    return _launch(x, w13, out, config or default_config(m, n, k), width=width, gammas=gammas)
 
 
 def skinny_linear_reference(

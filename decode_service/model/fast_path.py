@@ -86,48 +86,37 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _bf16_moe(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    *,
-    pdl: bool,
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
     from kernels.moe import bf16_moe
 
     config = _moe_config(ids.numel(), x.shape[1], w2.shape[-1], x.dtype == torch.float32)
-    return bf16_moe(x, ids, weights.float(), w13, w2, config=config, pdl=pdl)
+    return bf16_moe(x, ids, weights.float(), w13, w2, config=config)
 
 
-def _nvfp4_moe(x, ids, weights, w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2, *, pdl: bool) -> torch.Tensor:
+def _nvfp4_moe(x, ids, weights, w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2) -> torch.Tensor:
     from kernels.moe import nvfp4_moe
 
     config = _moe_config(ids.numel(), x.shape[1], 2 * w2.shape[-1], x.dtype == torch.float32)
     return nvfp4_moe(
         x, ids, weights.float(),
         w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2,
-        config=config, pdl=pdl,
+        config=config,
     )  # fmt: skip
 
 
 class TritonOps(Ops):
-    """`Ops` on the Triton kernels (same math; the kernels' tests bound the difference). `pdl`: the kernels
-    launched with programmatic dependent launch where the GPU has it (`kernels/pdl.py`), so each one's launch and
-    prologue overlap the previous kernel's tail; off only to measure what it brings."""
+    """`Ops` on the Triton kernels (same math; the kernels' tests bound the difference)."""
 
     name = "fast"
     attention_kernels = True
-
-    def __init__(self, pdl: bool = True):
-        self.pdl = pdl
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """One launch; x `[..., C]` (per-head norms pass `[T, nH, hd]`)."""
         from kernels.rms_norm import rms_norm
 
         rows = x.reshape(-1, x.shape[-1])  # [N, C], a view for contiguous rows (and for T = 1 of a projection)
-        return rms_norm(rows, weight, eps, pdl=self.pdl).view(x.shape)
+        return rms_norm(rows, weight, eps).view(x.shape)
 
     def linear(self, x, weight, scale=None, residual=None):
         """One launch for decode rows (`skinny_linear`, scale and residual fused); cuBLAS for more rows."""
@@ -135,7 +124,7 @@ class TritonOps(Ops):
 
         fits = _skinny(x, weight) and (scale is None or (scale.numel() == 1 and scale.dtype == x.dtype))
         if fits and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
-            return skinny_linear(x, weight, scale=scale, residual=residual, pdl=self.pdl)
+            return skinny_linear(x, weight, scale=scale, residual=residual)
         return super().linear(x, weight, scale, residual)
 
     def swiglu(
@@ -146,7 +135,7 @@ class TritonOps(Ops):
         from kernels.skinny_gemm import skinny_swiglu
 
         if _skinny(x, w13) and (gammas is None or gammas.dtype == torch.float32):
-            return skinny_swiglu(x, w13, width, gammas=gammas, pdl=self.pdl)
+            return skinny_swiglu(x, w13, width, gammas=gammas)
         return super().swiglu(x, w13, width, gammas)
 
     def logits(self, hidden, weight, divisor, tp, vocab):
@@ -155,27 +144,23 @@ class TritonOps(Ops):
         from kernels.skinny_gemm import skinny_linear
 
         if tp.size == 1 and _skinny(hidden, weight):
-            return skinny_linear(hidden, weight[:vocab], divisor=divisor, out_dtype=torch.float32, pdl=self.pdl)
+            return skinny_linear(hidden, weight[:vocab], divisor=divisor, out_dtype=torch.float32)
         return super().logits(hidden, weight, divisor, tp, vocab)
 
     def route(self, x, weight, bias, top_k, route_scale, global_scale):
         """Two launches: fp32 logits GEMV, then sigmoid/top-k/sink renorm/scales."""
         from kernels.router import route
 
-        return route(x, weight, bias, top_k, route_scale, global_scale, pdl=self.pdl)
+        return route(x, weight, bias, top_k, route_scale, global_scale)
 
     def moe_kernels(self, hidden: int, width: int) -> bool:
         return _moe_config(1, hidden, width) is not None
 
     def bf16_experts(self, hidden: int, width: int) -> RoutedExperts:
-        if self.moe_kernels(hidden, width):
-            return functools.partial(_bf16_moe, pdl=self.pdl)
-        return super().bf16_experts(hidden, width)
+        return _bf16_moe if self.moe_kernels(hidden, width) else super().bf16_experts(hidden, width)
 
     def nvfp4_experts(self, hidden: int, width: int) -> RoutedExperts:
-        if self.moe_kernels(hidden, width):
-            return functools.partial(_nvfp4_moe, pdl=self.pdl)
-        return super().nvfp4_experts(hidden, width)
+        return _nvfp4_moe if self.moe_kernels(hidden, width) else super().nvfp4_experts(hidden, width)
 
     def shared_experts(self, x, gammas, w13, w2, routed=None):
         """Two GEMMs: every expert's [gate; up] rows stacked along N, then the gamma-scaled activations against the

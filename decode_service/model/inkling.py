@@ -51,7 +51,7 @@ class InklingDecoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.unembed = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed: AttentionBackend = PackedBackend(kernels=ops.attention_kernels)
-        self.paged: AttentionBackend | None = PagedBackend(pdl=ops.pdl) if _paged_kernels(config, ops) else None
+        self.paged: AttentionBackend | None = PagedBackend() if _paged_kernels(config, ops) else None
 
     @classmethod
     def from_weights(

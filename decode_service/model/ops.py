@@ -36,7 +36,6 @@ class Ops:
 
     name = "reference"
     attention_kernels = False  # the attention backends' kernels (packed prefill/decode, the paged decode step)
-    pdl = False  # kernels launched with programmatic dependent launch (`kernels/pdl.py`; `TritonOps`)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`w * round(x * rsqrt(mean(x^2) + eps))` over the last axis: normalise in fp32, round to x's dtype."""

@@ -28,19 +28,17 @@ if TYPE_CHECKING:
 
 @dataclass
 class PagedBackend:
-    pdl: bool = False  # decode-step kernels launched with programmatic dependent launch (`kernels/pdl.py`)
     name: str = "paged"
 
     def prepare(self, batch: ForwardBatch) -> PagedBatch:
         if batch.decode is None:
             raise ValueError("batch.decode: the paged backend runs PagedDecode batches only")
-        return PagedBatch(batch.decode, self.pdl)
+        return PagedBatch(batch.decode)
 
 
 @dataclass
 class PagedBatch:
     decode: PagedDecode
-    pdl: bool = False
 
     def attention(
         self, attn: Attention, q: torch.Tensor, r: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor
@@ -60,7 +58,7 @@ class PagedBatch:
         if decode.conv_windows is None:
             q = kv_prologue(
                 k0, v0, k_states, v_states, decode.conv_slots, k_w, v_w, attn.k_norm.weight, attn.k_norm.eps,
-                k_pool, v_pool, decode.kv_rows[sliding], q, attn.q_norm.weight, attn.q_norm.eps, pdl=self.pdl,
+                k_pool, v_pool, decode.kv_rows[sliding], q, attn.q_norm.weight, attn.q_norm.eps,
             )  # fmt: skip
         else:
             windows = decode.conv_windows
@@ -73,7 +71,7 @@ class PagedBatch:
         return paged_decode_attention(
             q, r, rel_proj, k_pool, v_pool, decode.block_tables[sliding], decode.seq_lens, pools.page_size,
             window=attn.geo.window, log_scaling=log_scaling(attn), max_seq_len=decode.max_seq_len,
-            rows_per_seq=decode.width, pdl=self.pdl,
+            rows_per_seq=decode.width,
         )  # fmt: skip
 
     def conv(self, conv: ShortConv, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,5 +85,5 @@ class PagedBatch:
         if decode.conv_windows is not None:
             windows = decode.conv_windows[conv.layer, conv.index]
             return conv_verify(x, pool, decode.conv_slots, conv.weight[:, 0, :], windows, residual)
-        y, _ = conv_decode(x, pool, decode.conv_slots, conv.weight[:, 0, :], residual, pdl=self.pdl)
+        y, _ = conv_decode(x, pool, decode.conv_slots, conv.weight[:, 0, :], residual)
         return y

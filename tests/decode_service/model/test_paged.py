@@ -20,11 +20,9 @@ def test_a_paged_step_norms_the_queries_in_the_prologue(cpu_interpreter, monkeyp
     graphs = DecodeGraphs(model, cache, max_num_seqs=2, max_model_len=16)
     norms, prologues = [], []
     rms_norm, kv_prologue = kernels.rms_norm.rms_norm, kernels.short_conv.kv_prologue
+    monkeypatch.setattr(kernels.rms_norm, "rms_norm", lambda x, *a: norms.append(tuple(x.shape)) or rms_norm(x, *a))
     monkeypatch.setattr(
-        kernels.rms_norm, "rms_norm", lambda x, *a, **kw: norms.append(tuple(x.shape)) or rms_norm(x, *a, **kw)
-    )
-    monkeypatch.setattr(
-        kernels.short_conv, "kv_prologue", lambda *a, **kw: prologues.append(a[12] is not None) or kv_prologue(*a, **kw)
+        kernels.short_conv, "kv_prologue", lambda *a: prologues.append(a[12] is not None) or kv_prologue(*a)
     )
     with torch.inference_mode():
         graphs.warm_up(2)
