@@ -4,7 +4,8 @@ Three launches per MoE call:
   1. ``moe_w13_kernel``: per (row block of one expert, tile of I[, slice of H]): gate and up accumulators over H,
      then ``silu(g) * u`` into an intermediate ``[n_pairs, I]`` (one row per (token, slot) pair); with
      ``PRESPLIT_K`` each PRESPLIT_K-wide column block is stored as [even columns | odd columns]. ``SPLIT_K``
-     slices: fp32 partials in ``Partial``, the tile's last slice (``Count``) adds them and runs the epilogue.
+     slices: fp32 partials in ``Partial``, the tile's last slice (``Count``) adds them, runs the epilogue and puts
+     the tile's counter back to 0.
   2. ``moe_w2_kernel``: per (row block, tile of H): the down projection over I, times the pair's routing
      weight, into ``[n_pairs, H]`` fp32 (``PRESPLIT``: reads the split intermediate as two halves).
   3. ``moe_sum_kernel``: the fp32 sum of each token's k slots, one rounding to the output dtype.
@@ -296,6 +297,7 @@ def moe_w13_kernel(
         tl.debug_barrier()  # every thread's partials are stored before the arrival is counted (release below)
         if tl.atomic_add(Count + tile, 1, sem="acq_rel") < SPLIT_K - 1:
             return
+        tl.store(Count + tile, 0)  # every slice has arrived: the counter is zero again for the next launch
         acc_g = tl.zeros(ACC, dtype=tl.float32)
         acc_u = tl.zeros(ACC, dtype=tl.float32)
         for s in tl.static_range(SPLIT_K):

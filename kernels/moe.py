@@ -293,6 +293,21 @@ def _launch_opts(cfg: MoeConfig, num_warps: int) -> dict:
     return opts if cfg.maxnreg is None else {**opts, "maxnreg": cfg.maxnreg}
 
 
+_COUNTERS_MIN = 4096  # split-K tiles of the default configs: <= SPLIT_K13_MAX_PAIRS blocks x I / 32 tiles, I <= 16384
+_counters: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrival_counters(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` zero int32 split-K arrival counters from one buffer per device: the last slice of each tile puts its
+    counter back to 0, so the buffer is zero between launches and a call needs no memset launch (one launch
+    fewer). Launches that share it must run in stream order (the engine's one stream; CUDA graphs captured from it
+    replay in that order too). Buffers are never freed: a captured graph may hold one."""
+    buffers = _counters.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros((max(n, _COUNTERS_MIN),), dtype=torch.int32, device=device))
+    return buffers[-1][:n]
+
+
 def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg: MoeConfig) -> torch.Tensor:
     """Gate/up projection + SwiGLU of every routed pair: ``[n_pairs, I]`` in x's dtype (``presplit`` NVFP4: each
     ``block_k2`` slice stored as [even | odd] columns, the order ``moe_w2`` reads). ``scales``: (w13_scale,
@@ -311,7 +326,7 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
     grid, n_fast = _grid(cfg.n_fast13, r.n_blocks, n_tiles, splits)
     if splits > 1:  # per tile: each slice's fp32 gate and up partials, and the count of slices done
         partial = torch.empty((r.n_blocks * n_tiles, splits, 2, cfg.block_n13 * r.block_m), device=x.device)
-        count = torch.zeros((r.n_blocks * n_tiles,), dtype=torch.int32, device=x.device)
+        count = _arrival_counters(r.n_blocks * n_tiles, x.device)
     else:
         partial, count = inter, r.ids  # unused
     tk.moe_w13_kernel[grid](

@@ -94,7 +94,7 @@ def _bf16_moe(
     from kernels.moe import bf16_moe
 
     config = _moe_config(ids.numel(), x.shape[1], w2.shape[-1], x.dtype == torch.float32, fp4=False)
-    return bf16_moe(x, ids.to(torch.int32), weights.float(), w13, w2, config=config)
+    return bf16_moe(x, ids, weights.float(), w13, w2, config=config)
 
 
 def _nvfp4_moe(x, ids, weights, w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2) -> torch.Tensor:
@@ -102,7 +102,7 @@ def _nvfp4_moe(x, ids, weights, w13, w13_scale, w13_scale2, w2, w2_scale, w2_sca
 
     config = _moe_config(ids.numel(), x.shape[1], 2 * w2.shape[-1], x.dtype == torch.float32)
     return nvfp4_moe(
-        x, ids.to(torch.int32), weights.float(),
+        x, ids, weights.float(),
         w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2,
         config=config,
     )  # fmt: skip
