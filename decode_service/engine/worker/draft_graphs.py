@@ -1,4 +1,4 @@
-"""The MTP draft chain over the depths' paged pools, one batched step per depth row, replayed from CUDA graphs.
+"""The MTP draft chain over the depths' paged pools, one multi-row paged step per depth, replayed from CUDA graphs.
 
 Pools. The depths keep their KV in paged pools of their own geometry (a `KVCache` built from the drafter's
 `depth_config`, one "layer" per depth, pages handed out by a private `KVAllocator`) and their conv states in
@@ -9,31 +9,38 @@ position, so a fixed buffer per slot would reserve max_model_len positions for e
 A round (`MTPSpeculator` semantics, worker/mtp.py). With K known tokens, depth j's committed rows end at
 `c_j = K-1-j` (or later, after a reset) and its provisional rows are `c_j .. K-2` (`n_j = K-1-c_j <= j` of them),
 row p pairing the depth-(j-1) hidden at p with draft `d_{p+j+2-K}`. The committed rows run first: in a verify
-round (at most D + 1 new rows per sequence and depth) here, `catch_up`, as one-row paged steps of each depth over
-the whole batch, cell (j, m) being row `start_j + m` of every sequence, its hidden the row the depth queued
-(`pending`) or depth j-1's cell for that row; on the sequences' own conv slots and KV rows (cells past a
-sequence's row count on the scratch ones). Larger rounds (prefill) run one packed forward per depth over every
-request (`PagedMTPSpeculator._packed_catch_up`). The provisional triangle then runs here too (`run`):
+round (at most D + 1 new rows per sequence and depth) here, `catch_up`: depth j's rows `start_j .. start_j+R-1`
+of every sequence as ONE R-row paged step (R = the round's most rows of any sequence and depth), its hidden per
+row the row the depth queued (`pending`) or depth j-1's output for that row; on the sequences' own conv slots and
+KV rows (rows past a sequence's count on the scratch page), the conv states then committed to the sequence's own
+row count. Larger rounds (prefill) run one packed forward per depth over every request
+(`PagedMTPSpeculator._packed_catch_up`). The provisional triangle then runs here too (`run`):
 
     d_1 = sample(logits(g_0(K-2)))
-    for j in 1..D-1, for p in c_j..K-2 (offset o = K-2-p from j-1 down to 0):
-        g_j(p) = depth_j(g_{j-1}(p), d_{j-o})          # one row per sequence: a paged decode step of depth j
-    d_{j+1} = sample(logits(g_j(K-2)))
+    for j in 1..D-1:
+        g_j(p) = depth_j(g_{j-1}(p), d_{p+j+2-K})  for p in c_j..K-2    # one j-row paged step of depth j
+        d_{j+1} = sample(logits(g_j(K-2)))
 
-`g_{j-1}(p)` is the committed output (an input buffer) for `p < c_{j-1}`, else the triangle's own cell. Cells of
-a sequence outside its `n_j` (short or freshly reset sequences) write the scratch page and a scratch conv slot.
-Provisional rows never touch a request's conv slot: the chain first copies the committed conv states of its
-sequences into working slots and convolves those, so nothing is restored afterwards; their KV rows are written
-at the provisional positions, which the next round's committed rows overwrite before any query reads them.
+`g_{j-1}(p)` is the committed output (an input buffer) for `p < c_{j-1}`, else depth j-1's provisional row.
+Rows of a sequence past its `n_j` (short or freshly reset sequences) write the scratch page.
+
+A multi-row step (`_step`) is the trunk's verify step over the depth: attention with the R rows of a sequence in
+one program (`rows_per_seq`, each row seeing the keys through its own position, all R rows' KV written first) and
+the per-row conv windows of `kernels.conv_verify`, which read a sequence's conv states and write its window
+(state ++ R inputs, `windows`) without touching the states. The catch-up installs `window[n : n+K-1]` for the n
+rows it committed (`conv_commit`); the triangle commits nothing, so a request's conv states never see a
+provisional row and nothing is restored afterwards. Provisional KV rows are written at their positions, which
+the next round's committed rows overwrite before any query reads them. One R-row step reads the depth's weights
+once for its R rows (the one-row steps it replaces read them R times).
 
 Sampling inside the graph, without device asserts: greedy rows take the argmax; a row at temperature T takes
 `argmax(q / E)` with `q = softmax(logits / T)` and `E ~ Exp(1)` per vocabulary entry drawn outside the graph from
 the request's generator (the exponential race, i.e. Gumbel-max: a draw from q). `q` is returned for rejection
 sampling.
 
-One graph per (batch bucket, D) for the triangle and per (bucket, depths, rows) for the committed rows: every
-input lives in static buffers refilled before a replay. Without CUDA, or with graphs off, the same buffers run
-eagerly (the CPU tests, under the kernels' interpreter).
+One graph per (batch bucket, D) for the triangle and per (bucket, depths, R) for the committed rows: every input
+lives in static buffers refilled before a replay. Without CUDA, or with graphs off, the same buffers run eagerly
+(the CPU tests, under the kernels' interpreter).
 """
 
 from __future__ import annotations
@@ -117,21 +124,9 @@ class DepthPools:
         return DepthSequence(self) if self.allocator.num_free_slots else None
 
 
-class _ChainPools:
-    """The depths' KV pools with the chain's working conv slots in place of the requests' slots."""
-
-    def __init__(self, cache: KVCache, work: list[tuple[torch.Tensor, ...]]):
-        self.page_size, self.cache, self.work = cache.page_size, cache, work
-
-    def kv_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        return self.cache.kv_pool(layer)
-
-    def conv_pool(self, layer: int, index: int) -> torch.Tensor:
-        return self.work[layer][index]
-
-
 class DraftGraphs:
-    """The provisional triangle and the D draft samples of B sequences, per (bucket, D) one CUDA graph."""
+    """The committed rows of a verify round (per (bucket, depths, R) one CUDA graph) and the provisional triangle
+    with the D draft samples (per (bucket, D) one CUDA graph) of B sequences, one multi-row step per depth each."""
 
     def __init__(
         self, drafter: MTPDrafter, pools: DepthPools, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
@@ -154,18 +149,20 @@ class DraftGraphs:
         self.noise = torch.ones((n, width, vocab), dtype=torch.float32, device=device)  # Exp(1) draws
         self.drafts = torch.zeros((n, width), dtype=torch.int64, device=device)
         self.q = torch.zeros((n, width, vocab), dtype=torch.float32, device=device)
-        k1 = self.cache.config.conv_kernel_size - 1
-        self.work = [
-            tuple(torch.zeros((width + 1,) + tuple(c.shape[1:]), dtype=c.dtype, device=device) for c in convs)
-            for convs in self.cache.conv
-        ]  # the last row: the scratch working slot
-        assert all(w.shape[1] == k1 for convs in self.work for w in convs) and len(self.work[0]) == NUM_CONVS
         self.max_rows = n + 2  # committed rows per sequence and depth a graphed catch-up takes (a verify: <= D + 1)
         r = self.max_rows
         self._host_c = torch.empty((3 * n + 1 + n * r, width), dtype=torch.int64, pin_memory=self.capture)
         self._meta_c = torch.empty((3 * n + 1 + n * r, width), dtype=torch.int64, device=device)
         self.cfixed = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: cell inputs from the host
         self.cout = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: cell outputs
+        # Per (depth, conv) `[width, K-1+R, C]`: the windows (state ++ the step's R rows) of the multi-row steps.
+        k1, rows = self.cache.config.conv_kernel_size - 1, max(r, n - 1)
+        self.windows = {
+            (j, i): torch.zeros((width, k1 + rows) + tuple(pool.shape[2:]), dtype=pool.dtype, device=device)
+            for j, convs in enumerate(self.cache.conv)
+            for i, pool in enumerate(convs)
+        }
+        assert all(len(convs) == NUM_CONVS for convs in self.cache.conv)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
@@ -236,42 +233,79 @@ class DraftGraphs:
         return token
 
     def _forward(self, size: int, depth: int) -> None:
-        """The chain over the first `size` rows of the static buffers (what a graph records)."""
-        meta, page = self._meta[:, :size], self.cache.page_size
+        """The chain over the first `size` rows of the static buffers (what a graph records): depth j's provisional
+        rows of every sequence as one `j`-row paged step (row m at position c_j + m; rows from n_j on pad)."""
+        meta = self._meta[:, :size]
         known, slots, counts = meta[_KNOWN], meta[_SLOT], meta[2:]
-        tables = {kind: table.index_select(0, slots) for kind, table in self.tables.device.items()}
-        scratch_rows = {kind: p * page for kind, p in self.cache.scratch_page.items()}
-        for j in range(1, depth):  # the working conv slots start from the committed states
-            for work, pool in zip(self.work[j], self.cache.conv[j], strict=True):
-                work[:size].copy_(pool.index_select(0, slots))
-        rows = torch.arange(size, device=slots.device)
-        pools = _ChainPools(self.cache, self.work)
-        tokens = [self._sample(0, self.fixed[0, 0, :size], size)]
-        above: dict[int, torch.Tensor] = {}  # depth j-1's cells by offset
+        tables = self._tables(slots)
+        tokens = self._sample(0, self.fixed[0, 0, :size], size)[None]  # [1, size]: d_1
+        above, above_n = None, None  # depth j-1's cells `[size, j-1, H]` and its n_{j-1}
         for j in range(1, depth):
-            cells: dict[int, torch.Tensor] = {}
-            for o in range(j - 1, -1, -1):
-                p = (known - 2 - o).clamp(min=0)  # [size] the row's position
-                active = o < counts[j]
-                hidden = self.fixed[j, o, :size]
-                if o < j - 1:
-                    hidden = torch.where((o < counts[j - 1])[:, None], above[o], hidden)
-                kv_rows = {}  # the pool row of position p, or the scratch page's for a cell outside n_j
-                for kind, table in tables.items():
-                    row = table.gather(1, (p // page)[:, None])[:, 0] * page + p % page
-                    kv_rows[kind] = torch.where(active, row, scratch_rows[kind])
-                decode = PagedDecode(
-                    pools=pools,
-                    seq_lens=(p + 1).to(torch.int32),
-                    conv_slots=torch.where(active, rows, self.work[0][0].shape[0] - 1),
-                    kv_rows=kv_rows,
-                    block_tables=tables,
-                    max_seq_len=self.max_model_len,
-                )
-                batch = ForwardBatch(tokens[j - 1 - o], [], decode=decode)
-                cells[o] = self.drafter(j, hidden, batch)  # [size, H]
-            tokens.append(self._sample(j, cells[0], size))
-            above = cells
+            n_j = counts[j][:, None]  # [size, 1]
+            m = torch.arange(j, device=slots.device)
+            o = n_j - 1 - m  # [size, j] the row's offset K-2-p (o < 0: a padding row)
+            active = o >= 0
+            hidden = self.fixed[j].transpose(0, 1)[:size].gather(1, self._rows(o.clamp(0, j - 1)))  # [size, j, H]
+            if j > 1:  # g_{j-1}(p) from depth j-1's cell at the same offset, when that cell is provisional
+                cell = (above_n - 1 - o).clamp(0, j - 2)
+                mine = (o < above_n) & (o < j - 1)
+                hidden = torch.where(mine[..., None], above.gather(1, self._rows(cell)), hidden)
+            p = known[:, None] - 2 - o  # [size, j]
+            token = tokens.t().gather(1, (j - 1 - o).clamp(0, j - 1))  # d_{j-o}
+            out = self._step(j, hidden, token, p, active, slots, tables)  # [size, j, H]
+            last = out.gather(1, self._rows((n_j - 1).clamp(0, j - 1)))[:, 0]  # g_j(K-2)
+            tokens = torch.cat([tokens, self._sample(j, last, size)[None]])
+            above, above_n = out, n_j
+
+    def _tables(self, slots: torch.Tensor) -> dict[bool, torch.Tensor]:
+        return {kind: table.index_select(0, slots) for kind, table in self.tables.device.items()}
+
+    def _rows(self, index: torch.Tensor) -> torch.Tensor:
+        """`[size, W]` row indices -> the index `gather(1, .)` takes to pick those rows of a `[size, R, H]` tensor."""
+        return index[..., None].expand(-1, -1, self.drafter.config.hidden_size)
+
+    def _step(
+        self,
+        depth: int,
+        hidden: torch.Tensor,
+        token: torch.Tensor,
+        p: torch.Tensor,
+        active: torch.Tensor,
+        slots: torch.Tensor,
+        tables: dict[bool, torch.Tensor],
+    ) -> torch.Tensor:
+        """One multi-row paged step of `depth`: hidden `[size, W, H]`, tokens and positions `p` `[size, W]` (row m of
+        a sequence at its position; the `active` rows come first) -> `[size, W, H]`. Rows past a sequence's active
+        ones write the scratch page and see only its first row's keys; the conv states are read, never written:
+        `self.windows` receives each sequence's window (state ++ its W inputs) for `_commit`."""
+        size, width = p.shape
+        page, k1 = self.cache.page_size, self.cache.config.conv_kernel_size - 1
+        p = torch.where(active, p, p[:, :1])  # a padding row: the first row's position (within the tables)
+        kv_rows = {}
+        for kind, table in tables.items():
+            row = table.gather(1, p // page) * page + p % page
+            kv_rows[kind] = torch.where(active, row, self.cache.scratch_page[kind] * page).reshape(-1)
+        decode = PagedDecode(
+            pools=self.cache,
+            seq_lens=(p + 1).reshape(-1).to(torch.int32),
+            conv_slots=slots,
+            kv_rows=kv_rows,
+            block_tables=tables,
+            max_seq_len=self.max_model_len,
+            width=width,
+            conv_windows={(depth, i): self.windows[depth, i][:size, : k1 + width] for i in range(NUM_CONVS)},
+        )
+        batch = ForwardBatch(token.reshape(-1), [], decode=decode)
+        return self.drafter(depth, hidden.reshape(size * width, -1), batch).view(size, width, -1)
+
+    def _commit(self, depth: int, slots: torch.Tensor, rows: torch.Tensor, width: int) -> None:
+        """Depth `depth`'s conv states after the first `rows[b]` (0..W) rows of the last `_step` of width W."""
+        from kernels.conv_verify import conv_commit
+
+        k1 = self.cache.config.conv_kernel_size - 1
+        for i in range(NUM_CONVS):
+            window = self.windows[depth, i][: slots.shape[0], : k1 + width]
+            conv_commit(window, self.cache.conv_pool(depth, i), slots, rows)
 
     def catch_up(
         self,
@@ -283,11 +317,11 @@ class DraftGraphs:
         tokens: list[list[list[int]]],
         slots: list[int],
     ) -> None:
-        """The committed rows of depths 0..`depths`-1 of B sequences as one-row paged steps, `rows` steps per
-        depth: cell (j, m) of sequence i is its row `start[i][j] + m` when `m < count[i][j]`, with token
-        `tokens[i][j][m]` and as hidden `self.cfixed[j, m, i]` (filled by the caller) for `m < shift[i][j]`, else
-        depth j-1's cell `m - shift[i][j]`; outputs land in `self.cout[j, m, i]`. The conv states and KV rows are
-        the sequences' own (committed rows); cells past a sequence's count write the scratch page and slot."""
+        """The committed rows of depths 0..`depths`-1 of B sequences, one `rows`-row paged step per depth: row m of
+        sequence i is its row `start[i][j] + m` when `m < count[i][j]`, with token `tokens[i][j][m]` and as hidden
+        `self.cfixed[j, m, i]` (filled by the caller) for `m < shift[i][j]`, else depth j-1's row `m - shift[i][j]`;
+        outputs land in `self.cout[j, m, i]`. The KV rows are the sequences' own (rows past a sequence's count write
+        the scratch page) and each depth's conv states are committed to exactly `count[i][j]` rows."""
         batch = len(slots)
         size = self.bucket(batch)
         key = ("catch", size, depths, rows)
@@ -311,34 +345,24 @@ class DraftGraphs:
             self._catch_up_forward(size, depths, rows)
 
     def _catch_up_forward(self, size: int, depths: int, rows: int) -> None:
-        n, page = self.num_depths, self.cache.page_size
+        """Depth j's committed rows of every sequence as one `rows`-row paged step, its conv states then committed
+        to the sequence's row count (what a graph records)."""
+        n, r = self.num_depths, self.max_rows
         meta = self._meta_c[:, :size]
         start, count, shift, slots = meta[:n], meta[n : 2 * n], meta[2 * n : 3 * n], meta[3 * n]
-        tables = {kind: table.index_select(0, slots) for kind, table in self.tables.device.items()}
-        scratch_rows = {kind: p * page for kind, p in self.cache.scratch_page.items()}
-        lanes = torch.arange(size, device=slots.device)
+        tables = self._tables(slots)
+        m = torch.arange(rows, device=slots.device)
         for j in range(depths):
-            for m in range(rows):
-                p = start[j] + m  # [size] the row's position
-                active = m < count[j]
-                hidden = self.cfixed[j, m, :size]
-                if j:
-                    above = self.cout[j - 1, :, :size][(m - shift[j]).clamp(0, self.max_rows - 1), lanes]
-                    hidden = torch.where((m >= shift[j])[:, None], above, hidden)
-                kv_rows = {}
-                for kind, table in tables.items():
-                    row = table.gather(1, (p // page)[:, None])[:, 0] * page + p % page
-                    kv_rows[kind] = torch.where(active, row, scratch_rows[kind])
-                decode = PagedDecode(
-                    pools=self.cache,
-                    seq_lens=(p + 1).to(torch.int32),
-                    conv_slots=torch.where(active, slots, self.cache.scratch_slot),
-                    kv_rows=kv_rows,
-                    block_tables=tables,
-                    max_seq_len=self.max_model_len,
-                )
-                token = meta[3 * n + 1 + j * self.max_rows + m]
-                self.cout[j, m, :size].copy_(self.drafter(j, hidden, ForwardBatch(token, [], decode=decode)))
+            hidden = self.cfixed[j, :rows, :size].transpose(0, 1)  # [size, rows, H]
+            if j:  # rows from shift on: depth j-1's cells of this round
+                cell = (m - shift[j][:, None]).clamp(0, r - 1)  # [size, rows]
+                above = self.cout[j - 1, :, :size].transpose(0, 1).gather(1, self._rows(cell))
+                hidden = torch.where((m >= shift[j][:, None])[..., None], above, hidden)
+            token = meta[3 * n + 1 + j * r : 3 * n + 1 + j * r + rows].t()  # [size, rows]
+            active = m < count[j][:, None]
+            out = self._step(j, hidden, token, start[j][:, None] + m, active, slots, tables)
+            self._commit(j, slots, count[j], rows)
+            self.cout[j, :rows, :size].copy_(out.transpose(0, 1))
 
     def _capture_with(self, key: tuple, forward) -> torch.cuda.CUDAGraph:
         """Warm up (padding rows only: the scratch slot and pages) and record `forward`."""

@@ -261,9 +261,9 @@ class MTPSpeculator:
 
 class PagedMTPSpeculator(MTPSpeculator):
     """The same rounds over the depths' paged pools (`draft_graphs.DepthPools`): each depth's committed rows of
-    every request (a verify round: one-row paged steps from a graph, `DraftGraphs.catch_up`; larger rounds: one
-    packed forward per depth), then the provisional triangle and the drafts of every drafting request in one
-    `DraftGraphs.run` (a CUDA graph per batch bucket and D). The drafter needs the paged decode kernels
+    every request (a verify round: one multi-row paged step per depth from a graph, `DraftGraphs.catch_up`; larger
+    rounds: one packed forward per depth), then the provisional triangle and the drafts of every drafting request
+    in one `DraftGraphs.run` (a CUDA graph per batch bucket and D). The drafter needs the paged decode kernels
     (`fast_path.supports_batched_decode` of its trunk). `depth_for(batch)`: the drafts per round for a round of
     that many drafting requests (`num_depths` when not given); the depths past it only queue their rows
     (`pending`, at most `_MAX_LAG`) until a round needs them."""
@@ -397,8 +397,9 @@ class PagedMTPSpeculator(MTPSpeculator):
         return heads
 
     def _graphed_catch_up(self, needed: int, work: list) -> dict[str, torch.Tensor] | None:
-        """The same rows as `_packed_catch_up` as one-row paged steps replayed from a graph (`DraftGraphs.catch_up`)
-        when no request brings more than `max_rows` rows to a depth (a verify round); None: not taken."""
+        """The same rows as `_packed_catch_up` as one multi-row paged step per depth replayed from a graph
+        (`DraftGraphs.catch_up`) when no request brings more than `max_rows` rows to a depth (a verify round);
+        None: not taken."""
         graphs, n = self.graphs, self.num_depths
         if not needed:
             return None

@@ -1,7 +1,7 @@
 """The batched, paged MTP speculator (`PagedMTPSpeculator` + `DraftGraphs`) against the contiguous per-request
 `MTPSpeculator` on the same drafter: every round's greedy drafts are equal and the sampled rows' depth-0 `q` is
 the same distribution, over prefill chunks, every acceptance length, a short prompt (fewer rows than depths) and
-page and window boundaries. Make-tiny with 4 depths (depth 0 sliding, window 16), fp32, the kernels in the CPU
+page and window boundaries; the verify rounds' multi-row steps see different (odd) row counts in one batch. Make-tiny with 4 depths (depth 0 sliding, window 16), fp32, the kernels in the CPU
 interpreter; the chain runs eagerly on its static buffers (no CUDA here)."""
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool, sc
     if schedule:
         for spec in (reference, batched):
             spec.depth_for = lambda batch: schedule[at[0] % len(schedule)]
-    graphed = []  # rounds whose committed rows ran as the graphed catch-up
+    graphed = []  # (depths, rows, starts, counts) of the rounds whose committed rows ran as the graphed catch-up
     catch_up = batched.graphs.catch_up
-    batched.graphs.catch_up = lambda *a: graphed.append(a[0]) or catch_up(*a)
+    batched.graphs.catch_up = lambda *a: graphed.append(a[:4]) or catch_up(*a)
     scripts = [
         Script("long", 80 if schedule else 21, [] if schedule else [9], [depth, 0, 1, depth, 2, 0], 0.0, 1),
         Script("short", 2, [], [0, 1, depth, 0, 0, 1], 0.0, 2),
@@ -135,6 +135,18 @@ def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool, sc
                 spec.remove("short")
                 spec.reset("new", 0, scripts[-1].tokens, [])
     assert len(graphed) >= 4, "the verify rounds take the graphed catch-up"
+    # Its multi-row steps saw sequences of different row counts in one batch (odd ones among them, and sequences
+    # with fewer rows than the step) and rows straddling a page boundary.
+    assert any(len({c[0] for c in counts}) > 1 and any(c[0] % 2 for c in counts) for *_, counts in graphed)
+    assert any(min(c[0] for c in counts) < rows for _, rows, _, counts in graphed)
+    page = batched.pools.cache.page_size
+    assert any(
+        s // page != (s + c - 1) // page
+        for *_, starts, counts in graphed
+        for seq_starts, seq_counts in zip(starts, counts, strict=True)
+        for s, c in zip(seq_starts, seq_counts, strict=True)
+        if c
+    )
 
 
 def test_paged_chain_equals_the_contiguous_speculator(cpu_interpreter, drafter):
