@@ -1,8 +1,9 @@
 """The batched, paged MTP speculator (`PagedMTPSpeculator` + `DraftGraphs`) against the contiguous per-request
 `MTPSpeculator` on the same drafter: every round's greedy drafts are equal and the sampled rows' depth-0 `q` is
 the same distribution, over prefill chunks, every acceptance length, a short prompt (fewer rows than depths) and
-page and window boundaries; the verify rounds' multi-row steps see different (odd) row counts in one batch. Make-tiny with 4 depths (depth 0 sliding, window 16), fp32, the kernels in the CPU
-interpreter; the chain runs eagerly on its static buffers (no CUDA here)."""
+page and window boundaries; the verify rounds' multi-row steps see different (odd) row counts in one batch.
+Make-tiny with 4 depths (depth 0 sliding, window 16), fp32, the kernels in the CPU interpreter; the chain runs
+eagerly on its static buffers (no CUDA here)."""
 
 from __future__ import annotations
 
