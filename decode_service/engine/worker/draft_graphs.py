@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -56,7 +57,23 @@ from decode_service.engine.worker.kv_cache import NUM_CONVS, CacheSpec, KVCache,
 from decode_service.model.batch import ForwardBatch, PagedDecode
 from decode_service.model.mtp import MTPDrafter
 
-_KNOWN, _SLOT = 0, 1  # rows of the integer metadata; row 2 + j: n_j, the provisional rows of depth j
+_KNOWN, _SLOT, _FIELDS = 0, 1, ("start", "count", "total", "shift")  # integer metadata: K, slot, then per depth
+# each of `RoundRows`'s fields, then the tokens per depth and row
+
+
+@dataclass(frozen=True)
+class RoundRows:
+    """One sequence's rows of a drafting round, per depth j < D: positions `start[j] .. start[j] + total[j] - 1`
+    (through K-2), of which the first `count[j]` are committed (their conv states kept); row m's input is
+    `inputs[j, m]` (from the host) for `m < shift[j]`, else depth j-1's row `m - shift[j]` of this round; its token
+    `tokens[j][m]` when known (position + j + 1 < K), else the round's draft for that position."""
+
+    known: int  # K
+    start: list[int]
+    count: list[int]
+    total: list[int]
+    shift: list[int]
+    tokens: list[list[int]]
 
 
 class DepthLayer:
@@ -125,8 +142,8 @@ class DepthPools:
 
 
 class DraftGraphs:
-    """The committed rows of a verify round (per (bucket, depths, R) one CUDA graph) and the provisional triangle
-    with the D draft samples (per (bucket, D) one CUDA graph) of B sequences, one multi-row step per depth each."""
+    """A drafting round of B sequences (every depth's rows, committed and provisional, and the D draft samples),
+    one multi-row paged step per depth, per (batch bucket, D, R) one CUDA graph."""
 
     def __init__(
         self, drafter: MTPDrafter, pools: DepthPools, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
@@ -141,80 +158,78 @@ class DraftGraphs:
         width = self.buckets[-1]
         h, vocab = drafter.config.hidden_size, drafter.config.unpadded_vocab_size
         dtype = drafter.embed.weight.dtype
-        self._host = torch.empty((2 + n, width), dtype=torch.int64, pin_memory=self.capture)
-        self._meta = torch.empty((2 + n, width), dtype=torch.int64, device=device)
+        self.max_first = n + 2  # R a graphed round takes: rows of depth 0 (a verify: <= D + 1)
+        self.max_rows = r = self.max_first + n - 1  # rows of a depth's step (R + j)
+        self._tokens = 2 + len(_FIELDS) * n  # the metadata row of depth 0's row-0 tokens
+        self._host = torch.empty((self._tokens + n * r, width), dtype=torch.int64, pin_memory=self.capture)
+        self._meta = torch.empty((self._tokens + n * r, width), dtype=torch.int64, device=device)
         self._host_t = torch.empty(width, dtype=torch.float32, pin_memory=self.capture)
-        self.fixed = torch.zeros((n, n, width, h), dtype=dtype, device=device)  # [j, o]: g_{j-1}(K-2-o) committed
         self.temperature = torch.ones(width, dtype=torch.float32, device=device)  # 0 = greedy
         self.noise = torch.ones((n, width, vocab), dtype=torch.float32, device=device)  # Exp(1) draws
         self.drafts = torch.zeros((n, width), dtype=torch.int64, device=device)
         self.q = torch.zeros((n, width, vocab), dtype=torch.float32, device=device)
-        self.max_rows = n + 2  # committed rows per sequence and depth a graphed catch-up takes (a verify: <= D + 1)
-        r = self.max_rows
-        self._host_c = torch.empty((3 * n + 1 + n * r, width), dtype=torch.int64, pin_memory=self.capture)
-        self._meta_c = torch.empty((3 * n + 1 + n * r, width), dtype=torch.int64, device=device)
-        self.cfixed = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: cell inputs from the host
-        self.cout = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: cell outputs
-        # Per (depth, conv) `[width, K-1+R, C]`: the windows (state ++ the step's R rows) of the multi-row steps.
-        k1, rows = self.cache.config.conv_kernel_size - 1, max(r, n - 1)
+        self.inputs = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: row inputs from the host
+        self.outputs = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: row outputs
+        # Per (depth, conv) `[width, K-1+rows, C]`: the windows (state ++ the step's rows) of the multi-row steps.
+        k1 = self.cache.config.conv_kernel_size - 1
         self.windows = {
-            (j, i): torch.zeros((width, k1 + rows) + tuple(pool.shape[2:]), dtype=pool.dtype, device=device)
+            (j, i): torch.zeros((width, k1 + r) + tuple(pool.shape[2:]), dtype=pool.dtype, device=device)
             for j, convs in enumerate(self.cache.conv)
             for i, pool in enumerate(convs)
         }
         assert all(len(convs) == NUM_CONVS for convs in self.cache.conv)
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def bucket(self, batch: int) -> int:
         assert 0 < batch <= self.buckets[-1], f"draft batch of {batch} outside 1..{self.buckets[-1]}"
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-    def run(
-        self,
-        depth: int,
-        known: list[int],
-        provisional: list[list[int]],
-        slots: list[int],
-        temperatures: list[float],
-        generators: list[torch.Generator | None],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft `depth` tokens for each sequence; `self.fixed[j, o, i]` holds sequence i's committed inputs (filled
-        by the caller), `known[i]` its K, `provisional[i][j]` its `n_j`, `slots[i]` its depth conv slot. -> drafts
+    def run(self, depth: int, first: int, rows: list[RoundRows], slots: list[int], temperatures: list[float],
+            generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Draft `depth` tokens for each sequence (`rows[i]`: its round, `slots[i]` its depth conv slot), depth j
+        running `first + j` rows per sequence (`first` = 0: no depth-0 rows, its output row K-2 already in
+        `outputs[0, 0, i]`); `inputs[j, m, i]` holds the host's inputs (filled by the caller). -> drafts
         `[depth, B]` and the draft distributions `[depth, B, V]` (meaningful for the rows at temperature > 0)."""
-        batch = len(known)
+        batch = len(rows)
         size = self.bucket(batch)
-        if self.capture and (size, depth) not in self._graphs:
-            self._graphs[size, depth] = self._capture(size, depth)
-        self._fill(known, provisional, slots, size, temperatures)
+        key = (size, depth, first)
+        if self.capture and key not in self._graphs:
+            self._graphs[key] = self._capture(*key)
+        self._fill(rows, slots, size, temperatures)
         for i, (t, g) in enumerate(zip(temperatures, generators, strict=True)):
             if t > 0:
                 self.noise[:depth, i].exponential_(generator=g)
         self._upload(size)
         if self.capture:
-            self._graphs[size, depth].replay()
+            self._graphs[key].replay()
         else:
-            self._forward(size, depth)
+            self._forward(size, depth, first)
         return self.drafts[:depth, :batch], self.q[:depth, :batch]
 
     @torch.inference_mode()
-    def capture_all(self, depths: list[int]) -> None:
-        """Record every (bucket, D) graph now (engine start)."""
+    def capture_all(self, depths: list[int], firsts: list[int]) -> None:
+        """Record the (bucket, D, R) graphs of these D and R now (engine start)."""
         if self.capture:
             for size in self.buckets:
                 for depth in depths:
-                    if (size, depth) not in self._graphs:
-                        self._graphs[size, depth] = self._capture(size, depth)
+                    for first in firsts:
+                        if (size, depth, first) not in self._graphs:
+                            self._graphs[size, depth, first] = self._capture(size, depth, first)
 
-    def _fill(
-        self, known: list[int], provisional: list[list[int]], slots: list[int], size: int, temperatures: list[float]
-    ) -> None:
-        n, pad = self.num_depths, size - len(known)
+    def _fill(self, rows: list[RoundRows], slots: list[int], size: int, temperatures: list[float]) -> None:
+        n, r, pad = self.num_depths, self.max_rows, size - len(rows)
         self._host_t[:size] = torch.tensor(list(temperatures) + [0.0] * pad, dtype=torch.float32)
-        rows = [list(known) + [n + 1] * pad, list(slots) + [self.cache.scratch_slot] * pad]
+        meta = [[s.known for s in rows] + [n + 1] * pad, list(slots) + [self.cache.scratch_slot] * pad]
+        for field in _FIELDS:
+            for j in range(n):
+                meta.append([v[j] if j < len(v) else 0 for v in (getattr(s, field) for s in rows)] + [0] * pad)
         for j in range(n):
-            rows.append([counts[j] if j < len(counts) else 0 for counts in provisional] + [0] * pad)
-        self._host[:, :size] = torch.tensor(rows, dtype=torch.int64)
+            for m in range(r):
+                meta.append(
+                    [t[j][m] if j < len(t) and m < len(t[j]) else 0 for t in (s.tokens for s in rows)] + [0] * pad
+                )
+        self._host[:, :size] = torch.tensor(meta, dtype=torch.int64)
 
     def _upload(self, size: int) -> None:
         self.tables.upload()
@@ -232,30 +247,36 @@ class DraftGraphs:
         self.drafts[j, :size].copy_(token)
         return token
 
-    def _forward(self, size: int, depth: int) -> None:
-        """The chain over the first `size` rows of the static buffers (what a graph records): depth j's provisional
-        rows of every sequence as one `j`-row paged step (row m at position c_j + m; rows from n_j on pad)."""
+    def _forward(self, size: int, depth: int, first: int) -> None:
+        """The round over the first `size` sequences of the static buffers (what a graph records)."""
+        n, r = self.num_depths, self.max_rows
         meta = self._meta[:, :size]
-        known, slots, counts = meta[_KNOWN], meta[_SLOT], meta[2:]
+        known, slots = meta[_KNOWN], meta[_SLOT]
+        start, count, total, shift = meta[2 : self._tokens].view(len(_FIELDS), n, size)
         tables = self._tables(slots)
-        tokens = self._sample(0, self.fixed[0, 0, :size], size)[None]  # [1, size]: d_1
-        above, above_n = None, None  # depth j-1's cells `[size, j-1, H]` and its n_{j-1}
-        for j in range(1, depth):
-            n_j = counts[j][:, None]  # [size, 1]
-            m = torch.arange(j, device=slots.device)
-            o = n_j - 1 - m  # [size, j] the row's offset K-2-p (o < 0: a padding row)
-            active = o >= 0
-            hidden = self.fixed[j].transpose(0, 1)[:size].gather(1, self._rows(o.clamp(0, j - 1)))  # [size, j, H]
-            if j > 1:  # g_{j-1}(p) from depth j-1's cell at the same offset, when that cell is provisional
-                cell = (above_n - 1 - o).clamp(0, j - 2)
-                mine = (o < above_n) & (o < j - 1)
-                hidden = torch.where(mine[..., None], above.gather(1, self._rows(cell)), hidden)
-            p = known[:, None] - 2 - o  # [size, j]
-            token = tokens.t().gather(1, (j - 1 - o).clamp(0, j - 1))  # d_{j-o}
-            out = self._step(j, hidden, token, p, active, slots, tables)  # [size, j, H]
-            last = out.gather(1, self._rows((n_j - 1).clamp(0, j - 1)))[:, 0]  # g_j(K-2)
-            tokens = torch.cat([tokens, self._sample(j, last, size)[None]])
-            above, above_n = out, n_j
+        drafts = []  # d_1 .. d_j, `[size]` each
+        for j in range(depth):
+            rows = first + j
+            if rows:
+                m = torch.arange(rows, device=slots.device)
+                hidden = self.inputs[j, :rows, :size].transpose(0, 1)  # [size, rows, H]
+                if j:  # rows from shift on: depth j-1's rows of this round
+                    cell = (m - shift[j][:, None]).clamp(0, r - 1)  # [size, rows]
+                    above = self.outputs[j - 1, :, :size].transpose(0, 1).gather(1, self._rows(cell))
+                    hidden = torch.where((m >= shift[j][:, None])[..., None], above, hidden)
+                p = start[j][:, None] + m  # [size, rows] the rows' positions
+                token = meta[self._tokens + j * r : self._tokens + j * r + rows].t()  # [size, rows] known tokens
+                if j:  # the token at position p + j + 1 >= K is draft d_{p+j+2-K}
+                    t = p + j + 1 - known[:, None]
+                    guess = torch.stack(drafts, 1).gather(1, t.clamp(0, j - 1))
+                    token = torch.where(t >= 0, guess, token)
+                out = self._step(j, hidden, token, p, m < total[j][:, None], slots, tables)  # [size, rows, H]
+                self._commit(j, slots, count[j], rows)
+                self.outputs[j, :rows, :size].copy_(out.transpose(0, 1))
+            last = (total[j] - 1).clamp(0, max(rows, 1) - 1)[:, None]  # the row at K-2
+            drafts.append(
+                self._sample(j, self.outputs[j, :, :size].transpose(0, 1).gather(1, self._rows(last))[:, 0], size)
+            )
 
     def _tables(self, slots: torch.Tensor) -> dict[bool, torch.Tensor]:
         return {kind: table.index_select(0, slots) for kind, table in self.tables.device.items()}
@@ -307,88 +328,16 @@ class DraftGraphs:
             window = self.windows[depth, i][: slots.shape[0], : k1 + width]
             conv_commit(window, self.cache.conv_pool(depth, i), slots, rows)
 
-    def catch_up(
-        self,
-        depths: int,
-        rows: int,
-        start: list[list[int]],
-        count: list[list[int]],
-        shift: list[list[int]],
-        tokens: list[list[list[int]]],
-        slots: list[int],
-    ) -> None:
-        """The committed rows of depths 0..`depths`-1 of B sequences, one `rows`-row paged step per depth: row m of
-        sequence i is its row `start[i][j] + m` when `m < count[i][j]`, with token `tokens[i][j][m]` and as hidden
-        `self.cfixed[j, m, i]` (filled by the caller) for `m < shift[i][j]`, else depth j-1's row `m - shift[i][j]`;
-        outputs land in `self.cout[j, m, i]`. The KV rows are the sequences' own (rows past a sequence's count write
-        the scratch page) and each depth's conv states are committed to exactly `count[i][j]` rows."""
-        batch = len(slots)
-        size = self.bucket(batch)
-        key = ("catch", size, depths, rows)
-        if self.capture and key not in self._graphs:
-            self._graphs[key] = self._capture_with(key, lambda: self._catch_up_forward(size, depths, rows))
-        n, r, pad = self.num_depths, self.max_rows, size - batch
-        meta = []
-        for field, fill in ((start, 0), (count, 0), (shift, 0)):
-            for j in range(n):
-                meta.append([v[j] if j < len(v) else fill for v in field] + [fill] * pad)
-        meta.append(list(slots) + [self.cache.scratch_slot] * pad)
-        for j in range(n):
-            for m in range(r):
-                meta.append([t[j][m] if j < len(t) and m < len(t[j]) else 0 for t in tokens] + [0] * pad)
-        self._host_c[:, :size] = torch.tensor(meta, dtype=torch.int64)
-        self.tables.upload()
-        self._meta_c[:, :size].copy_(self._host_c[:, :size], non_blocking=self.capture)
-        if self.capture:
-            self._graphs[key].replay()
-        else:
-            self._catch_up_forward(size, depths, rows)
-
-    def _catch_up_forward(self, size: int, depths: int, rows: int) -> None:
-        """Depth j's committed rows of every sequence as one `rows`-row paged step, its conv states then committed
-        to the sequence's row count (what a graph records)."""
-        n, r = self.num_depths, self.max_rows
-        meta = self._meta_c[:, :size]
-        start, count, shift, slots = meta[:n], meta[n : 2 * n], meta[2 * n : 3 * n], meta[3 * n]
-        tables = self._tables(slots)
-        m = torch.arange(rows, device=slots.device)
-        for j in range(depths):
-            hidden = self.cfixed[j, :rows, :size].transpose(0, 1)  # [size, rows, H]
-            if j:  # rows from shift on: depth j-1's cells of this round
-                cell = (m - shift[j][:, None]).clamp(0, r - 1)  # [size, rows]
-                above = self.cout[j - 1, :, :size].transpose(0, 1).gather(1, self._rows(cell))
-                hidden = torch.where((m >= shift[j][:, None])[..., None], above, hidden)
-            token = meta[3 * n + 1 + j * r : 3 * n + 1 + j * r + rows].t()  # [size, rows]
-            active = m < count[j][:, None]
-            out = self._step(j, hidden, token, start[j][:, None] + m, active, slots, tables)
-            self._commit(j, slots, count[j], rows)
-            self.cout[j, :rows, :size].copy_(out.transpose(0, 1))
-
-    def _capture_with(self, key: tuple, forward) -> torch.cuda.CUDAGraph:
-        """Warm up (padding rows only: the scratch slot and pages) and record `forward`."""
-        size = key[1]
-        self._host_c[:, :size] = 0
-        n = self.num_depths
-        self._host_c[3 * n, :size] = self.cache.scratch_slot
-        self.tables.upload()
-        self._meta_c[:, :size].copy_(self._host_c[:, :size])
-        forward()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            forward()
-        return graph
-
-    def warm_up(self, size: int, depth: int) -> None:
-        """One chain of `size` padding rows (compiles the kernels; touches only scratch pages and slots)."""
-        self._fill([], [], [], size, [])
+    def warm_up(self, size: int, depth: int, first: int) -> None:
+        """One round of `size` padding sequences (compiles the kernels; touches only scratch pages and slots)."""
+        self._fill([], [], size, [])
         self._upload(size)
-        self._forward(size, depth)
+        self._forward(size, depth, first)
 
-    def _capture(self, size: int, depth: int) -> torch.cuda.CUDAGraph:
-        self.warm_up(size, depth)
+    def _capture(self, size: int, depth: int, first: int) -> torch.cuda.CUDAGraph:
+        self.warm_up(size, depth, first)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._forward(size, depth)
+            self._forward(size, depth, first)
         return graph
