@@ -1,4 +1,5 @@
-"""The MTP draft chain over the depths' paged pools, one multi-row paged step per depth, replayed from CUDA graphs.
+"""The MTP draft chain over the depths' paged pools: a drafting round as one multi-row paged step per depth,
+replayed from CUDA graphs.
 
 Pools. The depths keep their KV in paged pools of their own geometry (a `KVCache` built from the drafter's
 `depth_config`, one "layer" per depth, pages handed out by a private `KVAllocator`) and their conv states in
@@ -8,39 +9,39 @@ position, so a fixed buffer per slot would reserve max_model_len positions for e
 
 A round (`MTPSpeculator` semantics, worker/mtp.py). With K known tokens, depth j's committed rows end at
 `c_j = K-1-j` (or later, after a reset) and its provisional rows are `c_j .. K-2` (`n_j = K-1-c_j <= j` of them),
-row p pairing the depth-(j-1) hidden at p with draft `d_{p+j+2-K}`. The committed rows run first: in a verify
-round (at most D + 1 new rows per sequence and depth) here, `catch_up`: depth j's rows `start_j .. start_j+R-1`
-of every sequence as ONE R-row paged step (R = the round's most rows of any sequence and depth), its hidden per
-row the row the depth queued (`pending`) or depth j-1's output for that row; on the sequences' own conv slots and
-KV rows (rows past a sequence's count on the scratch page), the conv states then committed to the sequence's own
-row count. Larger rounds (prefill) run one packed forward per depth over every request
-(`PagedMTPSpeculator._packed_catch_up`). The provisional triangle then runs here too (`run`):
+row p pairing the depth-(j-1) hidden at p with the token at p + j + 1: known below K, else draft
+`d_{p+j+2-K}`. Depth j's rows of a round are therefore its rows from where it stopped (`start_j`) through K-2,
+the committed ones first, and one step runs all of them:
 
-    d_1 = sample(logits(g_0(K-2)))
-    for j in 1..D-1:
-        g_j(p) = depth_j(g_{j-1}(p), d_{p+j+2-K})  for p in c_j..K-2    # one j-row paged step of depth j
+    for j in 0..D-1:
+        g_j(p) = depth_j(g_{j-1}(p), token(p + j + 1))   for p in start_j..K-2   # one multi-row paged step
         d_{j+1} = sample(logits(g_j(K-2)))
 
-`g_{j-1}(p)` is the committed output (an input buffer) for `p < c_{j-1}`, else depth j-1's provisional row.
-Rows of a sequence past its `n_j` (short or freshly reset sequences) write the scratch page.
+(`run`, one CUDA graph per (batch bucket, D, R)). Row m of depth j's step is position `start_j + m`; its input is
+a row the host queued (`pending`: committed rows of depth j-1 the depth had not committed yet, or depth 0's
+trunk rows) or depth j-1's row of this round at the same position; each depth takes `R + j` rows per sequence
+(a verify round accepting a drafts brings `a + 1 + j` to depth j; R is the round's largest `rows - j`). Rows past
+a sequence's own (short, freshly reset or less accepting sequences) write the scratch page and are never
+committed. Larger rounds (prefill chunks, a depth catching up its queue) run one packed forward per depth over
+every request (`PagedMTPSpeculator._packed_catch_up`), then the same graph with R = 0 for the provisional rows
+(no depth-0 rows: its row K-2 is given).
 
-A multi-row step (`_step`) is the trunk's verify step over the depth: attention with the R rows of a sequence in
-one program (`rows_per_seq`, each row seeing the keys through its own position, all R rows' KV written first) and
+A multi-row step (`_step`) is the trunk's verify step over the depth: attention with the rows of a sequence in
+one program (`rows_per_seq`, each row seeing the keys through its own position, all rows' KV written first) and
 the per-row conv windows of `kernels.conv_verify`, which read a sequence's conv states and write its window
-(state ++ R inputs, `windows`) without touching the states. The catch-up installs `window[n : n+K-1]` for the n
-rows it committed (`conv_commit`); the triangle commits nothing, so a request's conv states never see a
-provisional row and nothing is restored afterwards. Provisional KV rows are written at their positions, which
-the next round's committed rows overwrite before any query reads them. One R-row step reads the depth's weights
-once for its R rows (the one-row steps it replaces read them R times).
+(state ++ its inputs, `windows`) without touching the states; `conv_commit` then installs `window[n : n+K-1]`
+for the n rows the sequence committed at that depth (0 for a provisional-only step). So a request's conv states
+never see a provisional row and nothing is restored afterwards. Provisional KV rows are written at their
+positions, which the next round's committed rows overwrite before any query reads them. One step reads the
+depth's weights once for all its rows (one-row steps read them once per row).
 
 Sampling inside the graph, without device asserts: greedy rows take the argmax; a row at temperature T takes
 `argmax(q / E)` with `q = softmax(logits / T)` and `E ~ Exp(1)` per vocabulary entry drawn outside the graph from
 the request's generator (the exponential race, i.e. Gumbel-max: a draw from q). `q` is returned for rejection
 sampling.
 
-One graph per (batch bucket, D) for the triangle and per (bucket, depths, R) for the committed rows: every input
-lives in static buffers refilled before a replay. Without CUDA, or with graphs off, the same buffers run eagerly
-(the CPU tests, under the kernels' interpreter).
+Every input of a graph lives in static buffers refilled before a replay. Without CUDA, or with graphs off, the
+same buffers run eagerly (the CPU tests, under the kernels' interpreter).
 """
 
 from __future__ import annotations

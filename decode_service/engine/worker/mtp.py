@@ -260,10 +260,11 @@ class MTPSpeculator:
 
 
 class PagedMTPSpeculator(MTPSpeculator):
-    """The same rounds over the depths' paged pools (`draft_graphs.DepthPools`): each depth's committed rows of
-    every request (a verify round: one multi-row paged step per depth from a graph, `DraftGraphs.catch_up`; larger
-    rounds: one packed forward per depth), then the provisional triangle and the drafts of every drafting request
-    in one `DraftGraphs.run` (a CUDA graph per batch bucket and D). The drafter needs the paged decode kernels
+    """The same rounds over the depths' paged pools (`draft_graphs.DepthPools`). A verify round (every request
+    drafting, at most `max_first + j` rows per request at depth j) is one `DraftGraphs.run`: each depth's
+    committed and provisional rows of every request in one multi-row paged step, then its draft, from a CUDA graph
+    per (batch bucket, D, R). Larger rounds run each depth's committed rows as one packed forward, then the same
+    graph for the provisional rows only. The drafter needs the paged decode kernels
     (`fast_path.supports_batched_decode` of its trunk). `depth_for(batch)`: the drafts per round for a round of
     that many drafting requests (`num_depths` when not given); the depths past it only queue their rows
     (`pending`, at most `_MAX_LAG`) until a round needs them."""
