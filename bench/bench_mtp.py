@@ -13,11 +13,11 @@ For each B (default 1/8/64) at context `--ctx`:
   runs greedy rows: the lm_head and argmax replayed from the head graph and the B(D+1) token ids read;
 - draft chain: depth 0..D-1 each over `r` rows per sequence (the rows the round verified: 1 + the expected
   accepted drafts, rounded) and its draft logits for the B last rows, through the shared lm_head or its FP8 copy
-  (`--draft-head`). Timed twice: as
-  the engine runs it when the trunk has the paged decode kernels (`PagedMTPSpeculator`: the verified rows one
-  packed forward per depth over the depths' paged pools, then the provisional rows and the D drafts replayed
-  from the chain's CUDA graph for B's bucket and D; "from its CUDA graph", the figure used below) and the old
-  way (per-request contiguous caches, each depth's rows one eager packed forward: "eager per request");
+  (`--draft-head`). Timed twice: as the engine runs it when the trunk has the paged decode kernels
+  (`PagedMTPSpeculator` over the depths' paged pools: per depth the verified and the provisional rows as one
+  multi-row paged step, then its draft, the whole round replayed from the chain's CUDA graph for B's bucket, D and
+  r; "from its CUDA graph", the figure used below) and the old way (per-request contiguous caches, each depth's rows
+  one eager packed forward: "eager per request");
 - a synthetic acceptor: per sequence and round one uniform u accepts draft k iff u < rate_k, with vLLM's
   published cumulative per-position rates for Inkling (GSM8K, concurrency 64, greedy: 75.7 / 60.1 / 49.8 / 41.1 /
   35.4 / 29.8 / 26.1 / 22.3 %), so a round emits 1 + accepted tokens and costs verify(D) + chain(D);
@@ -241,8 +241,8 @@ class DraftChain:
 class GraphedChain:
     """The same B sequences as the engine keeps them (`PagedMTPSpeculator`: the depths' paged pools), each depth
     prefilled with `ctx` rows; `step(depth, rows)` times one round as the engine runs it: `rows` verified trunk rows
-    per sequence through every depth (one packed forward per depth), then the provisional rows and the D drafts
-    replayed from the chain's CUDA graph for (B's bucket, D). The sequences grow by the timed rows (`growth`)."""
+    per sequence through every depth with the provisional rows and the D drafts, replayed from the chain's CUDA
+    graph for (B's bucket, D, rows). The sequences grow by the timed rows (`growth`)."""
 
     def __init__(self, drafter: MTPDrafter, batch: int, ctx: int, growth: int):
         config, device = drafter.config, drafter.embed.weight.device

@@ -8,7 +8,7 @@ Exactly as ``ShortConv.step`` of decode_service/model/layers.py over those W row
     y_j = (x_j.float() + sum_i window[j + i] * w[:, i]).to(x.dtype)       (fp32, terms added in order i = 0..K-1)
 
 The state is NOT updated: the launch writes ``windows[b] = cat(S, x_b)`` in the state dtype ``[K-1+W, C]``, and
-``conv_commit`` later installs ``states[slots[b]] = windows[b, n_b : n_b + K-1]`` for the ``n_b`` rows (1..W) the
+``conv_commit`` later installs ``states[slots[b]] = windows[b, n_b : n_b + K-1]`` for the ``n_b`` rows (0..W) the
 verify accepted: the state after those rows, as n_b one-row ``conv_decode`` steps leave it (when the state dtype
 holds x's values: the engine's pools share the activations' dtype).
 
@@ -228,7 +228,8 @@ def _check_commit(windows: torch.Tensor, states: torch.Tensor, slots: torch.Tens
 
 def conv_commit(windows: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor) -> None:
     """``states[slots[b]] = windows[b, accepted[b] : accepted[b] + K-1]`` for every b: the conv state after the
-    ``accepted[b]`` rows (1..W, device int64 ``[B]``, never read on the host) a verify committed."""
+    ``accepted[b]`` rows (0..W, device int64 ``[B]``, never read on the host; 0 keeps the state) a verify
+    committed."""
     import triton
 
     from kernels import _triton_conv_verify as tk

@@ -52,6 +52,7 @@ CASES = [  # b, W, C, K, dtype, state dtype
     (3, 5, 64, 4, torch.float16, torch.float16),
     (2, 2, 600, 4, torch.float32, torch.bfloat16),  # two channel blocks, W < K-1, a bf16 pool
     (4, 3, 32, 2, torch.float32, torch.float32),
+    (3, 1, 48, 4, torch.float32, torch.float32),  # one row per sequence (the draft chain's one-row steps)
 ]
 
 
@@ -62,7 +63,7 @@ def test_conv_verify_and_commit_equal_one_row_steps(cpu_interpreter, b, width, c
     x, states, slots, weight, windows = conv_case(b, width, c, k, dtype, gen, state_dtype=state_dtype)
     residual = values((b * width, c), dtype, gen) if with_residual else None
     before = states.clone()
-    accepted = torch.randint(1, width + 1, (b,), generator=gen)
+    accepted = torch.randint(0, width + 1, (b,), generator=gen)  # 0: a sequence commits none of its rows
     want, want_states = one_row_steps(x, states, slots, weight, width, accepted.tolist(), residual)
 
     ref_windows = windows.clone()

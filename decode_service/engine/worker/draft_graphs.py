@@ -1,4 +1,5 @@
-"""The MTP draft chain over the depths' paged pools, one batched step per depth row, replayed from CUDA graphs.
+"""The MTP draft chain over the depths' paged pools: a drafting round as one multi-row paged step per depth,
+replayed from CUDA graphs.
 
 Pools. The depths keep their KV in paged pools of their own geometry (a `KVCache` built from the drafter's
 `depth_config`, one "layer" per depth, pages handed out by a private `KVAllocator`) and their conv states in
@@ -8,38 +9,46 @@ position, so a fixed buffer per slot would reserve max_model_len positions for e
 
 A round (`MTPSpeculator` semantics, worker/mtp.py). With K known tokens, depth j's committed rows end at
 `c_j = K-1-j` (or later, after a reset) and its provisional rows are `c_j .. K-2` (`n_j = K-1-c_j <= j` of them),
-row p pairing the depth-(j-1) hidden at p with draft `d_{p+j+2-K}`. The committed rows run first: in a verify
-round (at most D + 1 new rows per sequence and depth) here, `catch_up`, as one-row paged steps of each depth over
-the whole batch, cell (j, m) being row `start_j + m` of every sequence, its hidden the row the depth queued
-(`pending`) or depth j-1's cell for that row; on the sequences' own conv slots and KV rows (cells past a
-sequence's row count on the scratch ones). Larger rounds (prefill) run one packed forward per depth over every
-request (`PagedMTPSpeculator._packed_catch_up`). The provisional triangle then runs here too (`run`):
+row p pairing the depth-(j-1) hidden at p with the token at p + j + 1: known below K, else draft
+`d_{p+j+2-K}`. Depth j's rows of a round are therefore its rows from where it stopped (`start_j`) through K-2,
+the committed ones first, and one step runs all of them:
 
-    d_1 = sample(logits(g_0(K-2)))
-    for j in 1..D-1, for p in c_j..K-2 (offset o = K-2-p from j-1 down to 0):
-        g_j(p) = depth_j(g_{j-1}(p), d_{j-o})          # one row per sequence: a paged decode step of depth j
-    d_{j+1} = sample(logits(g_j(K-2)))
+    for j in 0..D-1:
+        g_j(p) = depth_j(g_{j-1}(p), token(p + j + 1))   for p in start_j..K-2   # one multi-row paged step
+        d_{j+1} = sample(logits(g_j(K-2)))
 
-`g_{j-1}(p)` is the committed output (an input buffer) for `p < c_{j-1}`, else the triangle's own cell. Cells of
-a sequence outside its `n_j` (short or freshly reset sequences) write the scratch page and a scratch conv slot.
-Provisional rows never touch a request's conv slot: the chain first copies the committed conv states of its
-sequences into working slots and convolves those, so nothing is restored afterwards; their KV rows are written
-at the provisional positions, which the next round's committed rows overwrite before any query reads them.
+(`run`, one CUDA graph per (batch bucket, D, R)). Row m of depth j's step is position `start_j + m`; its input is
+a row the host queued (`pending`: committed rows of depth j-1 the depth had not committed yet, or depth 0's
+trunk rows) or depth j-1's row of this round at the same position; each depth takes `R + j` rows per sequence
+(a verify round accepting a drafts brings `a + 1 + j` to depth j; R is the round's largest `rows - j`). Rows past
+a sequence's own (short, freshly reset or less accepting sequences) write the scratch page and are never
+committed. Larger rounds (prefill chunks, a depth catching up its queue) run one packed forward per depth over
+every request (`PagedMTPSpeculator._packed_catch_up`), then the same graph with R = 0 for the provisional rows
+(no depth-0 rows: its row K-2 is given).
+
+A multi-row step (`_step`) is the trunk's verify step over the depth: attention with the rows of a sequence in
+one program (`rows_per_seq`, each row seeing the keys through its own position, all rows' KV written first) and
+the per-row conv windows of `kernels.conv_verify`, which read a sequence's conv states and write its window
+(state ++ its inputs, `windows`) without touching the states; `conv_commit` then installs `window[n : n+K-1]`
+for the n rows the sequence committed at that depth (0 for a provisional-only step). So a request's conv states
+never see a provisional row and nothing is restored afterwards. Provisional KV rows are written at their
+positions, which the next round's committed rows overwrite before any query reads them. One step reads the
+depth's weights once for all its rows (one-row steps read them once per row).
 
 Sampling inside the graph, without device asserts: greedy rows take the argmax; a row at temperature T takes
 `argmax(q / E)` with `q = softmax(logits / T)` and `E ~ Exp(1)` per vocabulary entry drawn outside the graph from
 the request's generator (the exponential race, i.e. Gumbel-max: a draw from q). `q` is returned for rejection
 sampling.
 
-One graph per (batch bucket, D) for the triangle and per (bucket, depths, rows) for the committed rows: every
-input lives in static buffers refilled before a replay. Without CUDA, or with graphs off, the same buffers run
-eagerly (the CPU tests, under the kernels' interpreter).
+Every input of a graph lives in static buffers refilled before a replay. Without CUDA, or with graphs off, the
+same buffers run eagerly (the CPU tests, under the kernels' interpreter).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -49,7 +58,23 @@ from decode_service.engine.worker.kv_cache import NUM_CONVS, CacheSpec, KVCache,
 from decode_service.model.batch import ForwardBatch, PagedDecode
 from decode_service.model.mtp import MTPDrafter
 
-_KNOWN, _SLOT = 0, 1  # rows of the integer metadata; row 2 + j: n_j, the provisional rows of depth j
+_KNOWN, _SLOT, _FIELDS = 0, 1, ("start", "count", "total", "shift")  # integer metadata: K, slot, then per depth
+# each of `RoundRows`'s fields, then the tokens per depth and row
+
+
+@dataclass(frozen=True)
+class RoundRows:
+    """One sequence's rows of a drafting round, per depth j < D: positions `start[j] .. start[j] + total[j] - 1`
+    (through K-2), of which the first `count[j]` are committed (their conv states kept); row m's input is
+    `inputs[j, m]` (from the host) for `m < shift[j]`, else depth j-1's row `m - shift[j]` of this round; its token
+    `tokens[j][m]` when known (position + j + 1 < K), else the round's draft for that position."""
+
+    known: int  # K
+    start: list[int]
+    count: list[int]
+    total: list[int]
+    shift: list[int]
+    tokens: list[list[int]]
 
 
 class DepthLayer:
@@ -117,21 +142,9 @@ class DepthPools:
         return DepthSequence(self) if self.allocator.num_free_slots else None
 
 
-class _ChainPools:
-    """The depths' KV pools with the chain's working conv slots in place of the requests' slots."""
-
-    def __init__(self, cache: KVCache, work: list[tuple[torch.Tensor, ...]]):
-        self.page_size, self.cache, self.work = cache.page_size, cache, work
-
-    def kv_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        return self.cache.kv_pool(layer)
-
-    def conv_pool(self, layer: int, index: int) -> torch.Tensor:
-        return self.work[layer][index]
-
-
 class DraftGraphs:
-    """The provisional triangle and the D draft samples of B sequences, per (bucket, D) one CUDA graph."""
+    """A drafting round of B sequences (every depth's rows, committed and provisional, and the D draft samples),
+    one multi-row paged step per depth, per (batch bucket, D, R) one CUDA graph."""
 
     def __init__(
         self, drafter: MTPDrafter, pools: DepthPools, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
@@ -146,78 +159,78 @@ class DraftGraphs:
         width = self.buckets[-1]
         h, vocab = drafter.config.hidden_size, drafter.config.unpadded_vocab_size
         dtype = drafter.embed.weight.dtype
-        self._host = torch.empty((2 + n, width), dtype=torch.int64, pin_memory=self.capture)
-        self._meta = torch.empty((2 + n, width), dtype=torch.int64, device=device)
+        self.max_first = n + 2  # R a graphed round takes: rows of depth 0 (a verify: <= D + 1)
+        self.max_rows = r = self.max_first + n - 1  # rows of a depth's step (R + j)
+        self._tokens = 2 + len(_FIELDS) * n  # the metadata row of depth 0's row-0 tokens
+        self._host = torch.empty((self._tokens + n * r, width), dtype=torch.int64, pin_memory=self.capture)
+        self._meta = torch.empty((self._tokens + n * r, width), dtype=torch.int64, device=device)
         self._host_t = torch.empty(width, dtype=torch.float32, pin_memory=self.capture)
-        self.fixed = torch.zeros((n, n, width, h), dtype=dtype, device=device)  # [j, o]: g_{j-1}(K-2-o) committed
         self.temperature = torch.ones(width, dtype=torch.float32, device=device)  # 0 = greedy
         self.noise = torch.ones((n, width, vocab), dtype=torch.float32, device=device)  # Exp(1) draws
         self.drafts = torch.zeros((n, width), dtype=torch.int64, device=device)
         self.q = torch.zeros((n, width, vocab), dtype=torch.float32, device=device)
+        self.inputs = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: row inputs from the host
+        self.outputs = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: row outputs
+        # Per (depth, conv) `[width, K-1+rows, C]`: the windows (state ++ the step's rows) of the multi-row steps.
         k1 = self.cache.config.conv_kernel_size - 1
-        self.work = [
-            tuple(torch.zeros((width + 1,) + tuple(c.shape[1:]), dtype=c.dtype, device=device) for c in convs)
-            for convs in self.cache.conv
-        ]  # the last row: the scratch working slot
-        assert all(w.shape[1] == k1 for convs in self.work for w in convs) and len(self.work[0]) == NUM_CONVS
-        self.max_rows = n + 2  # committed rows per sequence and depth a graphed catch-up takes (a verify: <= D + 1)
-        r = self.max_rows
-        self._host_c = torch.empty((3 * n + 1 + n * r, width), dtype=torch.int64, pin_memory=self.capture)
-        self._meta_c = torch.empty((3 * n + 1 + n * r, width), dtype=torch.int64, device=device)
-        self.cfixed = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: cell inputs from the host
-        self.cout = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: cell outputs
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.windows = {
+            (j, i): torch.zeros((width, k1 + r) + tuple(pool.shape[2:]), dtype=pool.dtype, device=device)
+            for j, convs in enumerate(self.cache.conv)
+            for i, pool in enumerate(convs)
+        }
+        assert all(len(convs) == NUM_CONVS for convs in self.cache.conv)
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def bucket(self, batch: int) -> int:
         assert 0 < batch <= self.buckets[-1], f"draft batch of {batch} outside 1..{self.buckets[-1]}"
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-    def run(
-        self,
-        depth: int,
-        known: list[int],
-        provisional: list[list[int]],
-        slots: list[int],
-        temperatures: list[float],
-        generators: list[torch.Generator | None],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft `depth` tokens for each sequence; `self.fixed[j, o, i]` holds sequence i's committed inputs (filled
-        by the caller), `known[i]` its K, `provisional[i][j]` its `n_j`, `slots[i]` its depth conv slot. -> drafts
+    def run(self, depth: int, first: int, rows: list[RoundRows], slots: list[int], temperatures: list[float],
+            generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Draft `depth` tokens for each sequence (`rows[i]`: its round, `slots[i]` its depth conv slot), depth j
+        running `first + j` rows per sequence (`first` = 0: no depth-0 rows, its output row K-2 already in
+        `outputs[0, 0, i]`); `inputs[j, m, i]` holds the host's inputs (filled by the caller). -> drafts
         `[depth, B]` and the draft distributions `[depth, B, V]` (meaningful for the rows at temperature > 0)."""
-        batch = len(known)
+        batch = len(rows)
         size = self.bucket(batch)
-        if self.capture and (size, depth) not in self._graphs:
-            self._graphs[size, depth] = self._capture(size, depth)
-        self._fill(known, provisional, slots, size, temperatures)
+        key = (size, depth, first)
+        if self.capture and key not in self._graphs:
+            self._graphs[key] = self._capture(*key)
+        self._fill(rows, slots, size, temperatures)
         for i, (t, g) in enumerate(zip(temperatures, generators, strict=True)):
             if t > 0:
                 self.noise[:depth, i].exponential_(generator=g)
         self._upload(size)
         if self.capture:
-            self._graphs[size, depth].replay()
+            self._graphs[key].replay()
         else:
-            self._forward(size, depth)
+            self._forward(size, depth, first)
         return self.drafts[:depth, :batch], self.q[:depth, :batch]
 
     @torch.inference_mode()
-    def capture_all(self, depths: list[int]) -> None:
-        """Record every (bucket, D) graph now (engine start)."""
+    def capture_all(self, depths: list[int], firsts: list[int]) -> None:
+        """Record the (bucket, D, R) graphs of these D and R now (engine start)."""
         if self.capture:
             for size in self.buckets:
                 for depth in depths:
-                    if (size, depth) not in self._graphs:
-                        self._graphs[size, depth] = self._capture(size, depth)
+                    for first in firsts:
+                        if (size, depth, first) not in self._graphs:
+                            self._graphs[size, depth, first] = self._capture(size, depth, first)
 
-    def _fill(
-        self, known: list[int], provisional: list[list[int]], slots: list[int], size: int, temperatures: list[float]
-    ) -> None:
-        n, pad = self.num_depths, size - len(known)
+    def _fill(self, rows: list[RoundRows], slots: list[int], size: int, temperatures: list[float]) -> None:
+        n, r, pad = self.num_depths, self.max_rows, size - len(rows)
         self._host_t[:size] = torch.tensor(list(temperatures) + [0.0] * pad, dtype=torch.float32)
-        rows = [list(known) + [n + 1] * pad, list(slots) + [self.cache.scratch_slot] * pad]
+        meta = [[s.known for s in rows] + [n + 1] * pad, list(slots) + [self.cache.scratch_slot] * pad]
+        for field in _FIELDS:
+            for j in range(n):
+                meta.append([v[j] if j < len(v) else 0 for v in (getattr(s, field) for s in rows)] + [0] * pad)
         for j in range(n):
-            rows.append([counts[j] if j < len(counts) else 0 for counts in provisional] + [0] * pad)
-        self._host[:, :size] = torch.tensor(rows, dtype=torch.int64)
+            for m in range(r):
+                meta.append(
+                    [t[j][m] if j < len(t) and m < len(t[j]) else 0 for t in (s.tokens for s in rows)] + [0] * pad
+                )
+        self._host[:, :size] = torch.tensor(meta, dtype=torch.int64)
 
     def _upload(self, size: int) -> None:
         self.tables.upload()
@@ -235,136 +248,97 @@ class DraftGraphs:
         self.drafts[j, :size].copy_(token)
         return token
 
-    def _forward(self, size: int, depth: int) -> None:
-        """The chain over the first `size` rows of the static buffers (what a graph records)."""
-        meta, page = self._meta[:, :size], self.cache.page_size
-        known, slots, counts = meta[_KNOWN], meta[_SLOT], meta[2:]
-        tables = {kind: table.index_select(0, slots) for kind, table in self.tables.device.items()}
-        scratch_rows = {kind: p * page for kind, p in self.cache.scratch_page.items()}
-        for j in range(1, depth):  # the working conv slots start from the committed states
-            for work, pool in zip(self.work[j], self.cache.conv[j], strict=True):
-                work[:size].copy_(pool.index_select(0, slots))
-        rows = torch.arange(size, device=slots.device)
-        pools = _ChainPools(self.cache, self.work)
-        tokens = [self._sample(0, self.fixed[0, 0, :size], size)]
-        above: dict[int, torch.Tensor] = {}  # depth j-1's cells by offset
-        for j in range(1, depth):
-            cells: dict[int, torch.Tensor] = {}
-            for o in range(j - 1, -1, -1):
-                p = (known - 2 - o).clamp(min=0)  # [size] the row's position
-                active = o < counts[j]
-                hidden = self.fixed[j, o, :size]
-                if o < j - 1:
-                    hidden = torch.where((o < counts[j - 1])[:, None], above[o], hidden)
-                kv_rows = {}  # the pool row of position p, or the scratch page's for a cell outside n_j
-                for kind, table in tables.items():
-                    row = table.gather(1, (p // page)[:, None])[:, 0] * page + p % page
-                    kv_rows[kind] = torch.where(active, row, scratch_rows[kind])
-                decode = PagedDecode(
-                    pools=pools,
-                    seq_lens=(p + 1).to(torch.int32),
-                    conv_slots=torch.where(active, rows, self.work[0][0].shape[0] - 1),
-                    kv_rows=kv_rows,
-                    block_tables=tables,
-                    max_seq_len=self.max_model_len,
-                )
-                batch = ForwardBatch(tokens[j - 1 - o], [], decode=decode)
-                cells[o] = self.drafter(j, hidden, batch)  # [size, H]
-            tokens.append(self._sample(j, cells[0], size))
-            above = cells
+    def _forward(self, size: int, depth: int, first: int) -> None:
+        """The round over the first `size` sequences of the static buffers (what a graph records)."""
+        n, r = self.num_depths, self.max_rows
+        meta = self._meta[:, :size]
+        known, slots = meta[_KNOWN], meta[_SLOT]
+        start, count, total, shift = meta[2 : self._tokens].view(len(_FIELDS), n, size)
+        tables = self._tables(slots)
+        drafts = []  # d_1 .. d_j, `[size]` each
+        for j in range(depth):
+            rows = first + j
+            if rows:
+                m = torch.arange(rows, device=slots.device)
+                hidden = self.inputs[j, :rows, :size].transpose(0, 1)  # [size, rows, H]
+                if j:  # rows from shift on: depth j-1's rows of this round
+                    cell = (m - shift[j][:, None]).clamp(0, r - 1)  # [size, rows]
+                    above = self.outputs[j - 1, :, :size].transpose(0, 1).gather(1, self._rows(cell))
+                    hidden = torch.where((m >= shift[j][:, None])[..., None], above, hidden)
+                p = start[j][:, None] + m  # [size, rows] the rows' positions
+                token = meta[self._tokens + j * r : self._tokens + j * r + rows].t()  # [size, rows] known tokens
+                if j:  # the token at position p + j + 1 >= K is draft d_{p+j+2-K}
+                    t = p + j + 1 - known[:, None]
+                    guess = torch.stack(drafts, 1).gather(1, t.clamp(0, j - 1))
+                    token = torch.where(t >= 0, guess, token)
+                out = self._step(j, hidden, token, p, m < total[j][:, None], slots, tables)  # [size, rows, H]
+                self._commit(j, slots, count[j], rows)
+                self.outputs[j, :rows, :size].copy_(out.transpose(0, 1))
+            last = (total[j] - 1).clamp(0, max(rows, 1) - 1)[:, None]  # the row at K-2
+            drafts.append(
+                self._sample(j, self.outputs[j, :, :size].transpose(0, 1).gather(1, self._rows(last))[:, 0], size)
+            )
 
-    def catch_up(
+    def _tables(self, slots: torch.Tensor) -> dict[bool, torch.Tensor]:
+        return {kind: table.index_select(0, slots) for kind, table in self.tables.device.items()}
+
+    def _rows(self, index: torch.Tensor) -> torch.Tensor:
+        """`[size, W]` row indices -> the index `gather(1, .)` takes to pick those rows of a `[size, R, H]` tensor."""
+        return index[..., None].expand(-1, -1, self.drafter.config.hidden_size)
+
+    def _step(
         self,
-        depths: int,
-        rows: int,
-        start: list[list[int]],
-        count: list[list[int]],
-        shift: list[list[int]],
-        tokens: list[list[list[int]]],
-        slots: list[int],
-    ) -> None:
-        """The committed rows of depths 0..`depths`-1 of B sequences as one-row paged steps, `rows` steps per
-        depth: cell (j, m) of sequence i is its row `start[i][j] + m` when `m < count[i][j]`, with token
-        `tokens[i][j][m]` and as hidden `self.cfixed[j, m, i]` (filled by the caller) for `m < shift[i][j]`, else
-        depth j-1's cell `m - shift[i][j]`; outputs land in `self.cout[j, m, i]`. The conv states and KV rows are
-        the sequences' own (committed rows); cells past a sequence's count write the scratch page and slot."""
-        batch = len(slots)
-        size = self.bucket(batch)
-        key = ("catch", size, depths, rows)
-        if self.capture and key not in self._graphs:
-            self._graphs[key] = self._capture_with(key, lambda: self._catch_up_forward(size, depths, rows))
-        n, r, pad = self.num_depths, self.max_rows, size - batch
-        meta = []
-        for field, fill in ((start, 0), (count, 0), (shift, 0)):
-            for j in range(n):
-                meta.append([v[j] if j < len(v) else fill for v in field] + [fill] * pad)
-        meta.append(list(slots) + [self.cache.scratch_slot] * pad)
-        for j in range(n):
-            for m in range(r):
-                meta.append([t[j][m] if j < len(t) and m < len(t[j]) else 0 for t in tokens] + [0] * pad)
-        self._host_c[:, :size] = torch.tensor(meta, dtype=torch.int64)
-        self.tables.upload()
-        self._meta_c[:, :size].copy_(self._host_c[:, :size], non_blocking=self.capture)
-        if self.capture:
-            self._graphs[key].replay()
-        else:
-            self._catch_up_forward(size, depths, rows)
+        depth: int,
+        hidden: torch.Tensor,
+        token: torch.Tensor,
+        p: torch.Tensor,
+        active: torch.Tensor,
+        slots: torch.Tensor,
+        tables: dict[bool, torch.Tensor],
+    ) -> torch.Tensor:
+        """One multi-row paged step of `depth`: hidden `[size, W, H]`, tokens and positions `p` `[size, W]` (row m of
+        a sequence at its position; the `active` rows come first) -> `[size, W, H]`. Rows past a sequence's active
+        ones write the scratch page and see only its first row's keys; the conv states are read, never written:
+        `self.windows` receives each sequence's window (state ++ its W inputs) for `_commit`."""
+        size, width = p.shape
+        page, k1 = self.cache.page_size, self.cache.config.conv_kernel_size - 1
+        p = torch.where(active, p, p[:, :1])  # a padding row: the first row's position (within the tables)
+        kv_rows = {}
+        for kind, table in tables.items():
+            row = table.gather(1, p // page) * page + p % page
+            kv_rows[kind] = torch.where(active, row, self.cache.scratch_page[kind] * page).reshape(-1)
+        decode = PagedDecode(
+            pools=self.cache,
+            seq_lens=(p + 1).reshape(-1).to(torch.int32),
+            conv_slots=slots,
+            kv_rows=kv_rows,
+            block_tables=tables,
+            max_seq_len=self.max_model_len,
+            width=width,
+            conv_windows={(depth, i): self.windows[depth, i][:size, : k1 + width] for i in range(NUM_CONVS)},
+        )
+        batch = ForwardBatch(token.reshape(-1), [], decode=decode)
+        return self.drafter(depth, hidden.reshape(size * width, -1), batch).view(size, width, -1)
 
-    def _catch_up_forward(self, size: int, depths: int, rows: int) -> None:
-        n, page = self.num_depths, self.cache.page_size
-        meta = self._meta_c[:, :size]
-        start, count, shift, slots = meta[:n], meta[n : 2 * n], meta[2 * n : 3 * n], meta[3 * n]
-        tables = {kind: table.index_select(0, slots) for kind, table in self.tables.device.items()}
-        scratch_rows = {kind: p * page for kind, p in self.cache.scratch_page.items()}
-        lanes = torch.arange(size, device=slots.device)
-        for j in range(depths):
-            for m in range(rows):
-                p = start[j] + m  # [size] the row's position
-                active = m < count[j]
-                hidden = self.cfixed[j, m, :size]
-                if j:
-                    above = self.cout[j - 1, :, :size][(m - shift[j]).clamp(0, self.max_rows - 1), lanes]
-                    hidden = torch.where((m >= shift[j])[:, None], above, hidden)
-                kv_rows = {}
-                for kind, table in tables.items():
-                    row = table.gather(1, (p // page)[:, None])[:, 0] * page + p % page
-                    kv_rows[kind] = torch.where(active, row, scratch_rows[kind])
-                decode = PagedDecode(
-                    pools=self.cache,
-                    seq_lens=(p + 1).to(torch.int32),
-                    conv_slots=torch.where(active, slots, self.cache.scratch_slot),
-                    kv_rows=kv_rows,
-                    block_tables=tables,
-                    max_seq_len=self.max_model_len,
-                )
-                token = meta[3 * n + 1 + j * self.max_rows + m]
-                self.cout[j, m, :size].copy_(self.drafter(j, hidden, ForwardBatch(token, [], decode=decode)))
+    def _commit(self, depth: int, slots: torch.Tensor, rows: torch.Tensor, width: int) -> None:
+        """Depth `depth`'s conv states after the first `rows[b]` (0..W) rows of the last `_step` of width W."""
+        from kernels.conv_verify import conv_commit
 
-    def _capture_with(self, key: tuple, forward) -> torch.cuda.CUDAGraph:
-        """Warm up (padding rows only: the scratch slot and pages) and record `forward`."""
-        size = key[1]
-        self._host_c[:, :size] = 0
-        n = self.num_depths
-        self._host_c[3 * n, :size] = self.cache.scratch_slot
-        self.tables.upload()
-        self._meta_c[:, :size].copy_(self._host_c[:, :size])
-        forward()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            forward()
-        return graph
+        k1 = self.cache.config.conv_kernel_size - 1
+        for i in range(NUM_CONVS):
+            window = self.windows[depth, i][: slots.shape[0], : k1 + width]
+            conv_commit(window, self.cache.conv_pool(depth, i), slots, rows)
 
-    def warm_up(self, size: int, depth: int) -> None:
-        """One chain of `size` padding rows (compiles the kernels; touches only scratch pages and slots)."""
-        self._fill([], [], [], size, [])
+    def warm_up(self, size: int, depth: int, first: int) -> None:
+        """One round of `size` padding sequences (compiles the kernels; touches only scratch pages and slots)."""
+        self._fill([], [], size, [])
         self._upload(size)
-        self._forward(size, depth)
+        self._forward(size, depth, first)
 
-    def _capture(self, size: int, depth: int) -> torch.cuda.CUDAGraph:
-        self.warm_up(size, depth)
+    def _capture(self, size: int, depth: int, first: int) -> torch.cuda.CUDAGraph:
+        self.warm_up(size, depth, first)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._forward(size, depth)
+            self._forward(size, depth, first)
         return graph

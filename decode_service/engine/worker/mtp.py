@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from decode_service.engine.worker.draft_graphs import DepthPools, DepthSequence, DraftGraphs
+from decode_service.engine.worker.draft_graphs import DepthPools, DepthSequence, DraftGraphs, RoundRows
 from decode_service.engine.worker.kv_cache import CacheSpec
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.mtp import MTPDrafter
@@ -260,10 +260,11 @@ class MTPSpeculator:
 
 
 class PagedMTPSpeculator(MTPSpeculator):
-    """The same rounds over the depths' paged pools (`draft_graphs.DepthPools`): each depth's committed rows of
-    every request (a verify round: one-row paged steps from a graph, `DraftGraphs.catch_up`; larger rounds: one
-    packed forward per depth), then the provisional triangle and the drafts of every drafting request in one
-    `DraftGraphs.run` (a CUDA graph per batch bucket and D). The drafter needs the paged decode kernels
+    """The same rounds over the depths' paged pools (`draft_graphs.DepthPools`). A verify round (every request
+    drafting, at most `max_first + j` rows per request at depth j) is one `DraftGraphs.run`: each depth's
+    committed and provisional rows of every request in one multi-row paged step, then its draft, from a CUDA graph
+    per (batch bucket, D, R). Larger rounds run each depth's committed rows as one packed forward, then the same
+    graph for the provisional rows only. The drafter needs the paged decode kernels
     (`fast_path.supports_batched_decode` of its trunk). `depth_for(batch)`: the drafts per round for a round of
     that many drafting requests (`num_depths` when not given); the depths past it only queue their rows
     (`pending`, at most `_MAX_LAG`) until a round needs them."""
@@ -303,7 +304,7 @@ class PagedMTPSpeculator(MTPSpeculator):
         spec = CacheSpec(page, sliding, trunk.num_global_pages + seqs, seqs, trunk.dtype, trunk.device)
         pools = DepthPools(drafter, spec, max_model_len, num_depths)
         graphs = DraftGraphs(drafter, pools, seqs, max_model_len, use_graphs)
-        graphs.capture_all([num_depths])  # fewer drafts (`depth_for`) capture on first use
+        graphs.capture_all([num_depths], list(range(num_depths + 2)))  # fewer drafts (`depth_for`): on first use
         return cls(drafter, num_depths, pools, graphs)
 
     def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
@@ -359,9 +360,11 @@ class PagedMTPSpeculator(MTPSpeculator):
         # sliding depth's pages stay bounded); rounds without drafts (prefill) run every depth.
         lagging = any(_rows_seen(st) - st.committed[-1] > _MAX_LAG for _, st in work)
         needed = depth if drafting and not lagging else self.num_depths
-        heads = self._graphed_catch_up(needed, work) if drafting and len(drafting) == len(work) else None
-        if heads is None:
-            heads = self._packed_catch_up(needed, work)
+        if depth and not lagging and len(drafting) == len(work):  # a verify round: one graph for all of it
+            drafts = self._graphed_round(depth, work)
+            if drafts is not None:
+                return drafts
+        heads = self._packed_catch_up(needed, work)
         if not depth:
             return {item.request_id: () for item, _ in drafting}
         return self._chain(depth, drafting, heads)
@@ -396,117 +399,104 @@ class PagedMTPSpeculator(MTPSpeculator):
                     heads[item.request_id] = out[-1]
         return heads
 
-    def _graphed_catch_up(self, needed: int, work: list) -> dict[str, torch.Tensor] | None:
-        """The same rows as `_packed_catch_up` as one-row paged steps replayed from a graph (`DraftGraphs.catch_up`)
-        when no request brings more than `max_rows` rows to a depth (a verify round); None: not taken."""
+    def _graphed_round(self, depth: int, work: list) -> dict[str, tuple[int, ...]] | None:
+        """A round whose drafting depths take at most `max_first + j` rows (committed and provisional) per request
+        at depth j (a verify round) as one `DraftGraphs.run`: every depth's rows in one multi-row step, then its
+        draft. None: not taken (more rows; the caller runs the packed catch-up and `_chain`)."""
         graphs, n = self.graphs, self.num_depths
-        if not needed:
-            return None
-        plans = []  # per request and depth j < needed: (start, end, shift = rows queued before this round's inputs)
+        rounds = []  # per request: its RoundRows, then per depth j < depth its committed end
         for item, st in work:
-            plan, arriving = [], item.hidden.shape[0]  # rows depth j receives from depth j - 1 this round
-            for j in range(needed):
-                shift = st.pending[j].shape[0] if st.pending[j] is not None else 0
-                start = st.committed[j]
-                end = max(start, min(start + shift + arriving, len(item.token_ids) - 1 - j))
-                if end - start > graphs.max_rows:
-                    return None
-                plan.append((start, end, shift))
-                arriving = end - start
-            plans.append(plan)
-        rows = max(end - start for plan in plans for start, end, _ in plan)
+            k, arriving = len(item.token_ids), item.hidden.shape[0]  # rows depth j receives from depth j - 1
+            start, count, total, shift, ends = [], [], [], [], []
+            for j in range(depth):
+                queued = st.pending[j].shape[0] if st.pending[j] is not None else 0
+                first = st.committed[j]
+                assert first + queued + arriving == k - 1, "every depth's rows reach K-2"
+                end = max(first, min(first + queued + arriving, k - 1 - j))  # rows whose token is known
+                start.append(first)
+                count.append(end - first)
+                total.append(queued + arriving)
+                shift.append(queued)
+                ends.append(end)
+                arriving = queued + arriving  # depth j's rows, committed and provisional, feed depth j + 1
+            tokens = [[item.token_ids[p + j + 1] if p + j + 1 < k else 0 for p in range(s, k - 1)]
+                      for j, s in enumerate(start)]  # fmt: skip
+            rounds.append((RoundRows(k, start, count, total, [total[0]] + shift[1:], tokens), ends))
+        first = max(max(t - j for j, t in enumerate(rows.total)) for rows, _ in rounds)
+        if first > graphs.max_first:
+            return None
         h, width, r = self.drafter.config.hidden_size, graphs.buckets[-1], graphs.max_rows
-        sources, targets = [], []  # host rows of the cells' fixed inputs
-        for i, ((item, st), plan) in enumerate(zip(work, plans, strict=True)):
-            start, end, shift = plan[0]
-            rows0 = item.hidden if st.pending[0] is None else torch.cat([st.pending[0], item.hidden])
-            sources.append(rows0[: end - start])
-            targets.extend(m * width + i for m in range(end - start))
-            for j in range(1, needed):
-                start, end, shift = plan[j]
-                k = min(shift, end - start)
-                if k:
-                    sources.append(st.pending[j][:k])
-                    targets.extend((j * r + m) * width + i for m in range(k))
-        if targets:
-            index = torch.tensor(targets, dtype=torch.int64).to(graphs.cfixed.device, non_blocking=True)
-            graphs.cfixed.view(-1, h).index_copy_(0, index, torch.cat(sources).to(graphs.cfixed.dtype))
-        tokens = [  # cell (j, m) pairs row start + m with token start + m + j + 1
-            [[item.token_ids[p + j + 1] for p in range(s, e)] for j, (s, e, _) in enumerate(plan)]
-            for (item, _), plan in zip(work, plans, strict=True)
-        ]
-        graphs.catch_up(
-            needed,
-            rows,
-            [[s for s, _, _ in plan] for plan in plans],
-            [[e - s for s, e, _ in plan] for plan in plans],
-            [[0] + [sh for _, _, sh in plan[1:]] for plan in plans],
-            tokens,
-            [st.state.slot for _, st in work],
-        )
-        # The rows to keep: depth 0's last output, and each depth's inputs it cannot commit yet (`pending`).
-        picks, wanted = [], []  # flat rows of cout; per request (head, {depth: (old rows, new count)})
-        for i, ((_, st), plan) in enumerate(zip(work, plans, strict=True)):
-            head = len(picks)
-            picks.append((plan[0][1] - plan[0][0] - 1) * width + i)  # cout[0, last row, i]
+        sources, targets = [], []  # host rows of the steps' inputs
+        for i, ((item, st), (rows, _)) in enumerate(zip(work, rounds, strict=True)):
+            sources.append(item.hidden if st.pending[0] is None else torch.cat([st.pending[0], item.hidden]))
+            targets.extend(m * width + i for m in range(rows.total[0]))
+            for j in range(1, depth):
+                if rows.shift[j]:
+                    sources.append(st.pending[j])
+                    targets.extend((j * r + m) * width + i for m in range(rows.shift[j]))
+        index = torch.tensor(targets, dtype=torch.int64).to(graphs.inputs.device, non_blocking=True)
+        graphs.inputs.view(-1, h).index_copy_(0, index, torch.cat(sources).to(graphs.inputs.dtype))
+        drafted = self._run_round(depth, first, work, [rows for rows, _ in rounds])
+        # The rows to keep: each depth's inputs it cannot commit yet (`pending`), from the host's or the step's rows.
+        picks, wanted = [], []  # flat rows of `outputs`; per request {depth: (old rows, at, new count)}
+        for i, ((_, st), (rows, ends)) in enumerate(zip(work, rounds, strict=True)):
             keep = {}
-            for j in range(1, n):
-                if j < needed:
-                    start, end, shift = plan[j]
-                    above = plan[j - 1][1]  # depth j - 1's committed end
-                    lo, hi = end - start, above - start  # input rows of depth j kept: [lo, hi)
-                    old = st.pending[j][lo:shift] if lo < shift else None
-                    first = max(lo, shift) - shift  # depth j - 1's cells kept from here
-                    count = max(0, hi - max(lo, shift))
-                elif j == needed:
-                    old, first, count = st.pending[j], 0, plan[j - 1][1] - plan[j - 1][0]
-                else:
-                    continue
+            for j in range(1, min(depth + 1, n)):
+                if j < depth:
+                    lo, hi = ends[j] - rows.start[j], ends[j - 1] - rows.start[j]  # input rows of depth j kept
+                    queued = rows.shift[j]
+                    old = st.pending[j][lo:queued] if lo < queued else None
+                    cell, count = max(lo, queued) - queued, max(0, hi - max(lo, queued))  # depth j-1's rows kept
+                else:  # the first depth past the drafts queues depth j-1's committed rows
+                    old, cell, count = st.pending[j], 0, rows.count[j - 1]
                 keep[j] = (old, len(picks), count)
-                picks.extend((((j - 1) * r + first + m) * width + i) for m in range(count))
-            wanted.append((head, keep))
-        gathered = graphs.cout.view(-1, h).index_select(
-            0, torch.tensor(picks, dtype=torch.int64).to(graphs.cout.device)
+                picks.extend(((j - 1) * r + cell + m) * width + i for m in range(count))
+            wanted.append(keep)
+        gathered = graphs.outputs.view(-1, h).index_select(
+            0, torch.tensor(picks, dtype=torch.int64).to(graphs.outputs.device)
         )
-        heads = {}
-        for (item, st), plan, (head, keep) in zip(work, plans, wanted, strict=True):
-            heads[item.request_id] = gathered[head]
+        for (_, st), (_, ends), keep in zip(work, rounds, wanted, strict=True):
             st.pending[0] = None
-            for j, (_, end, _) in enumerate(plan):
+            for j, end in enumerate(ends):
                 st.committed[j] = end
             for j, (old, at, count) in keep.items():
                 new = gathered[at : at + count]
                 rows = new if old is None or not old.shape[0] else torch.cat([old, new])
                 st.pending[j] = rows if rows.shape[0] else None
-        return heads
+        return drafted
 
     def _chain(self, depth: int, drafting: list, heads: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-        """The provisional triangle and the drafts of the drafting requests (`DraftGraphs`)."""
+        """After the packed catch-up: the provisional rows and the drafts of the drafting requests (a
+        `DraftGraphs.run` without depth-0 rows, depth 0's last row given)."""
         graphs, h = self.graphs, self.drafter.config.hidden_size
-        width = graphs.buckets[-1]
-        sources, targets = [], []
-        known, provisional, slots, temperatures, generators = [], [], [], [], []
+        width, r = graphs.buckets[-1], graphs.max_rows
+        sources, targets, rounds = [], [], []
         for i, (item, st) in enumerate(drafting):
             k = len(item.token_ids)
-            counts = [k - 1 - st.committed[j] for j in range(depth)]
-            sources.append(heads[item.request_id][None])
-            targets.append(i)  # fixed[0, 0, i]
+            start, shift = list(st.committed[:depth]), [0] * depth
             for j in range(1, depth):
                 if st.pending[j] is not None:  # g_{j-1}(p) committed, p = c_j .. c_{j-1} - 1
-                    offsets = [k - 2 - p for p in range(st.committed[j], st.committed[j] + st.pending[j].shape[0])]
+                    shift[j] = st.pending[j].shape[0]
                     sources.append(st.pending[j])
-                    targets.extend((j * graphs.num_depths + o) * width + i for o in offsets)
-            known.append(k)
-            provisional.append(counts)
-            slots.append(st.state.slot)
-            temperatures.append(item.temperature)
-            generators.append(item.generator)
-        fixed = graphs.fixed.view(-1, h)
-        index = torch.tensor(targets, dtype=torch.int64).to(fixed.device, non_blocking=True)
-        fixed.index_copy_(0, index, torch.cat(sources).to(fixed.dtype))
-        drafts, q = graphs.run(depth, known, provisional, slots, temperatures, generators)
+                    targets.extend((j * r + m) * width + i for m in range(shift[j]))
+            total = [k - 1 - s for s in start]
+            tokens = [[item.token_ids[p + j + 1] if p + j + 1 < k else 0 for p in range(s, k - 1)]
+                      for j, s in enumerate(start)]  # fmt: skip
+            rounds.append(RoundRows(k, start, [0] * depth, total, shift, tokens))
+        head = torch.stack([heads[item.request_id] for item, _ in drafting])  # g_0(K-2) of each request
+        graphs.outputs[0, 0, : len(drafting)].copy_(head)
+        if targets:
+            index = torch.tensor(targets, dtype=torch.int64).to(graphs.inputs.device, non_blocking=True)
+            graphs.inputs.view(-1, h).index_copy_(0, index, torch.cat(sources).to(graphs.inputs.dtype))
+        return self._run_round(depth, 0, drafting, rounds)
+
+    def _run_round(self, depth: int, first: int, work: list, rounds: list[RoundRows]) -> dict[str, tuple[int, ...]]:
+        temperatures = [item.temperature for item, _ in work]
+        generators = [item.generator for item, _ in work]
+        slots = [st.state.slot for _, st in work]
+        drafts, q = self.graphs.run(depth, first, rounds, slots, temperatures, generators)
         out = {}
-        for i, ((item, _), tokens) in enumerate(zip(drafting, drafts.t().tolist(), strict=True)):
+        for i, ((item, _), tokens) in enumerate(zip(work, drafts.t().tolist(), strict=True)):
             out[item.request_id] = tuple(tokens)
             if item.temperature > 0:
                 self.probs[item.request_id] = list(q[:, i].clone())

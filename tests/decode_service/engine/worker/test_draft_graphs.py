@@ -1,8 +1,9 @@
 """The batched, paged MTP speculator (`PagedMTPSpeculator` + `DraftGraphs`) against the contiguous per-request
 `MTPSpeculator` on the same drafter: every round's greedy drafts are equal and the sampled rows' depth-0 `q` is
 the same distribution, over prefill chunks, every acceptance length, a short prompt (fewer rows than depths) and
-page and window boundaries. Make-tiny with 4 depths (depth 0 sliding, window 16), fp32, the kernels in the CPU
-interpreter; the chain runs eagerly on its static buffers (no CUDA here)."""
+page and window boundaries; the verify rounds' multi-row steps see different (odd) row counts in one batch.
+Make-tiny with 4 depths (depth 0 sliding, window 16), fp32, the kernels in the CPU interpreter; the chain runs
+eagerly on its static buffers (no CUDA here)."""
 
 from __future__ import annotations
 
@@ -99,9 +100,15 @@ def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool, sc
     if schedule:
         for spec in (reference, batched):
             spec.depth_for = lambda batch: schedule[at[0] % len(schedule)]
-    graphed = []  # rounds whose committed rows ran as the graphed catch-up
-    catch_up = batched.graphs.catch_up
-    batched.graphs.catch_up = lambda *a: graphed.append(a[0]) or catch_up(*a)
+    graphed = []  # (R, RoundRows) of the rounds whose every row ran in the round's graph (a verify round)
+    run = batched.graphs.run
+
+    def recording(depth, first, rounds, *args):
+        if first:
+            graphed.append((first, rounds))
+        return run(depth, first, rounds, *args)
+
+    batched.graphs.run = recording
     scripts = [
         Script("long", 80 if schedule else 21, [] if schedule else [9], [depth, 0, 1, depth, 2, 0], 0.0, 1),
         Script("short", 2, [], [0, 1, depth, 0, 0, 1], 0.0, 2),
@@ -134,7 +141,20 @@ def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool, sc
             for spec in (reference, batched):
                 spec.remove("short")
                 spec.reset("new", 0, scripts[-1].tokens, [])
-    assert len(graphed) >= 4, "the verify rounds take the graphed catch-up"
+    assert len(graphed) >= 4, "the verify rounds run as one graphed round"
+    # Its multi-row steps saw sequences of different row counts in one batch (odd ones among them, and sequences
+    # with fewer rows than the step), committed and provisional rows in one step, rows straddling a page boundary.
+    assert any(len({s.total[0] for s in rounds}) > 1 and any(s.total[0] % 2 for s in rounds) for _, rounds in graphed)
+    assert any(min(s.total[0] for s in rounds) < first for first, rounds in graphed)
+    assert any(0 < c < t for _, rounds in graphed for s in rounds for c, t in zip(s.count, s.total, strict=True))
+    page = batched.pools.cache.page_size
+    assert any(
+        a // page != (a + t - 1) // page
+        for _, rounds in graphed
+        for s in rounds
+        for a, t in zip(s.start, s.total, strict=True)
+        if t
+    )
 
 
 def test_paged_chain_equals_the_contiguous_speculator(cpu_interpreter, drafter):
