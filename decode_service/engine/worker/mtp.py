@@ -205,12 +205,7 @@ class MTPSpeculator:
             for item, st in work:
                 if st.saved[d] is not None:
                     _restore(st.state.layers[d], st.saved[d])
-                rows = incoming[item.request_id]
-                if st.pending[d] is not None:
-                    rows = torch.cat([st.pending[d], rows])
-                start = st.committed[d]
-                reach = start + rows.shape[0]
-                end = max(start, min(reach, len(item.token_ids) - 1 - d))  # rows whose token is known
+                rows, start, reach, end = _depth_rows(item, st, incoming, d)
                 tokens = item.token_ids + drafts.get(item.request_id, [])
                 committed_part.append((item, st, start, end, rows[: end - start], tokens))
                 if item.draft and d < depth and end < reach:
@@ -383,12 +378,7 @@ class PagedMTPSpeculator(MTPSpeculator):
                 break
             parts = []
             for item, st in work:
-                rows = incoming[item.request_id]
-                if st.pending[d] is not None:
-                    rows = torch.cat([st.pending[d], rows])
-                start = st.committed[d]
-                reach = start + rows.shape[0]
-                end = max(start, min(reach, len(item.token_ids) - 1 - d))  # rows whose token is known
+                rows, start, reach, end = _depth_rows(item, st, incoming, d)
                 parts.append((item, st, start, end, rows[: end - start], item.token_ids))
                 above = st.committed[d - 1] if d else end
                 st.pending[d] = rows[end - start : above - start] if above > end else None
@@ -501,6 +491,18 @@ class PagedMTPSpeculator(MTPSpeculator):
             if item.temperature > 0:
                 self.probs[item.request_id] = list(q[:, i].clone())
         return out
+
+
+def _depth_rows(item, st: _DrafterState, incoming: dict[str, torch.Tensor], d: int):
+    """Depth d's input rows this round (its queued rows, then the incoming ones), the position they start at,
+    the one they reach, and the end of the rows whose token is known."""
+    rows = incoming[item.request_id]
+    if st.pending[d] is not None:
+        rows = torch.cat([st.pending[d], rows])
+    start = st.committed[d]
+    reach = start + rows.shape[0]
+    end = max(start, min(reach, len(item.token_ids) - 1 - d))
+    return rows, start, reach, end
 
 
 def _rows_seen(st: _DrafterState) -> int:
