@@ -13,8 +13,7 @@ own), on a copy only when a row asks for logprobs, which stay raw.
 Nothing before the read of the chosen tokens waits for the device (`choose`; host values reach it through
 `to_device`): the runner enqueues the logits, masks and draw right behind the forward, so their host work (the
 masks' fill, copies and kernel launch) runs while the GPU is still in the forward, and `sample`'s `.tolist()` is
-the step's one sync. Checked on the H200 for greedy rows (torch's sync debug mode); with seeds, filters or
-penalties some op still syncs (not identified yet).
+the step's one sync. Checked on the H200 (torch's sync debug mode) for greedy, seeded, filtered and penalised rows.
 """
 
 from __future__ import annotations
@@ -146,8 +145,8 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingState]) -> 
     vocab = logits.shape[1]
     for row, (request, p) in enumerate(zip(requests, params, strict=True)):
         if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen[to_device(request.all_token_ids, logits.device)] = True
+            ids = to_device(request.all_token_ids, logits.device)
+            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device).index_fill_(0, ids, True)  # no sync
             penalized = torch.where(out[row] > 0, out[row] / p.repetition_penalty, out[row] * p.repetition_penalty)
             out[row] = torch.where(seen, penalized, out[row])
         if request.output_token_ids and (p.presence_penalty or p.frequency_penalty):

@@ -372,8 +372,9 @@ def test_masks_filled_at_sampling_follow_each_rows_matcher(compiler, engine):
 
 @pytest.mark.gpu
 def test_masks_filled_at_sampling_follow_each_rows_matcher_gpu(compiler, engine, cuda_device):
-    """Pinned buffers, device copies and the Triton kernel; the same tokens as on the CPU."""
-    assert check_masked_steps(compiler, engine, cuda_device) == check_masked_steps(compiler, engine, "cpu")
+    """Pinned buffers, device copies and the Triton kernel (sampled rows draw from CUDA generators: other tokens than
+    on the CPU, each checked against the CPU mask of its state)."""
+    check_masked_steps(compiler, engine, cuda_device)
 
 
 def check_masked_steps(compiler, engine, device):
