@@ -6,6 +6,6 @@
 * `compiler.py`: a constraint -> the whole Inkling output block it allows (`<|message_model|><|content_text|>`
   ... `<|end_message|>`, or a tool-call block), compiled off the engine thread and cached by its hash;
 * `matcher.py`: the per-request matcher the sampler masks with and advances;
-* `sampling.py`: `GrammarMasks`, the sampler's persistent bitmask buffers: masks prefilled during the forward,
-  applied to the logits in place, matchers advanced with the chosen tokens.
+* `sampling.py`: `GrammarMasks`, the sampler's persistent bitmask buffers: masks filled at sampling (queued
+  behind the forward), applied to the logits in place, matchers advanced with the chosen tokens.
 """

@@ -32,7 +32,6 @@ class ConstraintMatcher:
             compiled.grammar, override_stop_tokens=stop_tokens(eos_token_ids, stop_token_ids)
         )
         self.num_accepted = 0
-        self.revision = 0  # counts every accept and rollback: a bitmask row filled at an older revision is stale
         if prompt_token_ids and prompt_token_ids[-1] == MESSAGE_MODEL:
             accepted = self._matcher.accept_token(MESSAGE_MODEL)
             assert accepted, "every constrained output block starts with <|message_model|>"
@@ -54,7 +53,6 @@ class ConstraintMatcher:
         if not self._matcher.accept_token(token_id):
             raise RuntimeError(f"{self.description}: token {token_id} was sampled outside the grammar mask")
         self.num_accepted += 1
-        self.revision += 1
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (rejected speculative tokens)."""
@@ -62,7 +60,6 @@ class ConstraintMatcher:
             raise ValueError(f"cannot roll back {num_tokens} of {self.num_accepted} accepted tokens")
         self._matcher.rollback(num_tokens)
         self.num_accepted -= num_tokens
-        self.revision += 1
 
 
 def fill_bitmasks(

@@ -1,5 +1,5 @@
 """`bench.bench_structured` on CPU, a few steps: every batch is measured through the engine's own step (the
-runner's prefill call, the sampler's masks) and the table shows the raw fill next to the share."""
+sampler's masks filled at sampling) and the table shows the raw fill next to the share."""
 
 from __future__ import annotations
 

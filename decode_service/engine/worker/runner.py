@@ -210,8 +210,6 @@ class ModelRunner:
 
     def _forward(self, output: SchedulerOutput) -> RunnerOutput:
         chunks, graphs = output.chunks, self.decode_graphs
-        if self.sampler is not None:  # grammar masks of the first sampled rows fill on the host during the forward
-            self.sampler.prefill_masks([self.requests[c.request_id] for c in chunks if c.needs_logits])
         width = decode_width(output, self.requests) if graphs is not None else None
         if width is not None and graphs.width(width) is not None:
             hidden, first_rows, samples = self._forward_graphs(chunks, width)

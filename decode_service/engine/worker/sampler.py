@@ -6,15 +6,14 @@ sampling: `argmax(p / q)`, `q ~ Exp(1)`), so a seeded request gives the same tok
 with. Logprobs are those of the raw model distribution. Logits arrive already sliced to the unpadded
 vocabulary. Stop checks are the control plane's (`core/stop.py`); stop strings the output parser's.
 
-Structured outputs (`decode_service.structured.sampling.GrammarMasks`): the runner calls `prefill_masks` before
-the forward so the host fill overlaps it; `sample` and `target_probs` mask the logits they are given in place
-(the runner hands over rows of its own), on a copy only when a row asks for logprobs, which stay raw.
+Structured outputs (`decode_service.structured.sampling.GrammarMasks`): `sample` and `target_probs` fill the
+constrained rows' masks on the host and mask the logits they are given in place (the runner hands over rows of its
+own), on a copy only when a row asks for logprobs, which stay raw.
 
 Nothing before the read of the chosen tokens waits for the device (`choose`; host values reach it through
 `to_device`): the runner enqueues the logits, masks and draw right behind the forward, so their host work (the
-masks' join, copies and kernel launch) runs while the GPU is still in the forward, and `sample`'s `.tolist()` is
-the step's one sync. Checked on the H200 for greedy rows (torch's sync debug mode); with seeds, filters or
-penalties some op still syncs (not identified yet).
+masks' fill, copies and kernel launch) runs while the GPU is still in the forward, and `sample`'s `.tolist()` is
+the step's one sync. Checked on the H200 (torch's sync debug mode) for greedy, seeded, filtered and penalised rows.
 """
 
 from __future__ import annotations
@@ -55,10 +54,6 @@ class Sampler:
     def __init__(self, seed: int = 0, max_rows: int = 256, device: torch.device | str = "cpu"):
         self._seeder = torch.Generator().manual_seed(seed)  # seeds requests that bring no seed of their own
         self.masks = GrammarMasks(max_rows, device)
-
-    def prefill_masks(self, requests: Sequence[SamplingState]) -> None:
-        """The grammar masks of these requests' next tokens start filling on the host (before the forward)."""
-        self.masks.prefill(requests)
 
     def generator(self, request: SamplingState, device: torch.device) -> torch.Generator:
         if request.generator is None:
@@ -150,8 +145,8 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingState]) -> 
     vocab = logits.shape[1]
     for row, (request, p) in enumerate(zip(requests, params, strict=True)):
         if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen[to_device(request.all_token_ids, logits.device)] = True
+            ids = to_device(request.all_token_ids, logits.device)
+            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device).index_fill_(0, ids, True)  # no sync
             penalized = torch.where(out[row] > 0, out[row] / p.repetition_penalty, out[row] * p.repetition_penalty)
             out[row] = torch.where(seen, penalized, out[row])
         if request.output_token_ids and (p.presence_penalty or p.frequency_penalty):

@@ -146,10 +146,9 @@ def test_json_schemas_give_valid_json_that_stops(compiler, engine):
         for name, schema in SCHEMAS.items()
     ]
     masks = engine.runner.sampler.masks
-    before = (masks.prefilled_rows, masks.late_rows)
+    before = masks.masked_rows
     outs = engine.generate(requests)
-    # The runner prefilled every row's mask before its forward: no fill waited for the sampler.
-    assert (masks.prefilled_rows - before[0], masks.late_rows) == (sum(len(o.token_ids) for o in outs), before[1])
+    assert masks.masked_rows - before == sum(len(o.token_ids) for o in outs)  # every output token was masked
     for out in outs:
         name = out.request_id.removeprefix("schema-")
         assert out.finish_reason == "stop", (name, out.token_ids)
@@ -342,86 +341,86 @@ def mixed_batch(compiler, engine):
     return requests
 
 
-def sample_steps(sampler, requests, vocab, device, prefill, steps=6):
+def sample_steps(sampler, requests, vocab, device, steps=6):
     """Decode steps in the runner's order; each step also samples a second row for the first three requests
-    after their first token (a verify chunk's later row: its mask depends on that token). -> the tokens, and
-    how many constrained rows the first and the second calls masked."""
+    after their first token (a verify chunk's later row: its mask depends on that token). Every chosen token is
+    checked against a fresh CPU mask of its matcher's state at that moment (greedy rows: the masked argmax).
+    -> the tokens, and how many constrained rows the first and the second calls masked."""
     gen = torch.Generator().manual_seed(0)
     tokens, counts = [], [0, 0]
     for _ in range(steps):
         logits = (torch.randn(len(requests) + 3, vocab, generator=gen) * 4).to(device)  # [N + 3, V]
-        if prefill:
-            sampler.prefill_masks(requests)
         calls = [(requests, logits[: len(requests)]), (requests[:3], logits[len(requests) :])]
         for k, (batch, rows) in enumerate(calls):
             counts[k] += sum(r.constraint is not None for r in batch)
+            expected = mask_logits(rows.cpu(), batch)
             results = sampler.sample(rows, batch)
             tokens.append([r.token_id for r in results])
-            for request, result in zip(batch, results, strict=True):
+            for request, result, row in zip(batch, results, expected, strict=True):
+                assert torch.isfinite(row[result.token_id]), (request.request_id, result.token_id)
+                if request.sampling.greedy:
+                    assert result.token_id == int(row.argmax()), request.request_id
                 request.output_token_ids.append(result.token_id)
                 if result.constraint_finished:
                     request.constraint = None  # done: the row samples unconstrained from now on
     return tokens, counts
 
 
-def test_prefilled_masks_sample_the_tokens_of_serial_fills(compiler, engine):
-    check_prefill_equals_serial(compiler, engine, "cpu")
+def test_masks_filled_at_sampling_follow_each_rows_matcher(compiler, engine):
+    check_masked_steps(compiler, engine, "cpu")
 
 
 @pytest.mark.gpu
-def test_prefilled_masks_sample_the_tokens_of_serial_fills_gpu(compiler, engine, cuda_device):
-    """Pinned buffers, device copies and the Triton kernel."""
-    check_prefill_equals_serial(compiler, engine, cuda_device)
+def test_masks_filled_at_sampling_follow_each_rows_matcher_gpu(compiler, engine, cuda_device):
+    """Pinned buffers, device copies and the Triton kernel (sampled rows draw from CUDA generators: other tokens than
+    on the CPU, each checked against the CPU mask of its state)."""
+    check_masked_steps(compiler, engine, cuda_device)
 
 
-def check_prefill_equals_serial(compiler, engine, device):
+def check_masked_steps(compiler, engine, device):
     vocab = engine.config.text.unpadded_vocab_size
-    runs, samplers = {}, {}
-    for prefill in (True, False):
-        samplers[prefill] = sampler = Sampler(max_rows=9, device=device)
-        runs[prefill] = sample_steps(sampler, mixed_batch(compiler, engine), vocab, device, prefill)
-    assert runs[True] == runs[False]
-    tokens, (first, later) = runs[True]
+    sampler = Sampler(max_rows=9, device=device)
+    tokens, (first, later) = sample_steps(sampler, mixed_batch(compiler, engine), vocab, device)
     assert len({t for step in tokens for t in step}) > 20  # really sampling
     assert first > 0 and later > 0
-    with_prefill, serial = samplers[True].masks, samplers[False].masks
-    assert (with_prefill.prefilled_rows, with_prefill.late_rows) == (first, later)
-    assert (serial.prefilled_rows, serial.late_rows) == (0, first + later)
+    assert sampler.masks.masked_rows == first + later
+    return tokens
 
 
 def test_the_mask_buffers_are_allocated_once(compiler, engine):
     vocab = engine.config.text.unpadded_vocab_size
     sampler = Sampler(max_rows=9)
     requests = mixed_batch(compiler, engine)
-    sample_steps(sampler, requests, vocab, "cpu", prefill=True, steps=1)
+    sample_steps(sampler, requests, vocab, "cpu", steps=1)
     host = sampler.masks.host
-    assert host.shape == (2 * 9, -(-vocab // 32))
+    assert host.shape == (9, -(-vocab // 32))
     pointer = host.data_ptr()
-    sample_steps(sampler, requests, vocab, "cpu", prefill=True, steps=3)
+    sample_steps(sampler, requests, vocab, "cpu", steps=3)
     assert sampler.masks.host is host and host.data_ptr() == pointer
 
 
-def test_a_matcher_moved_after_the_prefill_is_masked_at_its_new_state(compiler, engine):
-    """Accepted (a verify chunk's earlier row) or rolled back: the prefilled row is stale and not used."""
+def test_a_moved_matcher_is_masked_at_its_new_state(compiler, engine):
+    """Accepted (a verify chunk's earlier row) or rolled back between two masks of the same buffer."""
     vocab = engine.config.text.unpadded_vocab_size
     request = constrained(
         compiler, engine, "moved", OutputConstraint("regex", "(yes|no)"), prompt=[*PROMPT, MESSAGE_MODEL]
     )
     masks = GrammarMasks(1)
-    masks.prefill([request])
+    first = torch.zeros(1, vocab)
+    masks.apply(first, [request])
+    assert set(torch.isfinite(first[0]).nonzero().flatten().tolist()) == {CONTENT_TEXT}
     masks.advance([request], [CONTENT_TEXT])
     after = torch.zeros(1, vocab)
     masks.apply(after, [request])
     allowed = set(torch.isfinite(after[0]).nonzero().flatten().tolist())
     assert torch.equal(after, mask_logits(torch.zeros(1, vocab), [request]))  # a fresh fill of the new state
     assert CONTENT_TEXT not in allowed and encode_text("yes")[0] in allowed
-    masks.prefill([request])
     masks.advance([request], [encode_text("yes")[0]])
     request.constraint.rollback(1)
     again = torch.zeros(1, vocab)
     masks.apply(again, [request])
     assert torch.equal(again, after)
-    assert masks.prefilled_rows == 0 and masks.late_rows == 2
+    assert masks.masked_rows == 3
 
 
 def test_masks_apply_in_place_unless_logprobs_are_asked(compiler, engine):
@@ -440,8 +439,8 @@ def test_masks_apply_in_place_unless_logprobs_are_asked(compiler, engine):
 
 @pytest.mark.gpu
 def test_json_schemas_on_cuda_graphs(compiler, checkpoint, cuda_device):
-    """The engine on CUDA, decode steps replayed from CUDA graphs with the masks prefilled behind them: JSON objects
-    with the required keys that stop, every constrained row from the prefill, and the tokens of the eager step."""
+    """The engine on CUDA, decode steps replayed from CUDA graphs with the masks queued behind them: JSON objects
+    with the required keys that stop, every output token masked, and the tokens of the eager step."""
     from common.settings import DecodeEngineSettings
     from decode_service.engine.build import build_engine
 
@@ -466,24 +465,23 @@ def test_json_schemas_on_cuda_graphs(compiler, checkpoint, cuda_device):
             document = json.loads(parse(out.token_ids)[0])
             assert set(SCHEMAS[out.request_id]["required"]) <= set(document)
         masks = gpu.runner.sampler.masks
-        assert masks.prefilled_rows == sum(len(o.token_ids) for o in outs) and masks.late_rows == 0
+        assert masks.masked_rows == sum(len(o.token_ids) for o in outs)
         tokens[graphs] = [o.token_ids for o in outs]
     assert tokens[True] == tokens[False]
 
 
 @pytest.mark.gpu
 def test_masked_choice_never_waits_for_the_device_gpu(compiler, engine, cuda_device):
-    """The prefill, the masks' join, copies and kernel launch are all queued behind whatever produced the logits
+    """The masks' fill, copies and kernel launch are all queued behind whatever produced the logits
     (the forward): no host sync before the read of the tokens, which are those of the masks filled on the CPU.
     Greedy rows only: the seeded/filtered sampling path still syncs somewhere (engine/worker/test_sampler.py)."""
     vocab = engine.config.text.unpadded_vocab_size
     requests = [r for r in mixed_batch(compiler, engine) if r.sampling.greedy]
     sampler = Sampler(max_rows=9, device=cuda_device)
-    sample_steps(sampler, requests, vocab, cuda_device, prefill=True, steps=1)  # buffers, the kernel's compilation
+    sample_steps(sampler, requests, vocab, cuda_device, steps=1)  # buffers, the kernel's compilation
     logits = (torch.randn(len(requests), vocab, generator=torch.Generator().manual_seed(5)) * 4).to(cuda_device)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        sampler.prefill_masks(requests)
         tokens = sampler.choose(logits.clone(), requests)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -165,18 +165,24 @@ def test_penalties_count_output_tokens_like_bincount():
 
 
 @pytest.mark.gpu
-def test_choosing_greedy_tokens_never_waits_for_the_device_gpu(cuda_device):
-    """Greedy rows (what bench_structured steps): everything before the read of the tokens is queued on the stream
-    (the runner enqueues it behind the forward), no host sync inside `choose`. The same check over seeded, filtered
-    and penalised rows (`mixed_rows`) failed on the H200: some op of those paths still syncs (not identified yet)."""
+@pytest.mark.parametrize("kind", ["greedy", "mixed"])
+def test_choosing_tokens_never_waits_for_the_device_gpu(cuda_device, kind):
+    """Everything before the read of the tokens is queued on the stream (the runner enqueues it behind the forward):
+    no host sync inside `choose`, for greedy rows (what bench_structured steps) and for seeded, filtered and
+    penalised ones (`mixed_rows`); the tokens are those of a run without the check (the same seeds)."""
     logits = (torch.randn(4, V, generator=torch.Generator().manual_seed(3)) * 2).to(cuda_device)
+
+    def rows():
+        return [req(str(i), temperature=0.0) for i in range(4)] if kind == "greedy" else mixed_rows()
+
+    expected = Sampler(device=cuda_device).choose(logits.clone(), rows()).tolist()
     sampler = Sampler(device=cuda_device)
-    rows = [req(str(i), temperature=0.0) for i in range(4)]
-    sampler.choose(logits.clone(), rows)  # warm-up
+    sampler.choose(logits.clone(), rows())  # warm-up (the generators of these rows are fresh again below)
+    checked = rows()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tokens = sampler.choose(logits.clone(), rows)
+        tokens = sampler.choose(logits.clone(), checked)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert tokens.tolist() == logits.argmax(-1).tolist()
-    assert [t.token_id for t in sampler.sample(logits.clone(), mixed_rows())][0] == int(logits[0].argmax())
+    assert tokens.tolist() == expected
+    assert expected[0] == int(logits[0].argmax())
