@@ -285,9 +285,30 @@ def sweep_configs() -> list:
     return configs
 
 
+SHUFFLED_VARIANTS = {  # overrides of default_config timed on the shuffled layout (``--shuffled``)
+    "sh_w4": {"num_warps13": 4, "num_warps2": 4},
+    "sh_w2": {"num_warps13": 2, "num_warps2": 2},
+    "sh_b16": {"block_m": 16},
+    "sh_n64": {"block_n13": 64, "block_n2": 64},
+}
+
+
+def shuffled_variants() -> list:
+    """(kernels, name, T -> MoeConfig or None, shuffled) of each ``SHUFFLED_VARIANTS`` entry that changes the
+    default at T (block_m only with the sorted routing)."""
+
+    def pick(t, over):
+        base = default_config(t * TOPK)
+        cfg = replace(base, **over)
+        sorted_routing = t * TOPK >= base.sorted_min_pairs
+        return None if cfg == base or ("block_m" in over and not sorted_routing) else cfg
+
+    return [(("w13", "w2"), name, lambda t, o=over: pick(t, o), True) for name, over in SHUFFLED_VARIANTS.items()]
+
+
 def _compile_one(job) -> str:
     """Worker of ``precompile``: one MoE call with this config on a small expert stack (fills the disk cache)."""
-    cfg, t, fp4 = job if len(job) == 3 else (*job, True)
+    cfg, t, fp4, sh = (*job, True, False)[:4] if len(job) == 2 else (*job, False)[:4]
     gen = torch.Generator().manual_seed(0)
     e = 8
     ids = torch.argsort(torch.rand(t, e, generator=gen), dim=1)[:, :TOPK].to(torch.int32).cuda()
@@ -295,7 +316,8 @@ def _compile_one(job) -> str:
     x = torch.randn(t, H, generator=gen).to(torch.bfloat16).cuda()
     try:
         if fp4:
-            nvfp4_moe(x, ids, wts, *make_nvfp4(e, 2 * I, H, "cuda"), *make_nvfp4(e, H, I, "cuda"), config=cfg)
+            w = (*make_nvfp4(e, 2 * I, H, "cuda"), *make_nvfp4(e, H, I, "cuda"))
+            nvfp4_moe(x, ids, wts, *(shuffle_weights(w) if sh else w), config=cfg, shuffled=sh)
         else:
             w13 = torch.randn(e, 2 * I, H, dtype=torch.bfloat16, device="cuda")
             bf16_moe(x, ids, wts, w13, torch.randn(e, H, I, dtype=torch.bfloat16, device="cuda"), config=cfg)
@@ -306,13 +328,16 @@ def _compile_one(job) -> str:
 
 
 def precompile(configs: list, batches: list[int], jobs: int, extra: list = ()) -> None:
-    """Compile every config the run will time in ``jobs`` processes (Triton caches the binaries on disk);
-    ``extra``: more (config, T, fp4) jobs."""
-    work = list(extra)
-    for _, _, pick, *_ in configs:
-        t = next((t for t in batches if pick(t) is not None), None)
-        if t is not None:
-            work.append((pick(t), t))
+    """Compile every config the run will time in ``jobs`` processes (Triton caches the binaries on disk), once
+    per routing mode; ``extra``: more (config, T, fp4[, shuffled]) jobs."""
+    work, seen = list(extra), set()
+    for _, _, pick, *sh in configs:
+        for t in batches:
+            cfg = pick(t)
+            key = (cfg, t * TOPK < cfg.sorted_min_pairs, bool(sh and sh[0])) if cfg is not None else None
+            if key is not None and key not in seen:
+                seen.add(key)
+                work.append((cfg, t, True, key[2]))
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         failed = [f for f in pool.map(_compile_one, work, chunksize=1) if f]
     print(f"# precompiled {len(work)} configs in {jobs} processes" + (f"; failed: {failed}" if failed else ""))
@@ -540,6 +565,7 @@ def main() -> None:
     configs = [(("w13", "w2"), "default", lambda t: default_config(t * TOPK))]
     if args.shuffled:
         configs.append((("w13", "w2"), "shuffled", lambda t: default_config(t * TOPK), True))
+        configs += shuffled_variants()
     if args.sweep:
         configs += sweep_configs()
     if args.jobs > 1:
