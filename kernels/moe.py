@@ -157,26 +157,14 @@ def shuffle_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tens
     if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (*packed.shape[:-1], packed.shape[-1] // 8):
         raise ValueError(f"scale must be float8_e4m3fn {(*packed.shape[:-1], packed.shape[-1] // 8)}, got "
                          f"{scale.dtype} {tuple(scale.shape)}")  # fmt: skip
-    if torch.isnan(scale.float()).any():
+    s = scale.float()
+    if torch.isnan(s).any():
         raise ValueError("NaN block scales")
-    rows_w, rows_s = packed.reshape(-1, packed.shape[-1]), scale.reshape(-1, scale.shape[-1])
-    out_w, out_s = torch.empty_like(rows_w), torch.empty(rows_s.shape, dtype=torch.uint8, device=scale.device)
-    tables = _shuffle_tables(packed.device)
-    for r in range(0, rows_w.shape[0], _SHUFFLE_ROWS):  # bounded int64 temporaries for whole expert stacks
-        out_w[r : r + _SHUFFLE_ROWS], out_s[r : r + _SHUFFLE_ROWS] = _shuffle_rows(
-            rows_w[r : r + _SHUFFLE_ROWS], rows_s[r : r + _SHUFFLE_ROWS].float(), tables
-        )
-    return out_w.view(packed.shape), out_s.view(scale.shape)
-
-
-_SHUFFLE_ROWS = 4096
-
-
-def _shuffle_rows(packed: torch.Tensor, s: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    blocks = packed.unflatten(-1, (-1, 8))  # [N, C/16, 8]: the bytes of one scale
+    blocks = packed.unflatten(-1, (-1, 8))  # [..., R, C/16, 8]: the bytes of one scale
     flip = torch.where(s < 0, 0x88, 0).to(torch.uint8)[..., None]
     keep = torch.where(s == 0, 0, 0xFF).to(torch.uint8)[..., None]
-    words = ((blocks ^ flip) & keep).flatten(-2).unflatten(-1, (-1, 4)).long()  # [N, C/8, 4]
+    words = ((blocks ^ flip) & keep).flatten(-2).unflatten(-1, (-1, 4)).long()  # [..., R, C/8, 4]
+    tables = _shuffle_tables(packed.device)
     stored = tables[0][words[..., 0]] | tables[1][words[..., 1]] | tables[2][words[..., 2]] | tables[3][words[..., 3]]
     shifts = torch.arange(0, 32, 8, device=packed.device)
     shuffled = ((stored[..., None] >> shifts) & 0xFF).to(torch.uint8).flatten(-2)
