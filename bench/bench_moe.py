@@ -403,8 +403,7 @@ def prefill_row(ceil, t, kind, name, us, floors, rel="") -> str:
 
 
 def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generator, variants: list[str]) -> None:
-    """NVFP4 prefill sizes: the whole op, its stages, then each kernel alone per tile variant (a name ending in
-    ``+sh``: that variant on ``shuffle_nvfp4``'s layout)."""
+    """NVFP4 prefill sizes: the whole op, its stages, then each kernel alone per tile variant."""
     dev = "cuda"
     weights = (*make_nvfp4(E, 2 * I, H, dev), *make_nvfp4(E, H, I, dev))
     print(f"# NVFP4 MoE at prefill sizes, CUDA graph over {PREFILL_SETS} routings; floors: FLOPs at the bf16 peak,")
@@ -421,12 +420,6 @@ def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generat
         both = tuple(a + b for a, b in zip(*(prefill_floors(ceil, k, ids, True) for k in ("w13", "w2")), strict=True))
         us = 1e3 * time_any_ms(lambda sets=sets: [nvfp4_moe(*s, *weights) for s in sets]) / len(sets)
         print(prefill_row(ceil, t, "all", "now", us, both, rel + "(fp32 ref)"), flush=True)
-        if any(v.endswith("+sh") for v in variants):
-            w = shuffle_weights(weights)
-            out = nvfp4_moe(x, ids, wts, *w, shuffled=True).float()
-            rel = f"{((out - ref).norm() / ref.norm()).item():.1e}"
-            us = 1e3 * time_any_ms(lambda sets=sets, w=w: [nvfp4_moe(*s, *w, shuffled=True) for s in sets]) / len(sets)
-            print(prefill_row(ceil, t, "all", "now+sh", us, both, rel + "(fp32 ref)"), flush=True)
         run = [(x_, i_, w_, PREFILL_BASE) for x_, i_, w_ in sets]
         us = 1e3 * time_any_ms(lambda run=run: [nvfp4_moe(*s[:3], *weights, config=s[3]) for s in run]) / len(sets)
         print(prefill_row(ceil, t, "all", "before", us, both), flush=True)
@@ -441,8 +434,7 @@ def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generat
             base = None
             for name in variants:
                 try:
-                    cfg_v, sh = prefill_variant(name.removesuffix("+sh")), name.endswith("+sh")
-                    us, first = time_kernel(kind, cfg_v, sets, weights, 10, sh)
+                    us, first = time_kernel(kind, prefill_variant(name), sets, weights, 10)
                 except Exception as exc:  # a variant that does not compile on this Triton: report, go on
                     print(f"T={t} {kind} {name}: failed: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
                     continue
@@ -558,14 +550,13 @@ def main() -> None:
     if args.prefill:
         variants = args.variants.split(",")
         if args.jobs > 1:
-            jobs = [(prefill_variant(v.removesuffix("+sh")), 512, True, v.endswith("+sh")) for v in variants]
-            jobs += [(prefill_variant(v), 512, False) for v in BF16_VARIANTS] * (not args.no_bf16)
+            jobs = [(prefill_variant(v), 512, True) for v in variants]
+            jobs += [(prefill_variant(v), 512, False) for v in BF16_VARIANTS]
             precompile([], [], args.jobs, jobs)
         ceil = measure_ceilings()
         print(ceil.line(), flush=True)
         bench_prefill_kernels(ceil, PREFILL_BATCHES, gen, variants)
-        if not args.no_bf16:
-            bench_prefill_bf16(ceil, PREFILL_BATCHES, gen, BF16_VARIANTS)
+        bench_prefill_bf16(ceil, PREFILL_BATCHES, gen, BF16_VARIANTS)
         print(ceil.line())
         return
     ceil = measure_ceilings()
