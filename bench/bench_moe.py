@@ -288,20 +288,18 @@ def sweep_configs() -> list:
 SHUFFLED_VARIANTS = {  # overrides of default_config timed on the shuffled layout (``--shuffled``)
     "sh_w4": {"num_warps13": 4, "num_warps2": 4},
     "sh_w2": {"num_warps13": 2, "num_warps2": 2},
-    "sh_b16": {"block_m": 16},
     "sh_n64": {"block_n13": 64, "block_n2": 64},
 }
 
 
 def shuffled_variants() -> list:
     """(kernels, name, T -> MoeConfig or None, shuffled) of each ``SHUFFLED_VARIANTS`` entry that changes the
-    default at T (block_m only with the sorted routing)."""
+    default at T."""
 
     def pick(t, over):
         base = default_config(t * TOPK)
         cfg = replace(base, **over)
-        sorted_routing = t * TOPK >= base.sorted_min_pairs
-        return None if cfg == base or ("block_m" in over and not sorted_routing) else cfg
+        return None if cfg == base else cfg
 
     return [(("w13", "w2"), name, lambda t, o=over: pick(t, o), True) for name, over in SHUFFLED_VARIANTS.items()]
 

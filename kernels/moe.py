@@ -141,7 +141,8 @@ def _shuffle_tables(device: torch.device) -> torch.Tensor:
 
 
 def shuffle_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MoE kernels' NVFP4 layout of a stack (``shuffled=True``), made once where the weights are loaded.
+    """An NVFP4 layout for the MoE decode tiles (``shuffled=True``; not used by the model yet: the prefill tiles'
+    wgmma operand does not take it, ``_check_shuffled``), made once where the weights would be loaded.
 
     ``packed`` uint8 ``[..., R, C/2]`` and ``scale`` float8_e4m3fn ``[..., R, C/16]`` as in ``common.nvfp4``;
     returns (weights, scales) of the same shapes and dtypes (scales as uint8) and the same dequantised values:
@@ -353,6 +354,14 @@ def _fp4_args(w: torch.Tensor, scales, act_dtype: torch.dtype):
     return s, s2, True, asm
 
 
+def _check_shuffled(shuffled: bool, asm: int, cfg: MoeConfig, block_m: int, num_warps: int) -> None:
+    """The shuffled layout's inline-PTX unpack needs each 4 packed bytes it is given to be one word of memory: so
+    on mma.sync operands (H200 round 1: exact at T=1..256 with the decode tiles), not on the wgmma register operand
+    of the kperm / 16-row 4-warp tiles, whose 4-byte groups span two rows (wrong results, measured)."""
+    if shuffled and asm and (cfg.kperm or (block_m >= 16 and num_warps >= 4)):
+        raise ValueError(f"the shuffled NVFP4 layout runs on the decode tiles only (no kperm, no wgmma), got {cfg}")
+
+
 def _grid(n_fast: bool, n_blocks: int, n_tiles: int, *rest: int) -> tuple[tuple[int, ...], bool]:
     """Launch grid and N_FAST (the row blocks go to grid dim 1 only while they fit its 65535 limit)."""
     n_fast = n_fast and n_blocks < 65536
@@ -391,6 +400,7 @@ def moe_w13(
     r = routing
     i = w13.shape[1] // 2
     kperm = fp4 and cfg.kperm
+    _check_shuffled(fp4 and shuffled, asm, cfg, r.block_m, cfg.num_warps13)
     if kperm:  # column 32c + 8l + 4h + 2b + nibble of a K block to nibble * BK/2 + 16c + 8h + 2l + b: the even and
         # the odd columns as two halves, each in the KPERM order, as the MMA reads them
         x = x.unflatten(1, (-1, cfg.block_k13 // 32, 4, 2, 2, 2)).permute(0, 1, 6, 2, 4, 3, 5).reshape(x.shape)
@@ -424,6 +434,7 @@ def moe_w2(
     s2, s2b, fp4, asm = _fp4_args(w2, scales, inter.dtype)
     r = routing
     h = w2.shape[1]
+    _check_shuffled(fp4 and shuffled, asm, cfg, r.block_m, cfg.num_warps2)
     part = torch.empty((r.ids.numel(), h), dtype=torch.float32, device=inter.device)
     grid, n_fast = _grid(cfg.n_fast2, r.n_blocks, h // cfg.block_n2)
     tk.moe_w2_kernel[grid](
