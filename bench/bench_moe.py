@@ -19,6 +19,7 @@ processes first (Triton's disk cache).
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 from dataclasses import replace
 
@@ -37,6 +38,7 @@ from kernels.moe import (
     moe_w2,
     moe_w13,
     nvfp4_moe,
+    shuffle_nvfp4,
 )
 
 H, I, E, TOPK = 4096, 2048, 256, 6
@@ -152,15 +154,29 @@ def w2_bytes(ids: torch.Tensor) -> int:
     return torch.unique(ids).numel() * (H * I // 2 + H * I // 16 + 4) + ids.numel() * (I * 2 + H * 4)
 
 
-def bench_nvfp4(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> tuple:
+@functools.cache
+def _shuffled(w13, s13, w2, s2):
+    return (*shuffle_nvfp4(w13, s13), *shuffle_nvfp4(w2, s2))
+
+
+def shuffle_weights(weights: tuple) -> tuple:
+    """The stacks in ``shuffle_nvfp4``'s layout (made once per weight set)."""
+    w13, s13, s13b, w2, s2, s2b = weights
+    a, b, c, d = _shuffled(w13, s13, w2, s2)
+    return a, b, s13b, c, d, s2b
+
+
+def bench_nvfp4(ceil: Ceilings, batches: list[int], gen: torch.Generator, shuffled: bool = False) -> tuple:
     dev = "cuda"
     weights = (*make_nvfp4(E, 2 * I, H, dev), *make_nvfp4(E, H, I, dev))
     print("# correctness vs fp32 moe_reference (bf16 activations): rel = |out-ref|/|ref|, max_abs")
     for t in batches:
         x, ids, wts = routings(t, dev, gen)[0]
         ref = moe_reference(x, ids, wts, *weights).float()
-        for mode, cfg in (("default", None), *((m, variant({}, m)) for m in MODES.get(t, ["sorted"]))):
-            out = nvfp4_moe(x, ids, wts, *weights, config=cfg).float()
+        cases = [("default", None, False), *((m, variant({}, m), False) for m in MODES.get(t, ["sorted"]))]
+        for mode, cfg, sh in cases + [("shuffled", None, True)] * shuffled:
+            w = shuffle_weights(weights) if sh else weights
+            out = nvfp4_moe(x, ids, wts, *w, config=cfg, shuffled=sh).float()
             rel = ((out - ref).norm() / ref.norm()).item()
             print(
                 f"T={t:4d} {mode:8s} rel={rel:.2e} max_abs={(out - ref).abs().max().item():.3e} "
@@ -175,10 +191,12 @@ def bench_nvfp4(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> tup
         mb = sum(must_bytes(ids, True) for _, ids, _ in sets) / SETS
         n_exp = sum(torch.unique(ids).numel() for _, ids, _ in sets) / SETS
         floor = ceil.floor_us(mb)
-        for name, cfg in (("default", default_config(t * TOPK)), ("round1", round1(t * TOPK))):
+        rows = [("default", default_config(t * TOPK), False), ("round1", round1(t * TOPK), False)]
+        for name, cfg, sh in rows + [("shuffled", default_config(t * TOPK), True)] * shuffled:
+            w = shuffle_weights(weights) if sh else weights
 
-            def run(cfg=cfg, sets=sets):
-                return [nvfp4_moe(x, ids, wts, *weights, config=cfg) for x, ids, wts in sets]
+            def run(cfg=cfg, sets=sets, w=w, sh=sh):
+                return [nvfp4_moe(x, ids, wts, *w, config=cfg, shuffled=sh) for x, ids, wts in sets]
 
             us = 1e3 * time_graph_ms(run) / SETS
             mode = "identity" if t * TOPK < cfg.sorted_min_pairs else "sorted"
@@ -193,30 +211,31 @@ def bench_nvfp4(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> tup
     return weights
 
 
-def time_kernel(kind: str, cfg: MoeConfig, sets, weights, reps: int) -> tuple[float, torch.Tensor]:
+def time_kernel(kind: str, cfg: MoeConfig, sets, weights, reps: int, sh: bool = False) -> tuple[float, torch.Tensor]:
     """us per routing of the gate/up ("w13") or the down ("w2") kernel alone, in a CUDA graph over the sets, and
-    its result for the first set (the intermediate, or the down projection's fp32 rows)."""
-    w13, s13, s13b, w2, s2, s2b = weights
+    its result for the first set (the intermediate, or the down projection's fp32 rows); ``sh``: the weights in
+    ``shuffle_nvfp4``'s layout."""
+    w13, s13, s13b, w2, s2, s2b = shuffle_weights(weights) if sh else weights
     routes = [moe_routing(ids, wts, E, cfg) for _, ids, wts in sets]
-    inters = [moe_w13(x, r, w13, (s13, s13b), cfg) for (x, _, _), r in zip(sets, routes, strict=True)]
+    inters = [moe_w13(x, r, w13, (s13, s13b), cfg, sh) for (x, _, _), r in zip(sets, routes, strict=True)]
     if kind == "w13":
 
         def run():
-            return [moe_w13(x, r, w13, (s13, s13b), cfg) for (x, _, _), r in zip(sets, routes, strict=True)]
+            return [moe_w13(x, r, w13, (s13, s13b), cfg, sh) for (x, _, _), r in zip(sets, routes, strict=True)]
 
         first = inters[0]
     else:
 
         def run():
-            return [moe_w2(h, r, w2, (s2, s2b), cfg) for h, r in zip(inters, routes, strict=True)]
+            return [moe_w2(h, r, w2, (s2, s2b), cfg, sh) for h, r in zip(inters, routes, strict=True)]
 
-        first = moe_w2(inters[0], routes[0], w2, (s2, s2b), cfg)
+        first = moe_w2(inters[0], routes[0], w2, (s2, s2b), cfg, sh)
     return 1e3 * time_graph_ms(run, reps=reps) / len(sets), first.float()
 
 
 def kernels_table(ceil: Ceilings, batches: list[int], weights, gen: torch.Generator, configs: list) -> None:
-    """Each kernel alone per config (``configs``: (kernels, name, T -> MoeConfig or None)), against its own byte
-    floor; then the fastest config per kernel and batch."""
+    """Each kernel alone per config (``configs``: (kernels, name, T -> MoeConfig or None[, shuffled layout])),
+    against its own byte floor; then the fastest config per kernel and batch."""
     print(f"# each kernel alone, CUDA graph over {SETS} routings; floor = its must-move bytes / copy bandwidth")
     print("# rel: |result - default config's result| / |default's| on the first routing (accumulation order only)")
     print(row(["T", "kernel", "config", "routing", "MB", "time_us", "floor", "ratio", "rel"], WIDTHS2))
@@ -228,13 +247,13 @@ def kernels_table(ceil: Ceilings, batches: list[int], weights, gen: torch.Genera
             mb = sum(nbytes(ids) for _, ids, _ in sets) / SETS
             floor = ceil.floor_us(mb)
             ref = time_kernel(kind, default_config(t * TOPK), sets[:1], weights, 1)[1]
-            for kinds, name, pick in configs:
+            for kinds, name, pick, *sh in configs:
                 cfg = pick(t)
                 if cfg is None or kind not in kinds:
                     continue
                 mode = "identity" if t * TOPK < cfg.sorted_min_pairs else "sorted"
                 try:
-                    us, first = time_kernel(kind, cfg, sets, weights, reps)
+                    us, first = time_kernel(kind, cfg, sets, weights, reps, bool(sh and sh[0]))
                 except Exception as exc:  # a variant that does not compile on this Triton: report, go on
                     print(f"T={t} {kind} {name} {mode}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue
@@ -266,9 +285,28 @@ def sweep_configs() -> list:
     return configs
 
 
+SHUFFLED_VARIANTS = {  # overrides of default_config timed on the shuffled layout (``--shuffled``)
+    "sh_w4": {"num_warps13": 4, "num_warps2": 4},
+    "sh_w2": {"num_warps13": 2, "num_warps2": 2},
+    "sh_n64": {"block_n13": 64, "block_n2": 64},
+}
+
+
+def shuffled_variants() -> list:
+    """(kernels, name, T -> MoeConfig or None, shuffled) of each ``SHUFFLED_VARIANTS`` entry that changes the
+    default at T."""
+
+    def pick(t, over):
+        base = default_config(t * TOPK)
+        cfg = replace(base, **over)
+        return None if cfg == base else cfg
+
+    return [(("w13", "w2"), name, lambda t, o=over: pick(t, o), True) for name, over in SHUFFLED_VARIANTS.items()]
+
+
 def _compile_one(job) -> str:
     """Worker of ``precompile``: one MoE call with this config on a small expert stack (fills the disk cache)."""
-    cfg, t, fp4 = job if len(job) == 3 else (*job, True)
+    cfg, t, fp4, sh = (*job, True, False)[:4] if len(job) == 2 else (*job, False)[:4]
     gen = torch.Generator().manual_seed(0)
     e = 8
     ids = torch.argsort(torch.rand(t, e, generator=gen), dim=1)[:, :TOPK].to(torch.int32).cuda()
@@ -276,7 +314,8 @@ def _compile_one(job) -> str:
     x = torch.randn(t, H, generator=gen).to(torch.bfloat16).cuda()
     try:
         if fp4:
-            nvfp4_moe(x, ids, wts, *make_nvfp4(e, 2 * I, H, "cuda"), *make_nvfp4(e, H, I, "cuda"), config=cfg)
+            w = (*make_nvfp4(e, 2 * I, H, "cuda"), *make_nvfp4(e, H, I, "cuda"))
+            nvfp4_moe(x, ids, wts, *(shuffle_weights(w) if sh else w), config=cfg, shuffled=sh)
         else:
             w13 = torch.randn(e, 2 * I, H, dtype=torch.bfloat16, device="cuda")
             bf16_moe(x, ids, wts, w13, torch.randn(e, H, I, dtype=torch.bfloat16, device="cuda"), config=cfg)
@@ -287,13 +326,16 @@ def _compile_one(job) -> str:
 
 
 def precompile(configs: list, batches: list[int], jobs: int, extra: list = ()) -> None:
-    """Compile every config the run will time in ``jobs`` processes (Triton caches the binaries on disk);
-    ``extra``: more (config, T, fp4) jobs."""
-    work = list(extra)
-    for _, _, pick in configs:
-        t = next((t for t in batches if pick(t) is not None), None)
-        if t is not None:
-            work.append((pick(t), t))
+    """Compile every config the run will time in ``jobs`` processes (Triton caches the binaries on disk), once
+    per routing mode; ``extra``: more (config, T, fp4[, shuffled]) jobs."""
+    work, seen = list(extra), set()
+    for _, _, pick, *sh in configs:
+        for t in batches:
+            cfg = pick(t)
+            key = (cfg, t * TOPK < cfg.sorted_min_pairs, bool(sh and sh[0])) if cfg is not None else None
+            if key is not None and key not in seen:
+                seen.add(key)
+                work.append((cfg, t, True, key[2]))
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         failed = [f for f in pool.map(_compile_one, work, chunksize=1) if f]
     print(f"# precompiled {len(work)} configs in {jobs} processes" + (f"; failed: {failed}" if failed else ""))
@@ -492,6 +534,8 @@ def main() -> None:
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16-weight variant")
     ap.add_argument("--profile", type=int, default=0, help="T: just run the op 3 times (for ncu), no timing")
     ap.add_argument("--sweep", action="store_true", help="time each kernel's tile variants alone")
+    ap.add_argument("--shuffled", action="store_true", help="also time the default tiles on shuffle_nvfp4's layout")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="T values (default 1 8 64 256)")
     ap.add_argument("--jobs", type=int, default=1, help="compile the configs in this many processes first")
     ap.add_argument("--prefill", action="store_true", help="the prefill sizes only: variants, stages, grouped_mm")
     ap.add_argument("--variants", default=",".join(PREFILL_VARIANTS), help="--prefill: the tile variants to time")
@@ -515,13 +559,16 @@ def main() -> None:
         return
     ceil = measure_ceilings()
     print(ceil.line(), flush=True)
-    batches = [1, 8, 64, 256] if not args.quick else [1, 64]
+    batches = args.batches or ([1, 8, 64, 256] if not args.quick else [1, 64])
     configs = [(("w13", "w2"), "default", lambda t: default_config(t * TOPK))]
+    if args.shuffled:
+        configs.append((("w13", "w2"), "shuffled", lambda t: default_config(t * TOPK), True))
+        configs += shuffled_variants()
     if args.sweep:
         configs += sweep_configs()
     if args.jobs > 1:
         precompile([*configs, ((), "round1", lambda t: round1(t * TOPK))], batches, args.jobs)
-    weights = bench_nvfp4(ceil, batches, gen)
+    weights = bench_nvfp4(ceil, batches, gen, args.shuffled)
     kernels_table(ceil, batches, weights, gen, configs)
     del weights
     torch.cuda.empty_cache()

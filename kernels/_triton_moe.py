@@ -71,6 +71,33 @@ and.b32 a, t1, 0x00F000F0; mul.lo.u32 a, a, 260; and.b32 a, a, 0x81C081C0; mul.r
 """)
 _ASM_UNSCALE: tl.constexpr = tl.constexpr(128.0)  # 2^7 taken out of the weights by the asm path
 
+# The same outputs from a word of the shuffled layout (``kernels.moe.shuffle_nvfp4``): the 8 codes of a 4-byte word
+# sit so that each bf16 pair is the word rotated left by 0, 4 or 10 bits and masked (pairs lo(b0, b1), lo(b2, b3),
+# hi(b0, b1)); the last pair, hi(b2, b3), takes its bits from the rotations by 6 and 30. 9 integer instructions
+# and 4 packed multiplies per 8 weights (18 above, whose nibbles need spreading and a multiply to place).
+_E2M1_SHUFFLED_ASM: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 r, a, b;
+and.b32 a, $4, 0x81C081C0; mul.rn.bf16x2 $0, a, $5;
+shf.l.wrap.b32 r, $4, $4, 4; and.b32 a, r, 0x81C081C0; mul.rn.bf16x2 $1, a, $6;
+shf.l.wrap.b32 r, $4, $4, 10; and.b32 a, r, 0x81C081C0; mul.rn.bf16x2 $2, a, $5;
+shf.l.wrap.b32 r, $4, $4, 6; and.b32 a, r, 0x80C080C0;
+shf.l.wrap.b32 r, $4, $4, 30; and.b32 b, r, 0x01000100; or.b32 a, a, b; mul.rn.bf16x2 $3, a, $6;
+}
+""")
+
+# 2 scale bytes of the shuffled layout's encoding (``kernels.moe.shuffle_nvfp4``: B = (exponent + 10) * 8 +
+# 3-bit mantissa of a positive scale) -> bf16x2 of scale * 2^119: B * 16 + 0x7600 in each half (the exponent field
+# B / 8 + 236). 3 instructions per 2 scales.
+_SCALE_SHUFFLED_ASM: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 t;
+cvt.u32.u16 t, $1;
+prmt.b32 t, t, 0, 0x4140;
+mad.lo.u32 $0, t, 16, 0x76007600;
+}
+""")
+
 
 # 2 e4m3 scale bytes -> bf16x2 of scale * 2^119, exact for every non-NaN code (0 included): the native e4m3 -> f16
 # convert (one F2FP on sm_89+); e4m3 values are f16-normal with zero low mantissa bits, so the f16 magnitude moved
@@ -102,6 +129,41 @@ def _e4m3_times_2pow119(b):
 
 
 @triton.jit
+def _code(word, b0: tl.constexpr, b1: tl.constexpr, b2: tl.constexpr, b3: tl.constexpr):
+    # the e2m1 code whose bits 0..3 sit at bits b0..b3 of the 32-bit word
+    return ((word >> b0) & 1) | (((word >> b1) & 1) << 1) | (((word >> b2) & 1) << 2) | (((word >> b3) & 1) << 3)
+
+
+@triton.jit
+def _interleave4(c0, c1, c2, c3):
+    # [.., W] x 4 -> [.., 4W]: element 4w + i from c_i
+    t = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+    return tl.reshape(t, [c0.shape[0], c0.shape[1] * 4])
+
+
+@triton.jit
+def _shuffled_codes(packed):
+    """Bytes [BN, BK/2] of the shuffled layout -> the (low, high) nibble codes of the canonical bytes, as int32."""
+    BN: tl.constexpr = packed.shape[0]
+    WORDS: tl.constexpr = packed.shape[1] // 4
+    even, odd = tl.split(tl.reshape(packed.to(tl.int32), [BN, WORDS, 2, 2]))  # bytes (0, 2), (1, 3) of each word
+    byte0, byte2 = tl.split(even)
+    byte1, byte3 = tl.split(odd)
+    word = byte0 | (byte1 << 8) | (byte2 << 16) | (byte3 << 24)
+    lo = _interleave4(_code(word, 6, 7, 8, 15), _code(word, 22, 23, 24, 31), _code(word, 2, 3, 4, 11),
+                      _code(word, 18, 19, 20, 27))  # fmt: skip
+    hi = _interleave4(_code(word, 28, 29, 30, 5), _code(word, 12, 13, 14, 21), _code(word, 0, 1, 10, 9),
+                      _code(word, 16, 17, 26, 25))  # fmt: skip
+    return lo, hi
+
+
+@triton.jit
+def _shuffled_scale_times_2pow14(b):
+    # a scale byte of the shuffled layout, (exponent + 10) * 8 + mantissa -> fp32 scale * 2^14
+    return ((b.to(tl.int32) << 20) + (131 << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fp4_tile(
     W,
     S,
@@ -115,6 +177,7 @@ def _fp4_tile(
     DT: tl.constexpr,
     ASM: tl.constexpr,
     KPERM: tl.constexpr = False,
+    SHUFFLED: tl.constexpr = False,
 ):
     """Dequantise rows ``offs_n`` x columns [k0, k0 + BLOCK_K) -> (even cols, odd cols), each [BN, BK/2].
 
@@ -122,6 +185,7 @@ def _fp4_tile(
     otherwise portable Triton arithmetic (interpreter).
     ``KPERM``: column j = 16c + 8h + 2l + b of each half holds packed byte 16c + 4l + 2h + b (``kperm_bytes``), so
     the 4 bytes an MMA operand thread holds per row and 16-column step are contiguous and share one block scale.
+    ``SHUFFLED``: weights and scales in ``kernels.moe.shuffle_nvfp4``'s layout (the same even/odd columns out).
     """
     BN: tl.constexpr = offs_n.shape[0]
     G: tl.constexpr = BLOCK_K // 16
@@ -130,43 +194,46 @@ def _fp4_tile(
     # 2-D load (rows of BLOCK_K/2 contiguous bytes -> 16-byte copies), then [BN, G, 8]: one scale per 8 bytes.
     w_ptrs = W + w_row_off + offs_n[:, None] * stride_wn + (k0 // 2 + offs_b[None, :])
     s_ptrs = S + s_row_off + offs_n[:, None] * stride_sn + (k0 // 16 + offs_g[None, :])
-    if KPERM:  # [BN, c, lh, ll, h, b] (byte 16c + 8lh + 4ll + 2h + b) -> [BN, c, h, lh, ll, b] (column j)
-        C: tl.constexpr = BLOCK_K // 32
-        packed = tl.permute(tl.reshape(tl.load(w_ptrs), [BN, C, 2, 2, 2, 2]), [0, 1, 4, 2, 3, 5])
-        raw_scale = tl.reshape(tl.load(s_ptrs), [BN, C, 1, 2, 1, 1])  # group 2c + lh
-        if ASM:
-            if ASM == 2:
-                scale = tl.inline_asm_elementwise(
-                    _E4M3_ASM, "=r,h", [raw_scale], dtype=tl.bfloat16, is_pure=True, pack=2
-                )
-            else:
-                scale = _e4m3_times_2pow119(raw_scale).to(tl.bfloat16)
-            scale = tl.broadcast_to(scale, (BN, C, 2, 2, 2, 2))
-            lo, hi = tl.inline_asm_elementwise(
-                _E2M1_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-                pack=4,
-            )  # fmt: skip
-        else:
-            scale = _e4m3_times_2pow14(raw_scale)
-            lo = (_e2m1_times_2pow_m14(packed & 15) * scale).to(DT)
-            hi = (_e2m1_times_2pow_m14(packed >> 4) * scale).to(DT)
-        return tl.reshape(lo, [BN, BLOCK_K // 2]), tl.reshape(hi, [BN, BLOCK_K // 2])
-    packed = tl.reshape(tl.load(w_ptrs), [BN, G, 8])
+    packed = tl.load(w_ptrs)
+    raw_scale = tl.load(s_ptrs)
     if ASM:
-        if ASM == 2:
+        if SHUFFLED:
             scale = tl.inline_asm_elementwise(
-                _E4M3_ASM, "=r,h", [tl.load(s_ptrs)], dtype=tl.bfloat16, is_pure=True, pack=2
+                _SCALE_SHUFFLED_ASM, "=r,h", [raw_scale], dtype=tl.bfloat16, is_pure=True, pack=2
             )
+        elif ASM == 2:
+            scale = tl.inline_asm_elementwise(_E4M3_ASM, "=r,h", [raw_scale], dtype=tl.bfloat16, is_pure=True, pack=2)
         else:
-            scale = _e4m3_times_2pow119(tl.load(s_ptrs)).to(tl.bfloat16)
-        scale = tl.broadcast_to(scale[:, :, None], (BN, G, 8))
+            scale = _e4m3_times_2pow119(raw_scale).to(tl.bfloat16)
+        unpack: tl.constexpr = _E2M1_SHUFFLED_ASM if SHUFFLED else _E2M1_ASM
+        if KPERM:  # [BN, c, lh, ll, h, b] (byte 16c + 8lh + 4ll + 2h + b) -> [BN, c, h, lh, ll, b] (column j)
+            C: tl.constexpr = BLOCK_K // 32
+            packed = tl.permute(tl.reshape(packed, [BN, C, 2, 2, 2, 2]), [0, 1, 4, 2, 3, 5])
+            scale = tl.broadcast_to(tl.reshape(scale, [BN, C, 1, 2, 1, 1]), (BN, C, 2, 2, 2, 2))  # group 2c + lh
+        else:
+            packed = tl.reshape(packed, [BN, G, 8])
+            scale = tl.broadcast_to(scale[:, :, None], (BN, G, 8))
         lo, hi = tl.inline_asm_elementwise(
-            _E2M1_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+            unpack, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
         )
     else:
-        scale = _e4m3_times_2pow14(tl.load(s_ptrs))[:, :, None]  # [BN, G, 1]
-        lo = (_e2m1_times_2pow_m14(packed & 15) * scale).to(DT)
-        hi = (_e2m1_times_2pow_m14(packed >> 4) * scale).to(DT)
+        if SHUFFLED:
+            lo, hi = _shuffled_codes(packed)
+            scale = _shuffled_scale_times_2pow14(raw_scale)
+        else:
+            lo, hi = packed & 15, packed >> 4
+            scale = _e4m3_times_2pow14(raw_scale)
+        if KPERM:
+            C: tl.constexpr = BLOCK_K // 32
+            lo = tl.permute(tl.reshape(lo, [BN, C, 2, 2, 2, 2]), [0, 1, 4, 2, 3, 5])
+            hi = tl.permute(tl.reshape(hi, [BN, C, 2, 2, 2, 2]), [0, 1, 4, 2, 3, 5])
+            scale = tl.reshape(scale, [BN, C, 1, 2, 1, 1])
+        else:
+            lo = tl.reshape(lo, [BN, G, 8])
+            hi = tl.reshape(hi, [BN, G, 8])
+            scale = scale[:, :, None]
+        lo = (_e2m1_times_2pow_m14(lo) * scale).to(DT)
+        hi = (_e2m1_times_2pow_m14(hi) * scale).to(DT)
     return tl.reshape(lo, [BN, BLOCK_K // 2]), tl.reshape(hi, [BN, BLOCK_K // 2])
 
 
@@ -230,6 +297,7 @@ def moe_w13_kernel(
     SPLIT_K: tl.constexpr = 1,
     X_SPLIT: tl.constexpr = False,
     KPERM: tl.constexpr = False,
+    SHUFFLED: tl.constexpr = False,
 ):
     if N_FAST:
         pid_m = tl.program_id(1)
@@ -265,9 +333,11 @@ def moe_w13_kernel(
             else:
                 x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
                 x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
-            g_even, g_odd = _fp4_tile(W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM)
+            g_even, g_odd = _fp4_tile(
+                W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM, SHUFFLED
+            )
             u_even, u_odd = _fp4_tile(
-                W, S, w_off + up_off, s_off + s_up, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM
+                W, S, w_off + up_off, s_off + s_up, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM, SHUFFLED
             )
             acc_g = _mma(acc_g, x_even, g_even, SWAP)
             acc_u = _mma(acc_u, x_even, u_even, SWAP)
@@ -356,6 +426,7 @@ def moe_w2_kernel(
     PRESPLIT: tl.constexpr = False,
     SWAP: tl.constexpr = False,
     KPERM: tl.constexpr = False,
+    SHUFFLED: tl.constexpr = False,
 ):
     if N_FAST:
         pid_m = tl.program_id(1)
@@ -383,7 +454,9 @@ def moe_w2_kernel(
             else:
                 x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
                 x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
-            w_even, w_odd = _fp4_tile(W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM)
+            w_even, w_odd = _fp4_tile(
+                W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM, SHUFFLED
+            )
             acc = _mma(acc, x_even, w_even, SWAP)
             acc = _mma(acc, x_odd, w_odd, SWAP)
         else:

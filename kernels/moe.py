@@ -119,6 +119,78 @@ def default_config(n_pairs: int, fp4: bool = True) -> MoeConfig:
     return base
 
 
+# The shuffled layout's bit sources: code bits 0..3 of the 8 codes of a canonical 4-byte word (lo(b0), lo(b1),
+# lo(b2), lo(b3), hi(b0), ..., hi(b3)) go to these bits of the stored word (``_triton_moe._shuffled_codes`` reads
+# them back; ``_E2M1_SHUFFLED_ASM`` rotates each pair of codes onto the bf16 bits 6..8 and 15 of its halves).
+SHUFFLE_BITS = (
+    (6, 7, 8, 15), (22, 23, 24, 31), (2, 3, 4, 11), (18, 19, 20, 27),
+    (28, 29, 30, 5), (12, 13, 14, 21), (0, 1, 10, 9), (16, 17, 26, 25),
+)  # fmt: skip
+_SCALE_EXP_BIAS = 10  # shuffled scale byte = (exponent + 10) * 8 + mantissa, exponents -9 (2^-9) .. 8 (448)
+
+
+def _shuffle_tables(device: torch.device) -> torch.Tensor:
+    """int64 [4, 256]: the stored-word bits of byte value v at byte i of a canonical word."""
+    tables = torch.zeros((4, 256), dtype=torch.int64)
+    values = torch.arange(256)
+    for e, bits in enumerate(SHUFFLE_BITS):
+        byte, nibble = e % 4, e // 4
+        for cb, dst in enumerate(bits):
+            tables[byte] |= ((values >> (4 * nibble + cb)) & 1) << dst
+    return tables.to(device)
+
+
+def shuffle_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An NVFP4 layout for the MoE decode tiles (``shuffled=True``; not used by the model yet: the prefill tiles'
+    wgmma operand does not take it, ``_check_shuffled``), made once where the weights would be loaded.
+
+    ``packed`` uint8 ``[..., R, C/2]`` and ``scale`` float8_e4m3fn ``[..., R, C/16]`` as in ``common.nvfp4``;
+    returns (weights, scales) of the same shapes and dtypes (scales as uint8) and the same dequantised values:
+    * each block's sign moves into its codes (a negative scale flips the code signs, whose value is the same) and
+      a zero scale's codes become 0 (the block is 0 either way);
+    * each 4-byte word's 8 codes are permuted bitwise (``SHUFFLE_BITS``), so two bf16 weights are one rotate and
+      one mask of the word;
+    * a scale becomes B = (exponent + 10) * 8 + its 3 mantissa bits, subnormal e4m3 scales normalised (0 for a
+      zero scale), so the kernels' bf16 scale * 2^119 is B * 16 + 0x7600.
+    """
+    if packed.dtype != torch.uint8 or packed.shape[-1] % 8:
+        raise ValueError(f"packed: uint8, last dim a multiple of 8 expected, got {packed.dtype} {tuple(packed.shape)}")
+    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (*packed.shape[:-1], packed.shape[-1] // 8):
+        raise ValueError(f"scale must be float8_e4m3fn {(*packed.shape[:-1], packed.shape[-1] // 8)}, got "
+                         f"{scale.dtype} {tuple(scale.shape)}")  # fmt: skip
+    s = scale.float()
+    if torch.isnan(s).any():
+        raise ValueError("NaN block scales")
+    blocks = packed.unflatten(-1, (-1, 8))  # [..., R, C/16, 8]: the bytes of one scale
+    flip = torch.where(s < 0, 0x88, 0).to(torch.uint8)[..., None]
+    keep = torch.where(s == 0, 0, 0xFF).to(torch.uint8)[..., None]
+    words = ((blocks ^ flip) & keep).flatten(-2).unflatten(-1, (-1, 4)).long()  # [..., R, C/8, 4]
+    tables = _shuffle_tables(packed.device)
+    stored = tables[0][words[..., 0]] | tables[1][words[..., 1]] | tables[2][words[..., 2]] | tables[3][words[..., 3]]
+    shifts = torch.arange(0, 32, 8, device=packed.device)
+    shuffled = ((stored[..., None] >> shifts) & 0xFF).to(torch.uint8).flatten(-2)
+    mant, exp = torch.frexp(s.abs())  # |s| = mant * 2^exp, mant in [0.5, 1): 2^(exp - 1) * (1 + m / 8)
+    m = torch.round((mant * 2 - 1) * 8).long()
+    code = torch.where(s == 0, 0, (exp.long() - 1 + _SCALE_EXP_BIAS) * 8 + m).to(torch.uint8)
+    return shuffled, code
+
+
+def unshuffle_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``shuffle_nvfp4`` up to its value-preserving edits: canonical bytes and e4m3 scales (>= 0)."""
+    words = packed.unflatten(-1, (-1, 4)).long()
+    stored = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
+    canon = torch.zeros_like(stored)
+    for e, bits in enumerate(SHUFFLE_BITS):
+        byte, nibble = e % 4, e // 4
+        for cb, src in enumerate(bits):
+            canon |= ((stored >> src) & 1) << (8 * byte + 4 * nibble + cb)
+    shifts = torch.arange(0, 32, 8, device=packed.device)
+    canon_bytes = ((canon[..., None] >> shifts) & 0xFF).to(torch.uint8).flatten(-2)
+    b = scale.long()
+    value = torch.ldexp(1 + (b & 7).float() / 8, (b >> 3) - _SCALE_EXP_BIAS)
+    return canon_bytes, torch.where(b == 0, 0.0, value).to(torch.float8_e4m3fn)
+
+
 ALIGN_KERNEL_MAX_PAIRS = 4096  # one program walks the pairs in chunks: decode sizes; prefill sorts in torch
 _ALIGN_CHUNK = 128  # pairs per step of the align program (a [CHUNK, CHUNK] comparison ranks them)
 
@@ -245,7 +317,7 @@ def moe_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts:
     return MoeRouting(ids, wts, ids, ids, True, cfg.identity_block_m, n_pairs, topk_ids.shape[1])
 
 
-def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: MoeConfig | None):
+def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: MoeConfig | None, shuffled=False):
     cfg = config or default_config(topk_ids.numel(), fp4)
     e, i = _check(x, topk_ids, topk_weights, w13, w2, fp4, scales)
     if not fp4 and x.element_size() > 2:  # fp32 weight tiles: keep the pipeline within shared memory
@@ -265,8 +337,8 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
         return torch.empty_like(x)
     routing = moe_routing(topk_ids, topk_weights, e, cfg)
     s13, s2 = ((scales[0], scales[1]), (scales[2], scales[3])) if fp4 else ((None, None), (None, None))
-    inter = moe_w13(x, routing, w13, s13, cfg)
-    return moe_sum(moe_w2(inter, routing, w2, s2, cfg), routing, x.dtype)
+    inter = moe_w13(x, routing, w13, s13, cfg, shuffled)
+    return moe_sum(moe_w2(inter, routing, w2, s2, cfg, shuffled), routing, x.dtype)
 
 
 _SCALE_ASM = 2  # 2: block scales through the native e4m3 convert, 1: through fp32 bit arithmetic
@@ -280,6 +352,14 @@ def _fp4_args(w: torch.Tensor, scales, act_dtype: torch.dtype):
     s, s2 = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in scales)
     asm = _SCALE_ASM if act_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1" else 0
     return s, s2, True, asm
+
+
+def _check_shuffled(shuffled: bool, asm: int, cfg: MoeConfig, block_m: int, num_warps: int) -> None:
+    """The shuffled layout's inline-PTX unpack needs each 4 packed bytes it is given to be one word of memory: so
+    on mma.sync operands (H200 round 1: exact at T=1..256 with the decode tiles), not on the wgmma register operand
+    of the kperm / 16-row 4-warp tiles, whose 4-byte groups span two rows (wrong results, measured)."""
+    if shuffled and asm and (cfg.kperm or (block_m >= 16 and num_warps >= 4)):
+        raise ValueError(f"the shuffled NVFP4 layout runs on the decode tiles only (no kperm, no wgmma), got {cfg}")
 
 
 def _grid(n_fast: bool, n_blocks: int, n_tiles: int, *rest: int) -> tuple[tuple[int, ...], bool]:
@@ -308,16 +388,19 @@ def _arrival_counters(n: int, device: torch.device) -> torch.Tensor:
     return buffers[-1][:n]
 
 
-def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg: MoeConfig) -> torch.Tensor:
+def moe_w13(
+    x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg: MoeConfig, shuffled: bool = False
+) -> torch.Tensor:
     """Gate/up projection + SwiGLU of every routed pair: ``[n_pairs, I]`` in x's dtype (``presplit`` NVFP4: each
     ``block_k2`` slice stored as [even | odd] columns, the order ``moe_w2`` reads). ``scales``: (w13_scale,
-    w13_scale2), or (None, None) for weights in x's dtype."""
+    w13_scale2), or (None, None) for weights in x's dtype; ``shuffled``: NVFP4 in ``shuffle_nvfp4``'s layout."""
     from kernels import _triton_moe as tk
 
     s13, s13b, fp4, asm = _fp4_args(w13, scales, x.dtype)
     r = routing
     i = w13.shape[1] // 2
     kperm = fp4 and cfg.kperm
+    _check_shuffled(fp4 and shuffled, asm, cfg, r.block_m, cfg.num_warps13)
     if kperm:  # column 32c + 8l + 4h + 2b + nibble of a K block to nibble * BK/2 + 16c + 8h + 2l + b: the even and
         # the odd columns as two halves, each in the KPERM order, as the MMA reads them
         x = x.unflatten(1, (-1, cfg.block_k13 // 32, 4, 2, 2, 2)).permute(0, 1, 6, 2, 4, 3, 5).reshape(x.shape)
@@ -335,19 +418,23 @@ def moe_w13(x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg
         s13.stride(1), inter.stride(0),
         TOPK=r.topk, BLOCK_M=r.block_m, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k13, IDENTITY=r.identity, FP4=fp4,
         ASM=asm, N_FAST=n_fast, SPLIT_ACC=cfg.split_acc, PRESPLIT_K=cfg.block_k2 if fp4 and cfg.presplit else 0,
-        SWAP=cfg.swap_ab, SPLIT_K=splits, X_SPLIT=kperm, KPERM=kperm, **_launch_opts(cfg, cfg.num_warps13),
+        SWAP=cfg.swap_ab, SPLIT_K=splits, X_SPLIT=kperm, KPERM=kperm, SHUFFLED=fp4 and shuffled,
+        **_launch_opts(cfg, cfg.num_warps13),
     )  # fmt: skip
     return inter
 
 
-def moe_w2(inter: torch.Tensor, routing: MoeRouting, w2: torch.Tensor, scales, cfg: MoeConfig) -> torch.Tensor:
+def moe_w2(
+    inter: torch.Tensor, routing: MoeRouting, w2: torch.Tensor, scales, cfg: MoeConfig, shuffled: bool = False
+) -> torch.Tensor:
     """Down projection of every routed pair times its routing weight: fp32 ``[n_pairs, H]``. ``scales``:
-    (w2_scale, w2_scale2), or (None, None) for weights in the activations' dtype."""
+    (w2_scale, w2_scale2), or (None, None) for weights in the activations' dtype; ``shuffled`` as for ``moe_w13``."""
     from kernels import _triton_moe as tk
 
     s2, s2b, fp4, asm = _fp4_args(w2, scales, inter.dtype)
     r = routing
     h = w2.shape[1]
+    _check_shuffled(fp4 and shuffled, asm, cfg, r.block_m, cfg.num_warps2)
     part = torch.empty((r.ids.numel(), h), dtype=torch.float32, device=inter.device)
     grid, n_fast = _grid(cfg.n_fast2, r.n_blocks, h // cfg.block_n2)
     tk.moe_w2_kernel[grid](
@@ -356,7 +443,7 @@ def moe_w2(inter: torch.Tensor, routing: MoeRouting, w2: torch.Tensor, scales, c
         part.stride(0),
         BLOCK_M=r.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, IDENTITY=r.identity, FP4=fp4, ASM=asm,
         N_FAST=n_fast, PRESPLIT=fp4 and cfg.presplit, SWAP=cfg.swap_ab, KPERM=fp4 and cfg.kperm,
-        **_launch_opts(cfg, cfg.num_warps2),
+        SHUFFLED=fp4 and shuffled, **_launch_opts(cfg, cfg.num_warps2),
     )  # fmt: skip
     return part
 
@@ -389,9 +476,12 @@ def nvfp4_moe(
     w2_scale: torch.Tensor,
     w2_scale2: torch.Tensor,
     config: MoeConfig | None = None,
+    shuffled: bool = False,
 ) -> torch.Tensor:
-    """Routed experts with NVFP4 weights (layout in the module docstring). Returns ``[T, H]`` in x's dtype."""
-    return _fused_moe(x, topk_ids, topk_weights, w13, w2, (w13_scale, w13_scale2, w2_scale, w2_scale2), True, config)
+    """Routed experts with NVFP4 weights (layout in the module docstring; ``shuffled``: w13/w2 and their block
+    scales through ``shuffle_nvfp4``). Returns ``[T, H]`` in x's dtype."""
+    scales = (w13_scale, w13_scale2, w2_scale, w2_scale2)
+    return _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, True, config, shuffled)
 
 
 def bf16_moe(

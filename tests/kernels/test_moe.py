@@ -14,6 +14,8 @@ from kernels.moe import (
     moe_align_reference,
     moe_reference,
     nvfp4_moe,
+    shuffle_nvfp4,
+    unshuffle_nvfp4,
 )
 
 SMALL = MoeConfig(block_m=16, block_n13=16, block_k13=32, block_n2=16, block_k2=32)
@@ -28,6 +30,21 @@ def nvfp4_stack(e, rows, cols, gen, device="cpu"):
     scale = (torch.rand(e, rows, cols // 16, generator=gen) * 1.5 + 0.1).to(torch.float8_e4m3fn)
     scale2 = torch.rand(e, generator=gen) + 0.5
     return packed.to(device), scale.to(device), scale2.to(device)
+
+
+def odd_scales(stack, gen):
+    """The stack with some block scales negative, zero or e4m3-subnormal (what the shuffled layout folds away)."""
+    packed, scale, scale2 = stack
+    s = scale.float()
+    pick = torch.randint(0, 8, s.shape, generator=gen).to(s.device)
+    s = torch.where(pick == 0, -s, s)
+    s = torch.where(pick == 1, 0.0, s)
+    s = torch.where(pick == 2, 3 * 2.0**-9, s)  # subnormal e4m3
+    return packed, s.to(torch.float8_e4m3fn), scale2
+
+
+def shuffled(stack):
+    return (*shuffle_nvfp4(stack[0], stack[1]), stack[2])
 
 
 def routing(t, e, k, gen, device="cpu"):
@@ -184,6 +201,47 @@ def test_nvfp4_moe_code_shapes_match_reference(cpu_interpreter, variant, sorted_
     assert rel_err(out, moe_reference(x, ids, wts, *w13, *w2)) < 1e-5
 
 
+def test_shuffle_nvfp4_keeps_the_dequantised_values():
+    """Negative, zero and subnormal scales included; the bits of every word are a permutation."""
+    from common.nvfp4 import dequant_nvfp4
+
+    gen = torch.Generator().manual_seed(5)
+    packed, scale, scale2 = odd_scales(nvfp4_stack(3, 8, 64, gen), gen)
+    w, s = shuffle_nvfp4(packed, scale)
+    assert w.dtype == torch.uint8 and w.shape == packed.shape and s.dtype == torch.uint8 and s.shape == scale.shape
+    back_w, back_s = unshuffle_nvfp4(w, s)
+    assert torch.equal(dequant_nvfp4(back_w, back_s, scale2), dequant_nvfp4(packed, scale, scale2))
+    ones = torch.full_like(scale, 1.0)
+    assert torch.equal(unshuffle_nvfp4(*shuffle_nvfp4(packed, ones))[0], packed)  # positive scales: bytes back
+    assert sorted(b for bits in moe_module.SHUFFLE_BITS for b in bits) == list(range(32))
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"swap_ab": True, "presplit": True},
+        {"swap_ab": False, "presplit": False},
+        {"swap_ab": True, "kperm": True, "block_m": 64},
+        {"swap_ab": True, "kperm": True, "split_k13": 2},
+    ],
+)
+@pytest.mark.parametrize("sorted_min_pairs", [1, 64])
+def test_shuffled_nvfp4_moe_matches_reference(cpu_interpreter, variant, sorted_min_pairs):
+    """The kernels on ``shuffle_nvfp4``'s layout (portable path) give the reference result of the canonical weights,
+    and the same result as on the canonical layout."""
+    gen = torch.Generator().manual_seed(12)
+    e, h, i, t, k = 8, 64, 32, 6, 3
+    w13 = odd_scales(nvfp4_stack(e, 2 * i, h, gen), gen)
+    w2 = odd_scales(nvfp4_stack(e, h, i, gen), gen)
+    x = torch.randn(t, h, generator=gen)
+    ids, wts = routing(t, e, k, gen)
+    ids[1] = ids[0]
+    cfg = MoeConfig(**{**SMALL.__dict__, "sorted_min_pairs": sorted_min_pairs, **variant})
+    out = nvfp4_moe(x, ids, wts, *shuffled(w13), *shuffled(w2), config=cfg, shuffled=True)
+    assert rel_err(out, moe_reference(x, ids, wts, *w13, *w2)) < 1e-5
+    assert torch.equal(out, nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg))
+
+
 @pytest.mark.parametrize("sorted_min_pairs", [1, 64])
 @pytest.mark.parametrize("fp4", [True, False])
 def test_masked_routes_reach_no_expert(cpu_interpreter, sorted_min_pairs, fp4):
@@ -311,6 +369,38 @@ def test_nvfp4_moe_gpu_code_paths(cuda_device, t, variant):
     err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
     print(f"nvfp4_moe T={t} {variant}: rel {err:.2e}")
     assert err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 64, 256])
+def test_shuffled_nvfp4_moe_gpu(cuda_device, t):
+    """Full widths, ``default_config``'s decode tiles: the inline-PTX unpack of the shuffled layout gives the
+    reference result and exactly the canonical layout's result."""
+    gen = torch.Generator().manual_seed(t + 3)
+    e, h, i, k = 16, 4096, 2048, 6
+    w13 = odd_scales(nvfp4_stack(e, 2 * i, h, gen, cuda_device), gen)
+    w2 = odd_scales(nvfp4_stack(e, h, i, gen, cuda_device), gen)
+    w13, w2 = (w13[0], w13[1], w13[2] * 1e-3), (w2[0], w2[1], w2[2] * 1e-3)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
+    ids, wts = routing(t, e, k, gen, cuda_device)
+    out = nvfp4_moe(x, ids, wts, *shuffled(w13), *shuffled(w2), shuffled=True)
+    err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
+    same = torch.equal(out, nvfp4_moe(x, ids, wts, *w13, *w2))
+    print(f"shuffled nvfp4_moe T={t}: rel {err:.2e}, equal to the canonical layout's: {same}")
+    assert err < 1e-2 and same
+
+
+@pytest.mark.gpu
+def test_shuffled_layout_is_refused_on_the_prefill_tiles(cuda_device):
+    """The wgmma operand of the prefill tiles gives the unpack 4-byte groups of two rows: refused, not wrong."""
+    gen = torch.Generator().manual_seed(4)
+    e, h, i, k, t = 8, 256, 128, 2, 4
+    w13, w2 = nvfp4_stack(e, 2 * i, h, gen, cuda_device), nvfp4_stack(e, h, i, gen, cuda_device)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
+    ids, wts = routing(t, e, k, gen, cuda_device)
+    cfg = replace(default_config(moe_module.PREFILL_MIN_PAIRS), sorted_min_pairs=1, block_k2=128, block_n2=128)
+    with pytest.raises(ValueError, match="shuffled"):
+        nvfp4_moe(x, ids, wts, *shuffled(w13), *shuffled(w2), config=cfg, shuffled=True)
 
 
 PREFILL_TILES = [  # prefill code shapes on the GPU (bf16, inline-PTX dequant): default_config's, then the old ones
