@@ -166,7 +166,7 @@ def bench_prefill_rate(ceil: Ceilings, model: InklingDecoder, tokens: int, chunk
 
 
 def breakdown(model: InklingDecoder, tokens: int, chunk: int) -> None:
-    """GPU time by kernel of the prompt's first and last chunk."""
+    """GPU time by kernel of the prompt's first and last chunk, and each chunk's wall time (one eager call)."""
     ids = prompt(model, tokens)
     prefill = prefill_fn(model, ids, chunk)
     for start in sorted({0, (tokens - 1) // chunk * chunk}):  # the first chunk and the last
@@ -178,8 +178,14 @@ def breakdown(model: InklingDecoder, tokens: int, chunk: int) -> None:
                 model(ForwardBatch(ids[start : start + n], [SequenceSlice(start, n, state.layers)]))
 
         kernels, copies, busy, top = count_launches(one_chunk)
-        print(f"# chunk at {start} ({n} tokens): {kernels} kernels + {copies} copies, {busy:.1f} ms GPU busy; "
-              f"by kernel (us, launches):", flush=True)  # fmt: skip
+        state, _ = prefill(start)  # the same chunk again on a fresh state, timed: wall time against GPU busy
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        one_chunk(state=state)
+        end.record()
+        end.synchronize()
+        print(f"# chunk at {start} ({n} tokens): {kernels} kernels + {copies} copies, {busy:.1f} ms GPU busy, "
+              f"{begin.elapsed_time(end):.1f} ms wall; by kernel (us, launches):", flush=True)  # fmt: skip
         for name, count, us in top[:BREAKDOWN_ROWS]:
             print(f"#   {us:8.0f} us x{count:4d}  {name[:100]}", flush=True)
         rest = top[BREAKDOWN_ROWS:]
