@@ -482,8 +482,8 @@ def bench_bf16(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> None
         print(row([*cells, f"{us / floor:.2f}"], WIDTHS), flush=True)
 
 
-ALIGN_BATCHES = [64, 256, 682, 1024, 2048, 4096, 8192]  # T at k=6: 384 .. 49152 pairs
-ALIGN_GRID = [(256, 16), (256, 32), (512, 16), (512, 32), (1024, 32), (512, 64)]  # (pairs per program, per step)
+ALIGN_BATCHES = [64, 128, 170, 256, 682, 1024, 2048, 4096, 8192]  # T at k=6: 384 .. 49152 pairs
+ALIGN_GRID = [(128, 32), (256, 16), (256, 32), (512, 32)]  # (pairs per program, per step)
 
 
 def bench_align(ceil: Ceilings, gen: torch.Generator) -> None:

@@ -12,8 +12,8 @@ accumulation; dequantised weights are never materialised) or plain bf16 stacks (
 Routing: with few (token, slot) pairs each pair is its own row block (no metadata, duplicates of an expert
 re-read its weights); with many, ``moe_align`` groups the pairs by expert into blocks of ``block_m`` rows,
 on the device and without a host sync (CUDA-graph safe). Three launches (w13 + SwiGLU, w2 x routing weight
-into fp32 ``[pairs, H]``, slot sum) plus, for the sorted routing, ``moe_align``'s one launch (prefill-sized
-batches: two, over a grid).
+into fp32 ``[pairs, H]``, slot sum) plus, for the sorted routing, ``moe_align``'s one launch (more than
+``ALIGN_KERNEL_MAX_PAIRS`` pairs: two, over a grid).
 
 Decode-size blocks hold 1-8 valid rows, so the kernels are grouped GEMVs whose cost is the in-register
 dequantisation (~2 instructions per weight) overlapping the weight stream. What the H200 measurements
@@ -119,11 +119,14 @@ def default_config(n_pairs: int, fp4: bool = True) -> MoeConfig:
     return base
 
 
-ALIGN_KERNEL_MAX_PAIRS = 4096  # up to here one program walks the pairs in chunks (decode sizes), beyond it a grid
+# up to here one program walks the pairs in chunks, beyond it a grid (H200, CUDA graphs, bench_moe --align: 384
+# pairs 15.6 us against 35.6; 1536 pairs 54.2 against 31.1; 4092 146 against 29.4; 12288 the grid 27.8 against
+# 137 for the torch sort)
+ALIGN_KERNEL_MAX_PAIRS = 1024
 _ALIGN_CHUNK = 128  # pairs per step of the one-program kernel (a [CHUNK, CHUNK] comparison ranks them)
-# the grid's kernels (prefill sizes): pairs per program, pairs per one-hot step, count-table rows per load, blocks
-# per pad-fill step
-_GRID_CHUNK, _GRID_SUB, _GRID_ROWS, _GRID_FILL = 512, 32, 16, 16
+# the grid's kernels: pairs per program (256: 26.7-35.6 us from 384 to 24576 pairs, 512: 47.7-65.5, 1024: ~100),
+# pairs per one-hot step (32; 16: 32.8-40.5), count-table rows per load, blocks per pad-fill step
+_GRID_CHUNK, _GRID_SUB, _GRID_ROWS, _GRID_FILL = 256, 32, 16, 16
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
