@@ -13,7 +13,9 @@ times the gate/up and the down kernel alone for each tile variant (``W13_VARIANT
 against its own byte floor; ``--jobs N`` compiles the configs in N
 processes first (Triton's disk cache).
 
-    python3 -m bench.bench_moe [--quick] [--sweep] [--prefill] [--jobs N]
+``--align`` times ``moe_align`` alone (the torch sort, its kernels, the grid path's tiles).
+
+    python3 -m bench.bench_moe [--quick] [--sweep] [--prefill] [--align] [--jobs N]
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from kernels.moe import (
     MoeConfig,
     bf16_moe,
     default_config,
+    moe_align,
+    moe_align_grid,
+    moe_align_reference,
     moe_reference,
     moe_routing,
     moe_sum,
@@ -422,7 +427,7 @@ def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generat
         us = 1e3 * time_any_ms(lambda run=run: [nvfp4_moe(*s[:3], *weights, config=s[3]) for s in run]) / len(sets)
         print(prefill_row(ceil, t, "all", "before", us, both), flush=True)
         us = 1e3 * time_any_ms(lambda cfg=cfg, sets=sets: [moe_routing(i, w, E, cfg) for _, i, w in sets]) / len(sets)
-        print(f"T={t} routing (moe_align, torch sort beyond its kernel's sizes): {us:.0f} us", flush=True)
+        print(f"T={t} routing (moe_align): {us:.0f} us", flush=True)
         r = moe_routing(ids, wts, E, cfg)
         part = moe_w2(moe_w13(x, r, weights[0], weights[1:3], cfg), r, weights[3], weights[4:6], cfg)
         us = 1e3 * time_graph_ms(lambda part=part, r=r: moe_sum(part, r, torch.bfloat16), reps=10)
@@ -519,6 +524,31 @@ def bench_bf16(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> None
         print(row([*cells, f"{us / floor:.2f}"], WIDTHS), flush=True)
 
 
+ALIGN_BATCHES = [64, 128, 170, 256, 682, 1024, 2048, 4096, 8192]  # T at k=6: 384 .. 49152 pairs
+ALIGN_GRID = [(128, 32), (256, 16), (256, 32), (512, 32)]  # (pairs per program, per step)
+
+
+def bench_align(ceil: Ceilings, gen: torch.Generator) -> None:
+    """``moe_align`` at decode and prefill sizes (``default_config``'s block_m there), each in a CUDA graph over
+    SETS routings: the torch sort (the reference), the path moe_align takes, the grid kernels per (chunk, sub).
+    Floor: the ids read and the blocks written at the copy bandwidth (launch latency bounds it in practice)."""
+    print("# moe_align (us per call; CUDA graph over routings): torch sort | moe_align | grid chunk/sub ...")
+    print("# " + "  ".join(["T", "pairs", "bm", "floor", "sort", "align"] + [f"g{c}/{s}" for c, s in ALIGN_GRID]))
+    for t in ALIGN_BATCHES:
+        sets = [ids for _, ids, _ in routings(t, "cuda", gen)]
+        bm = default_config(sets[0].numel()).block_m
+        ref = moe_align_reference(sets[0], E, bm)
+        n_bytes = sets[0].numel() * 4 + sum(r.numel() * 4 for r in ref)
+        fns = [moe_align_reference, moe_align]
+        fns += [lambda i, e, b, c=c, s=s: moe_align_grid(i, e, b, chunk=c, sub=s) for c, s in ALIGN_GRID]
+        cells = [str(t), str(sets[0].numel()), str(bm), f"{ceil.floor_us(n_bytes):.1f}"]
+        for fn in fns:
+            same = all(torch.equal(a, b) for a, b in zip(fn(sets[0], E, bm), ref, strict=True))
+            us = 1e3 * time_any_ms(lambda fn=fn, bm=bm, sets=sets: [fn(i, E, bm) for i in sets]) / len(sets)
+            cells.append(f"{us:.1f}" + ("" if same else "(WRONG)"))
+        print("# " + "  ".join(cells), flush=True)
+
+
 def profile(t: int) -> None:
     """Three eager calls at T tokens with the default config (compile, then two to profile)."""
     weights = (*make_nvfp4(E, 2 * I, H, "cuda"), *make_nvfp4(E, H, I, "cuda"))
@@ -538,6 +568,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="T values (default 1 8 64 256)")
     ap.add_argument("--jobs", type=int, default=1, help="compile the configs in this many processes first")
     ap.add_argument("--prefill", action="store_true", help="the prefill sizes only: variants, stages, grouped_mm")
+    ap.add_argument("--align", action="store_true", help="only moe_align: the torch sort, the kernels, grid tiles")
     ap.add_argument("--variants", default=",".join(PREFILL_VARIANTS), help="--prefill: the tile variants to time")
     args = ap.parse_args()
     if args.profile:
@@ -545,6 +576,11 @@ def main() -> None:
         return
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
+    if args.align:
+        ceil = measure_ceilings()
+        print(ceil.line(), flush=True)
+        bench_align(ceil, gen)
+        return
     if args.prefill:
         variants = args.variants.split(",")
         if args.jobs > 1:

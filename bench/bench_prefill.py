@@ -70,6 +70,7 @@ CONFIGS = [
     PrefillConfig(128, 64, 8, 2),
     PrefillConfig(64, 128, 4, 2),
 ]
+BREAKDOWN_ROWS = 32  # kernels listed by name in a chunk's breakdown
 # (name, q_start, k_first, window, log_scaling) of a 2048-token chunk of an 8192-token prompt
 LAYOUTS = [
     ("sliding, first chunk", 0, 0, 512, None),
@@ -165,7 +166,7 @@ def bench_prefill_rate(ceil: Ceilings, model: InklingDecoder, tokens: int, chunk
 
 
 def breakdown(model: InklingDecoder, tokens: int, chunk: int) -> None:
-    """GPU time by kernel of the prompt's first and last chunk."""
+    """GPU time by kernel of the prompt's first and last chunk, and each chunk's wall time (one eager call)."""
     ids = prompt(model, tokens)
     prefill = prefill_fn(model, ids, chunk)
     for start in sorted({0, (tokens - 1) // chunk * chunk}):  # the first chunk and the last
@@ -177,9 +178,18 @@ def breakdown(model: InklingDecoder, tokens: int, chunk: int) -> None:
                 model(ForwardBatch(ids[start : start + n], [SequenceSlice(start, n, state.layers)]))
 
         kernels, copies, busy, top = count_launches(one_chunk)
-        by_kernel = "; ".join(f"{name[:48]} x{count} {us:.0f}" for name, count, us in top[:16])
-        print(f"# chunk at {start} ({n} tokens): {kernels} kernels + {copies} copies, {busy:.1f} ms GPU busy; "
-              f"by kernel (launches, us): {by_kernel}", flush=True)  # fmt: skip
+        state, _ = prefill(start)  # the same chunk again on a fresh state, timed: wall time against GPU busy
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        one_chunk(state=state)
+        end.record()
+        end.synchronize()
+        print(f"# chunk at {start} ({n} tokens): {kernels} kernels + {copies} copies, {busy:.1f} ms GPU busy, "
+              f"{begin.elapsed_time(end):.1f} ms wall; by kernel (us, launches):", flush=True)  # fmt: skip
+        for name, count, us in top[:BREAKDOWN_ROWS]:
+            print(f"#   {us:8.0f} us x{count:4d}  {name[:100]}", flush=True)
+        rest = top[BREAKDOWN_ROWS:]
+        print(f"#   {sum(us for *_, us in rest):8.0f} us x{sum(c for _, c, _ in rest):4d}  (the rest)", flush=True)
 
 
 def engine_prefill(model: InklingDecoder, ids: torch.Tensor, chunk: int):

@@ -12,8 +12,8 @@ accumulation; dequantised weights are never materialised) or plain bf16 stacks (
 Routing: with few (token, slot) pairs each pair is its own row block (no metadata, duplicates of an expert
 re-read its weights); with many, ``moe_align`` groups the pairs by expert into blocks of ``block_m`` rows,
 on the device and without a host sync (CUDA-graph safe). Three launches (w13 + SwiGLU, w2 x routing weight
-into fp32 ``[pairs, H]``, slot sum) plus, for the sorted routing, ``moe_align``'s one launch (prefill-sized
-batches: a torch sort).
+into fp32 ``[pairs, H]``, slot sum) plus, for the sorted routing, ``moe_align``'s one launch (more than
+``ALIGN_KERNEL_MAX_PAIRS`` pairs: two, over a grid).
 
 Decode-size blocks hold 1-8 valid rows, so the kernels are grouped GEMVs whose cost is the in-register
 dequantisation (~2 instructions per weight) overlapping the weight stream. What the H200 measurements
@@ -193,6 +193,14 @@ def unshuffle_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Te
 
 ALIGN_KERNEL_MAX_PAIRS = 4096  # one program walks the pairs in chunks: decode sizes; prefill sorts in torch
 _ALIGN_CHUNK = 128  # pairs per step of the align program (a [CHUNK, CHUNK] comparison ranks them)
+# up to here one program walks the pairs in chunks, beyond it a grid (H200, CUDA graphs, bench_moe --align: 384
+# pairs 15.6 us against 35.6; 1536 pairs 54.2 against 31.1; 4092 146 against 29.4; 12288 the grid 27.8 against
+# 137 for the torch sort)
+ALIGN_KERNEL_MAX_PAIRS = 1024
+_ALIGN_CHUNK = 128  # pairs per step of the one-program kernel (a [CHUNK, CHUNK] comparison ranks them)
+# the grid's kernels: pairs per program (256: 26.7-35.6 us from 384 to 24576 pairs, 512: 47.7-65.5, 1024: ~100),
+# pairs per one-hot step (32; 16: 32.8-40.5), count-table rows per load, blocks per pad-fill step
+_GRID_CHUNK, _GRID_SUB, _GRID_ROWS, _GRID_FILL = 256, 32, 16, 16
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,22 +208,20 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
     Returns ``sorted_pairs`` int32 ``[n_blocks * block_m]`` (pair ids ``t * k + i``, pad = n_pairs) and
     ``block_expert`` int32 ``[n_blocks]`` (-1 for blocks past the used ones). Pairs of id ``MASKED_ROUTE`` are in
-    no block. ``n_blocks`` is the static upper
-    bound ``ceil(n_pairs / block_m) + min(n_pairs, E)``. Up to ``ALIGN_KERNEL_MAX_PAIRS`` pairs in one launch
-    (``moe_align_kernel``), beyond that ``moe_align_reference``'s torch sort; the results are identical.
+    no block. ``n_blocks`` is the static upper bound ``ceil(n_pairs / block_m) + min(n_pairs, E)``. Up to
+    ``ALIGN_KERNEL_MAX_PAIRS`` pairs one launch (``moe_align_kernel``), beyond that two over a grid
+    (``moe_align_grid``); the results equal ``moe_align_reference``'s stable sort.
     """
     import triton
 
     from kernels import _triton_moe as tk
 
-    flat = topk_ids.reshape(-1)
+    flat = _check_align(topk_ids, num_experts, block_m)
     n_pairs = flat.numel()
-    if flat.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids must be int32/int64, got {flat.dtype}")
-    if not 0 < num_experts or block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"num_experts >= 1 and a power-of-two block_m expected, got {num_experts}, {block_m}")
-    if n_pairs == 0 or n_pairs > ALIGN_KERNEL_MAX_PAIRS:
+    if n_pairs == 0:
         return moe_align_reference(flat, num_experts, block_m)
+    if n_pairs > ALIGN_KERNEL_MAX_PAIRS:
+        return moe_align_grid(flat, num_experts, block_m)
     n_blocks = -(-n_pairs // block_m) + min(n_pairs, num_experts)
     dev = flat.device
     sorted_pairs = torch.empty((n_blocks * block_m,), dtype=torch.int32, device=dev)
@@ -223,10 +229,52 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     expert_rows = triton.next_power_of_2(num_experts)
     scratch = torch.empty((2 * expert_rows,), dtype=torch.int32, device=dev)  # counts, cursors
     tk.moe_align_kernel[(1,)](
-        flat.contiguous(), sorted_pairs, block_expert, scratch, n_pairs, n_blocks * block_m, n_blocks,
+        flat, sorted_pairs, block_expert, scratch, n_pairs, n_blocks * block_m, n_blocks,
         EXPERT_ROWS=expert_rows, BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, FILL=1024, num_warps=4,
     )  # fmt: skip
     return sorted_pairs, block_expert
+
+
+def moe_align_grid(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = _GRID_CHUNK, sub: int = _GRID_SUB
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_align`` for any number of pairs in two launches over ``ceil(n_pairs / chunk)`` programs: each counts
+    its ``chunk`` pairs per expert (``moe_align_count_kernel``), then each reads the count table, lays out the
+    experts' padded spans and places its pairs after those of the programs before it, and fills a share of the
+    pads and block ids (``moe_align_place_kernel``). ``sub``: pairs per one-hot step (powers of two)."""
+    import triton
+
+    from kernels import _triton_moe as tk
+
+    flat = _check_align(topk_ids, num_experts, block_m)
+    n_pairs = flat.numel()
+    if n_pairs == 0:
+        return moe_align_reference(flat, num_experts, block_m)
+    n_blocks = -(-n_pairs // block_m) + min(n_pairs, num_experts)
+    dev = flat.device
+    programs = triton.cdiv(n_pairs, chunk)
+    expert_rows = triton.next_power_of_2(num_experts)
+    counts = torch.empty((programs, expert_rows), dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty((n_blocks * block_m,), dtype=torch.int32, device=dev)
+    block_expert = torch.empty((n_blocks,), dtype=torch.int32, device=dev)
+    tk.moe_align_count_kernel[(programs,)](flat, counts, n_pairs, EXPERT_ROWS=expert_rows, CHUNK=chunk, SUB=sub,
+                                           num_warps=4)  # fmt: skip
+    tk.moe_align_place_kernel[(programs,)](
+        flat, counts, sorted_pairs, block_expert, n_pairs, n_blocks,
+        EXPERT_ROWS=expert_rows, BLOCK_M=block_m, CHUNK=chunk, SUB=sub, ROWS=_GRID_ROWS, FILL_BLOCKS=_GRID_FILL,
+        num_warps=4,
+    )  # fmt: skip
+    return sorted_pairs, block_expert
+
+
+def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
+    """``topk_ids`` flat and contiguous, after checking the arguments of ``moe_align``."""
+    flat = topk_ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32/int64, got {flat.dtype}")
+    if not 0 < num_experts or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"num_experts >= 1 and a power-of-two block_m expected, got {num_experts}, {block_m}")
+    return flat.contiguous()
 
 
 def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 `TritonOps` is `Ops` with the hot ops on the kernels of `kernels/`: the dense linears where `skinny_gemm` beats
 cuBLAS (`skinny_gemm.preferred`: one row), i.e. the projections, the dense MLP and
-the shared experts with their SwiGLU, scale, gammas and the add of the routed experts in the epilogue, and the
+the shared experts with their SwiGLU, scale, gammas and the add of the routed experts in the epilogue (for more
+rows cuBLAS, the SwiGLU in one pass of `kernels.swiglu`, the add in cuBLAS's epilogue), and the
 lm_head with its muP division and fp32 logits (the MTP drafter's FP8 copy of it on `fp8_head`, any rows);
 `rms_norm`, `route` (the MoE gate in two launches), the routed experts (`nvfp4_moe` on the packed weights as
 loaded, or `bf16_moe`, tiles shrunk to divide H and I; layers whose widths no tile divides keep the reference,
@@ -133,13 +134,16 @@ class TritonOps(Ops):
     def swiglu(
         self, x: torch.Tensor, w13: torch.Tensor, width: int, gammas: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """One launch for decode rows (`skinny_swiglu`: both products and the SwiGLU); cuBLAS + elementwise for
-        more rows."""
+        """One launch for decode rows (`skinny_swiglu`: both products and the SwiGLU); for more rows cuBLAS, then
+        the SwiGLU (and gammas) in one pass (`kernels.swiglu`)."""
         from kernels.skinny_gemm import skinny_swiglu
+        from kernels.swiglu import swiglu
 
-        if _skinny(x, w13) and (gammas is None or gammas.dtype == torch.float32):
+        if x.dim() != 2 or (gammas is not None and gammas.dtype != torch.float32):
+            return super().swiglu(x, w13, width, gammas)
+        if _skinny(x, w13):
             return skinny_swiglu(x, w13, width, gammas=gammas)
-        return super().swiglu(x, w13, width, gammas)
+        return swiglu(F.linear(x, w13), width, gammas)  # [T, G*I]
 
     def logits(self, hidden, weight, divisor, tp, vocab):
         """One launch for decode rows on one rank (`skinny_linear` over the unpadded vocabulary rows, the division
@@ -180,16 +184,13 @@ class TritonOps(Ops):
         if not w2.permute(1, 0, 2).is_contiguous():
             raise ValueError(f"shared_w2_weight: expected [S, H, I] viewed from [H, S, I] storage, got strides "
                              f"{w2.stride()} for shape {tuple(w2.shape)}")  # fmt: skip
-        t, h = x.shape
+        h = x.shape[1]
         s, i = gammas.shape[1], w2.shape[-1]
         w2 = w2.permute(1, 0, 2).reshape(h, s * i)  # [H, S*I], a view
-        if _skinny(x, w13):  # decode rows: the SwiGLU with the gammas, and the add of `routed`, in the epilogues
-            act = self.swiglu(x, w13.view(s * 2 * i, h), i, gammas.float())  # [T, S*I]
+        act = self.swiglu(x, w13.view(s * 2 * i, h), i, gammas.float())  # [T, S*I], the gammas applied
+        if _skinny(x, w13):  # decode rows: the add of `routed` in the skinny GEMM's epilogue
             return self.linear(act, w2, residual=routed)
-        gate_up = (x @ w13.view(s * 2 * i, h).T).view(t, s, 2, i)  # [T, S, 2, I]
-        act = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * gammas.to(x.dtype)[:, :, None]  # [T, S, I]
-        shared = act.reshape(t, s * i) @ w2.T
-        return shared if routed is None else routed + shared
+        return act @ w2.T if routed is None else torch.addmm(routed, act, w2.T)  # routed + in cuBLAS's epilogue
 
 
 FAST = TritonOps()

@@ -11,6 +11,7 @@ from kernels.moe import (
     bf16_moe,
     default_config,
     moe_align,
+    moe_align_grid,
     moe_align_reference,
     moe_reference,
     nvfp4_moe,
@@ -85,11 +86,34 @@ def test_moe_align_kernel_equals_the_torch_sort(cpu_interpreter, t, e, k, block_
         assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 
-def test_moe_align_sorts_in_torch_beyond_the_kernel_size(monkeypatch):
+def test_moe_align_takes_the_grid_beyond_the_kernel_size(cpu_interpreter, monkeypatch):
     monkeypatch.setattr(moe_module, "ALIGN_KERNEL_MAX_PAIRS", 4)
+    calls = []
+    monkeypatch.setattr(moe_module, "moe_align_grid", lambda *a: calls.append(a) or moe_align_grid(*a))
     ids = torch.tensor([[3, 1], [1, 0], [3, 2]])
-    got = moe_align(ids, 5, 2)  # 6 pairs > 4: the torch path, no interpreter needed
+    got = moe_align(ids, 5, 2)  # 6 pairs > 4: the grid's two launches
+    assert len(calls) == 1
     assert all(torch.equal(a, b) for a, b in zip(got, moe_align_reference(ids, 5, 2), strict=True))
+
+
+@pytest.mark.parametrize(
+    "t,e,k,block_m,chunk,sub",
+    [(37, 16, 3, 4, 64, 8), (70, 256, 6, 8, 32, 16), (9, 12, 4, 16, 8, 8), (200, 5, 2, 2, 16, 16), (1, 8, 2, 8, 32, 8)],
+)
+def test_moe_align_grid_equals_the_torch_sort(cpu_interpreter, t, e, k, block_m, chunk, sub):
+    """Several programs (chunk < pairs; their pairs of one expert follow each other), every output element equal
+    to the stable torch sort's (pads, unused blocks, more blocks than one pass of the grid fills)."""
+    gen = torch.Generator().manual_seed(t * e + k + 1)
+    for ids in (
+        routing(t, e, k, gen)[0],
+        skewed_ids(t, e, k, gen).long(),
+        masked(routing(t, e, k, gen)[0], gen),
+        masked(skewed_ids(t, e, k, gen), gen, 0.9),
+        torch.full((t, k), MASKED_ROUTE, dtype=torch.int32),
+    ):
+        got = moe_align_grid(ids, e, block_m, chunk=chunk, sub=sub)
+        ref = moe_align_reference(ids, e, block_m)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 
 def test_moe_align_rejects_bad_arguments():
@@ -132,6 +156,19 @@ def test_moe_align_kernel_equals_the_torch_sort_with_masked_routes(cpu_interpret
         assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
         kept = torch.bincount(ids[ids >= 0].long(), minlength=e).tolist()
         assert expert_counts(*got, ids.numel(), e, block_m) == kept
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,block_m", [(1024, 64), (2048, 64), (8192, 64), (8192, 8)])
+def test_moe_align_grid_gpu(cuda_device, t, block_m):
+    """Prefill sizes (6144-49152 pairs at E=256, k=6) through moe_align's grid path, masked routes included."""
+    gen = torch.Generator().manual_seed(t + block_m)
+    ids = routing(t, 256, 6, gen)[0]
+    for case in (ids, ids.long(), skewed_ids(t, 256, 6, gen), masked(ids, gen)):
+        case = case.to(cuda_device)
+        got = moe_align(case, 256, block_m)
+        ref = moe_align_reference(case, 256, block_m)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 
 @pytest.mark.gpu
