@@ -51,6 +51,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from decode_service.engine.core.pages import KVAllocator, SequencePages
@@ -167,6 +168,9 @@ class DraftGraphs:
         self._host = torch.empty((self._tokens + n * r, width), dtype=torch.int64, pin_memory=self.capture)
         self._meta = torch.empty((self._tokens + n * r, width), dtype=torch.int64, device=device)
         self._host_t = torch.empty(width, dtype=torch.float32, pin_memory=self.capture)
+        self._host_np, self._host_t_np = self._host.numpy(), self._host_t.numpy()  # views of the same memory
+        self._padding = np.zeros(self._tokens + n * r, dtype=np.int64)  # a padding sequence's metadata
+        self._padding[_KNOWN], self._padding[_SLOT] = n + 1, self.cache.scratch_slot
         self.temperature = torch.ones(width, dtype=torch.float32, device=device)  # 0 = greedy
         self.noise = torch.ones((n, width, vocab), dtype=torch.float32, device=device)  # Exp(1) draws
         self.drafts = torch.zeros((n, width), dtype=torch.int64, device=device)
@@ -225,18 +229,27 @@ class DraftGraphs:
                                 self._graphs[key] = self._capture(*key)
 
     def _fill(self, rows: list[RoundRows], slots: list[int], size: int, temperatures: list[float]) -> None:
-        n, r, pad = self.num_depths, self.max_rows, size - len(rows)
-        self._host_t[:size] = torch.tensor(list(temperatures) + [0.0] * pad, dtype=torch.float32)
-        meta = [[s.known for s in rows] + [n + 1] * pad, list(slots) + [self.cache.scratch_slot] * pad]
-        for field in _FIELDS:
-            for j in range(n):
-                meta.append([v[j] if j < len(v) else 0 for v in (getattr(s, field) for s in rows)] + [0] * pad)
-        for j in range(n):
-            for m in range(r):
-                meta.append(
-                    [t[j][m] if j < len(t) and m < len(t[j]) else 0 for t in (s.tokens for s in rows)] + [0] * pad
-                )
-        self._host[:, :size] = torch.tensor(meta, dtype=torch.int64)
+        """The metadata column of each sequence (K, slot, each field per depth, the tokens per depth and row; zeros
+        past a sequence's depths and rows), then the padding sequences', into the pinned host buffers."""
+        n, r, batch = self.num_depths, self.max_rows, len(rows)
+        self._host_t_np[:batch] = temperatures
+        self._host_t_np[batch:size] = 0.0
+        self._host_np[:, batch:size] = self._padding[:, None]
+        if not batch:
+            return
+        zeros, columns = [0] * (n * r), []
+        for s, slot in zip(rows, slots, strict=True):
+            column = [s.known, slot]
+            for field in _FIELDS:
+                values = getattr(s, field)
+                column += values
+                column += zeros[: n - len(values)]
+            for tokens in s.tokens:
+                column += tokens
+                column += zeros[: r - len(tokens)]
+            column += zeros[: (n - len(s.tokens)) * r]
+            columns.append(column)
+        self._host_np[:, :batch] = np.array(columns, dtype=np.int64).T
 
     def _upload(self, size: int) -> None:
         self.tables.upload()
