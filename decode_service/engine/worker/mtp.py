@@ -426,11 +426,7 @@ class PagedMTPSpeculator(MTPSpeculator):
                 if rows.shift[j]:
                     sources.append(st.pending[j])
                     targets.extend(range(j * r * width + i, (j * r + rows.shift[j]) * width, width))
-        index = to_device(targets, graphs.inputs.device)
-        graphs.inputs.view(-1, h).index_copy_(0, index, torch.cat(sources).to(graphs.inputs.dtype))
-        drafts, q = self._launch_round(depth, first, work, [rows for rows, _ in rounds])
-        # While the round runs, the rows to keep: each depth's inputs it cannot commit yet (`pending`), from the
-        # host's or the step's rows (gathered after the round), and the depths' new state.
+        # The rows to keep: each depth's inputs it cannot commit yet (`pending`), from the host's or the step's rows.
         picks, wanted = [], []  # flat rows of `outputs`; per request {depth: (old rows, at, new count)}
         for i, ((_, st), (rows, ends)) in enumerate(zip(work, rounds, strict=True)):
             keep = {}
@@ -446,7 +442,11 @@ class PagedMTPSpeculator(MTPSpeculator):
                 at = ((j - 1) * r + cell) * width + i
                 picks.extend(range(at, at + count * width, width))
             wanted.append(keep)
-        gathered = graphs.outputs.view(-1, h).index_select(0, _queued_to_device(picks, graphs.outputs.device))
+        index = to_device(targets + picks, graphs.inputs.device)  # one upload for both
+        graphs.inputs.view(-1, h).index_copy_(0, index[: len(targets)], torch.cat(sources).to(graphs.inputs.dtype))
+        drafts, q = self._launch_round(depth, first, work, [rows for rows, _ in rounds])
+        # While the round runs: the rows kept (gathered after it), the depths' new state.
+        gathered = graphs.outputs.view(-1, h).index_select(0, index[len(targets) :])
         queues = [(st, j, old, at, count) for (_, st), keep in zip(work, wanted, strict=True)
                   for j, (old, at, count) in keep.items()]  # fmt: skip
         if any(old is not None and old.shape[0] for _, _, old, _, _ in queues):  # old rows: one copy for all queues
@@ -510,13 +510,6 @@ class PagedMTPSpeculator(MTPSpeculator):
             if item.temperature > 0:
                 self.probs[item.request_id] = list(q[:, i].clone())
         return out
-
-
-def _queued_to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """Indices on the device through pinned memory: the copy queues behind the work in flight without a wait
-    (from pageable memory it may wait for the stream)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
 
 
 def _depth_rows(item, st: _DrafterState, incoming: dict[str, torch.Tensor], d: int):
