@@ -242,7 +242,9 @@ class GraphedChain:
     """The same B sequences as the engine keeps them (`PagedMTPSpeculator`: the depths' paged pools), each depth
     prefilled with `ctx` rows; `step(depth, rows)` times one round as the engine runs it: `rows` verified trunk rows
     per sequence through every depth with the provisional rows and the D drafts, replayed from the chain's CUDA
-    graph for (B's bucket, D, rows). The sequences grow by the timed rows (`growth`)."""
+    graph for (B's bucket, D, rows). The inputs arrive as the runner hands them over: each sequence's rows a slice
+    of one trunk output for the batch, its tokens a host list (drawn before the timed calls), so the figure is the
+    speculator's cost alone. The sequences grow by the timed rows (`growth`)."""
 
     def __init__(self, drafter: MTPDrafter, batch: int, ctx: int, growth: int):
         config, device = drafter.config, drafter.embed.weight.device
@@ -256,6 +258,7 @@ class GraphedChain:
         self.device, self.dtype = device, drafter.embed.weight.dtype
         self.tokens = {f"s{i}": torch.randint(0, self.vocab, (ctx + 1,)).tolist() for i in range(batch)}
         self.rows = dict.fromkeys(self.tokens, ctx)
+        self.new_tokens = torch.randint(0, self.vocab, (growth + 1,)).tolist()  # the tokens the rounds append
         with torch.inference_mode():
             for rid, tokens in self.tokens.items():
                 self.speculator.reset(rid, 0, tokens, [])
@@ -265,12 +268,16 @@ class GraphedChain:
         return torch.randn(rows, self.hidden, device=self.device, dtype=self.dtype)
 
     def step(self, depth: int, rows: int) -> Callable[[], None]:
+        trunk = self._hidden(len(self.tokens) * rows)  # the verify step's output rows, `rows` per sequence
+
         def run() -> None:
             self.depth = depth
             inputs = []
-            for rid, tokens in self.tokens.items():
-                tokens += torch.randint(0, self.vocab, (rows,)).tolist()
-                inputs.append(DraftInput(rid, self.rows[rid], self._hidden(rows), list(tokens), True))
+            for i, (rid, tokens) in enumerate(self.tokens.items()):
+                at = len(tokens) % (len(self.new_tokens) - rows)
+                tokens += self.new_tokens[at : at + rows]
+                hidden = trunk[i * rows : (i + 1) * rows]
+                inputs.append(DraftInput(rid, self.rows[rid], hidden, list(tokens), True))
                 self.rows[rid] += rows
             with torch.inference_mode():
                 self.speculator.extend(inputs)

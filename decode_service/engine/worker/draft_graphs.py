@@ -38,7 +38,8 @@ depth's weights once for all its rows (one-row steps read them once per row).
 Sampling inside the graph, without device asserts: greedy rows take the argmax; a row at temperature T takes
 `argmax(q / E)` with `q = softmax(logits / T)` and `E ~ Exp(1)` per vocabulary entry drawn outside the graph from
 the request's generator (the exponential race, i.e. Gumbel-max: a draw from q). `q` is returned for rejection
-sampling.
+sampling. A round whose every row is greedy replays a graph of its own (the `greedy` variant of the key): the
+argmax of the logits alone, no softmax and no `q` (the verifier reads `q` only for rows at temperature > 0).
 
 Every input of a graph lives in static buffers refilled before a replay. Without CUDA, or with graphs off, the
 same buffers run eagerly (the CPU tests, under the kernels' interpreter).
@@ -50,6 +51,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from decode_service.engine.core.pages import KVAllocator, SequencePages
@@ -144,7 +146,8 @@ class DepthPools:
 
 class DraftGraphs:
     """A drafting round of B sequences (every depth's rows, committed and provisional, and the D draft samples),
-    one multi-row paged step per depth, per (batch bucket, D, R) one CUDA graph."""
+    one multi-row paged step per depth, per (batch bucket, D, R, greedy) one CUDA graph (`greedy`: every row
+    greedy, no draft distributions)."""
 
     def __init__(
         self, drafter: MTPDrafter, pools: DepthPools, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
@@ -165,6 +168,9 @@ class DraftGraphs:
         self._host = torch.empty((self._tokens + n * r, width), dtype=torch.int64, pin_memory=self.capture)
         self._meta = torch.empty((self._tokens + n * r, width), dtype=torch.int64, device=device)
         self._host_t = torch.empty(width, dtype=torch.float32, pin_memory=self.capture)
+        self._host_np, self._host_t_np = self._host.numpy(), self._host_t.numpy()  # views of the same memory
+        self._padding = np.zeros(self._tokens + n * r, dtype=np.int64)  # a padding sequence's metadata
+        self._padding[_KNOWN], self._padding[_SLOT] = n + 1, self.cache.scratch_slot
         self.temperature = torch.ones(width, dtype=torch.float32, device=device)  # 0 = greedy
         self.noise = torch.ones((n, width, vocab), dtype=torch.float32, device=device)  # Exp(1) draws
         self.drafts = torch.zeros((n, width), dtype=torch.int64, device=device)
@@ -179,7 +185,7 @@ class DraftGraphs:
             for i, pool in enumerate(convs)
         }
         assert all(len(convs) == NUM_CONVS for convs in self.cache.conv)
-        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def bucket(self, batch: int) -> int:
@@ -187,14 +193,16 @@ class DraftGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
     def run(self, depth: int, first: int, rows: list[RoundRows], slots: list[int], temperatures: list[float],
-            generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+            generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Draft `depth` tokens for each sequence (`rows[i]`: its round, `slots[i]` its depth conv slot), depth j
         running `first + j` rows per sequence (`first` = 0: no depth-0 rows, its output row K-2 already in
         `outputs[0, 0, i]`); `inputs[j, m, i]` holds the host's inputs (filled by the caller). -> drafts
-        `[depth, B]` and the draft distributions `[depth, B, V]` (meaningful for the rows at temperature > 0)."""
+        `[depth, B]` and the draft distributions `[depth, B, V]` (meaningful for the rows at temperature > 0; None
+        when every row is greedy)."""
         batch = len(rows)
         size = self.bucket(batch)
-        key = (size, depth, first)
+        greedy = not any(t > 0 for t in temperatures)
+        key = (size, depth, first, greedy)
         if self.capture and key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         self._fill(rows, slots, size, temperatures)
@@ -205,41 +213,57 @@ class DraftGraphs:
         if self.capture:
             self._graphs[key].replay()
         else:
-            self._forward(size, depth, first)
-        return self.drafts[:depth, :batch], self.q[:depth, :batch]
+            self._forward(size, depth, first, greedy)
+        return self.drafts[:depth, :batch], None if greedy else self.q[:depth, :batch]
 
     @torch.inference_mode()
     def capture_all(self, depths: list[int], firsts: list[int]) -> None:
-        """Record the (bucket, D, R) graphs of these D and R now (engine start)."""
+        """Record the (bucket, D, R) graphs of these D and R now, both variants (engine start)."""
         if self.capture:
             for size in self.buckets:
                 for depth in depths:
                     for first in firsts:
-                        if (size, depth, first) not in self._graphs:
-                            self._graphs[size, depth, first] = self._capture(size, depth, first)
+                        for greedy in (True, False):
+                            key = (size, depth, first, greedy)
+                            if key not in self._graphs:
+                                self._graphs[key] = self._capture(*key)
 
     def _fill(self, rows: list[RoundRows], slots: list[int], size: int, temperatures: list[float]) -> None:
-        n, r, pad = self.num_depths, self.max_rows, size - len(rows)
-        self._host_t[:size] = torch.tensor(list(temperatures) + [0.0] * pad, dtype=torch.float32)
-        meta = [[s.known for s in rows] + [n + 1] * pad, list(slots) + [self.cache.scratch_slot] * pad]
-        for field in _FIELDS:
-            for j in range(n):
-                meta.append([v[j] if j < len(v) else 0 for v in (getattr(s, field) for s in rows)] + [0] * pad)
-        for j in range(n):
-            for m in range(r):
-                meta.append(
-                    [t[j][m] if j < len(t) and m < len(t[j]) else 0 for t in (s.tokens for s in rows)] + [0] * pad
-                )
-        self._host[:, :size] = torch.tensor(meta, dtype=torch.int64)
+        """The metadata column of each sequence (K, slot, each field per depth, the tokens per depth and row; zeros
+        past a sequence's depths and rows), then the padding sequences', into the pinned host buffers."""
+        n, r, batch = self.num_depths, self.max_rows, len(rows)
+        self._host_t_np[:batch] = temperatures
+        self._host_t_np[batch:size] = 0.0
+        self._host_np[:, batch:size] = self._padding[:, None]
+        if not batch:
+            return
+        zeros, columns = [0] * (n * r), []
+        for s, slot in zip(rows, slots, strict=True):
+            column = [s.known, slot]
+            for field in _FIELDS:
+                values = getattr(s, field)
+                column += values
+                column += zeros[: n - len(values)]
+            for tokens in s.tokens:
+                column += tokens
+                column += zeros[: r - len(tokens)]
+            column += zeros[: (n - len(s.tokens)) * r]
+            columns.append(column)
+        self._host_np[:, :batch] = np.array(columns, dtype=np.int64).T
 
     def _upload(self, size: int) -> None:
         self.tables.upload()
         self._meta[:, :size].copy_(self._host[:, :size], non_blocking=self.capture)
         self.temperature[:size].copy_(self._host_t[:size], non_blocking=self.capture)
 
-    def _sample(self, j: int, hidden: torch.Tensor, size: int) -> torch.Tensor:
-        """Draft `d_{j+1}` from depth j's row K-2, `[size, H]` -> `[size]` (greedy or the exponential race)."""
+    def _sample(self, j: int, hidden: torch.Tensor, size: int, greedy: bool) -> torch.Tensor:
+        """Draft `d_{j+1}` from depth j's row K-2, `[size, H]` -> `[size]` (greedy or the exponential race;
+        `greedy`: every row greedy, the argmax alone)."""
         logits = self.drafter.logits(hidden)  # [size, V] fp32
+        if greedy:
+            token = logits.argmax(-1)
+            self.drafts[j, :size].copy_(token)
+            return token
         t = self.temperature[:size]
         sampled = t > 0
         q = torch.softmax(logits / torch.where(sampled, t, 1.0)[:, None], -1)  # spec 7.4: the request's scaled logits
@@ -248,7 +272,7 @@ class DraftGraphs:
         self.drafts[j, :size].copy_(token)
         return token
 
-    def _forward(self, size: int, depth: int, first: int) -> None:
+    def _forward(self, size: int, depth: int, first: int, greedy: bool) -> None:
         """The round over the first `size` sequences of the static buffers (what a graph records)."""
         n, r = self.num_depths, self.max_rows
         meta = self._meta[:, :size]
@@ -276,7 +300,9 @@ class DraftGraphs:
                 self.outputs[j, :rows, :size].copy_(out.transpose(0, 1))
             last = (total[j] - 1).clamp(0, max(rows, 1) - 1)[:, None]  # the row at K-2
             drafts.append(
-                self._sample(j, self.outputs[j, :, :size].transpose(0, 1).gather(1, self._rows(last))[:, 0], size)
+                self._sample(
+                    j, self.outputs[j, :, :size].transpose(0, 1).gather(1, self._rows(last))[:, 0], size, greedy
+                )
             )
 
     def _tables(self, slots: torch.Tensor) -> dict[bool, torch.Tensor]:
@@ -329,16 +355,16 @@ class DraftGraphs:
             window = self.windows[depth, i][: slots.shape[0], : k1 + width]
             conv_commit(window, self.cache.conv_pool(depth, i), slots, rows)
 
-    def warm_up(self, size: int, depth: int, first: int) -> None:
+    def warm_up(self, size: int, depth: int, first: int, greedy: bool) -> None:
         """One round of `size` padding sequences (compiles the kernels; touches only scratch pages and slots)."""
         self._fill([], [], size, [])
         self._upload(size)
-        self._forward(size, depth, first)
+        self._forward(size, depth, first, greedy)
 
-    def _capture(self, size: int, depth: int, first: int) -> torch.cuda.CUDAGraph:
-        self.warm_up(size, depth, first)
+    def _capture(self, size: int, depth: int, first: int, greedy: bool) -> torch.cuda.CUDAGraph:
+        self.warm_up(size, depth, first, greedy)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._forward(size, depth, first)
+            self._forward(size, depth, first, greedy)
         return graph

@@ -92,35 +92,44 @@ class ConvSnapshot:
 
 class BlockTables:
     """Every conv slot's block table per layer kind, `[slots + 1, max_pages]` int32 on the device (the last row is
-    the scratch slot's), written through a host mirror and uploaded row by row when a table changed. Entries no
-    visible position uses (released sliding pages, pages past the end) hold the kind's scratch page."""
+    the scratch slot's); the host keeps the entries written since the last upload, which sends them (one
+    host-to-device copy, one scatter per kind). Entries no visible position uses (released sliding pages,
+    pages past the end) hold the kind's scratch page."""
 
     def __init__(self, num_slots: int, max_pages: int, scratch: dict[bool, int], device: str):
         self.max_pages = max_pages
-        pin = torch.device(device).type == "cuda"
-        self.host = {
-            kind: torch.full((num_slots + 1, max_pages), page, dtype=torch.int32).pin_memory()
-            if pin else torch.full((num_slots + 1, max_pages), page, dtype=torch.int32)
+        self.device = {
+            kind: torch.full((num_slots + 1, max_pages), page, dtype=torch.int32, device=device)
             for kind, page in scratch.items()
-        }  # fmt: skip
-        self.device = {kind: t.to(device) for kind, t in self.host.items()}
+        }
         self._scratch = scratch
-        self._dirty: set[int] = set()
+        self._pin = torch.device(device).type == "cuda"
+        self._written: dict[bool, dict[int, int]] = {kind: {} for kind in scratch}  # flat entry -> page, unsent
 
     def write(self, slot: int, sliding: bool, first: int, pages: list[int | None]) -> None:
         """Table entries `first..first+len(pages)-1` of `slot` (None = a released page)."""
         assert first + len(pages) <= self.max_pages, f"block table of {first + len(pages)} pages > {self.max_pages}"
         if pages:
             row = [self._scratch[sliding] if p is None else p for p in pages]
-            self.host[sliding][slot, first : first + len(pages)] = torch.tensor(row, dtype=torch.int32)
-            self._dirty.add(slot)
+            base = slot * self.max_pages + first
+            self._written[sliding].update(zip(range(base, base + len(row)), row, strict=True))
 
     def upload(self) -> None:
-        """Copy the rows written since the last upload to the device (before a step that reads them)."""
-        for slot in sorted(self._dirty):
-            for kind, table in self.device.items():
-                table[slot].copy_(self.host[kind][slot], non_blocking=True)
-        self._dirty.clear()
+        """Send the entries written since the last upload to the device (before a step that reads them)."""
+        kinds = [(kind, written) for kind, written in self._written.items() if written]
+        if not kinds:
+            return
+        flat = [e for _, written in kinds for e in written] + [p for _, written in kinds for p in written.values()]
+        host = torch.tensor(flat, dtype=torch.int64)
+        host = host.pin_memory() if self._pin else host
+        sent = host.to(next(iter(self.device.values())).device, non_blocking=True)
+        n = len(flat) // 2
+        at = 0
+        for kind, written in kinds:
+            index, pages = sent[at : at + len(written)], sent[n + at : n + at + len(written)]
+            self.device[kind].view(-1).index_copy_(0, index, pages.to(torch.int32))
+            at += len(written)
+            written.clear()
 
 
 class KVCache:

@@ -30,6 +30,7 @@ import torch
 
 from decode_service.engine.worker.draft_graphs import DepthPools, DepthSequence, DraftGraphs, RoundRows
 from decode_service.engine.worker.kv_cache import CacheSpec
+from decode_service.engine.worker.sampler import to_device
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.mtp import MTPDrafter
 from decode_service.model.state import ContiguousLayerCache, SequenceState
@@ -409,8 +410,7 @@ class PagedMTPSpeculator(MTPSpeculator):
                 shift.append(queued)
                 ends.append(end)
                 arriving = queued + arriving  # depth j's rows, committed and provisional, feed depth j + 1
-            tokens = [[item.token_ids[p + j + 1] if p + j + 1 < k else 0 for p in range(s, k - 1)]
-                      for j, s in enumerate(start)]  # fmt: skip
+            tokens = _known_tokens(item.token_ids, start)
             rounds.append((RoundRows(k, start, count, total, [total[0]] + shift[1:], tokens), ends))
         first = max(max(t - j for j, t in enumerate(rows.total)) for rows, _ in rounds)
         if first > graphs.max_first:
@@ -418,15 +418,14 @@ class PagedMTPSpeculator(MTPSpeculator):
         h, width, r = self.drafter.config.hidden_size, graphs.buckets[-1], graphs.max_rows
         sources, targets = [], []  # host rows of the steps' inputs
         for i, ((item, st), (rows, _)) in enumerate(zip(work, rounds, strict=True)):
-            sources.append(item.hidden if st.pending[0] is None else torch.cat([st.pending[0], item.hidden]))
-            targets.extend(m * width + i for m in range(rows.total[0]))
+            if st.pending[0] is not None:
+                sources.append(st.pending[0])
+            sources.append(item.hidden)
+            targets.extend(range(i, rows.total[0] * width, width))
             for j in range(1, depth):
                 if rows.shift[j]:
                     sources.append(st.pending[j])
-                    targets.extend((j * r + m) * width + i for m in range(rows.shift[j]))
-        index = torch.tensor(targets, dtype=torch.int64).to(graphs.inputs.device, non_blocking=True)
-        graphs.inputs.view(-1, h).index_copy_(0, index, torch.cat(sources).to(graphs.inputs.dtype))
-        drafted = self._run_round(depth, first, work, [rows for rows, _ in rounds])
+                    targets.extend(range(j * r * width + i, (j * r + rows.shift[j]) * width, width))
         # The rows to keep: each depth's inputs it cannot commit yet (`pending`), from the host's or the step's rows.
         picks, wanted = [], []  # flat rows of `outputs`; per request {depth: (old rows, at, new count)}
         for i, ((_, st), (rows, ends)) in enumerate(zip(work, rounds, strict=True)):
@@ -440,20 +439,35 @@ class PagedMTPSpeculator(MTPSpeculator):
                 else:  # the first depth past the drafts queues depth j-1's committed rows
                     old, cell, count = st.pending[j], 0, rows.count[j - 1]
                 keep[j] = (old, len(picks), count)
-                picks.extend(((j - 1) * r + cell + m) * width + i for m in range(count))
+                at = ((j - 1) * r + cell) * width + i
+                picks.extend(range(at, at + count * width, width))
             wanted.append(keep)
-        gathered = graphs.outputs.view(-1, h).index_select(
-            0, torch.tensor(picks, dtype=torch.int64).to(graphs.outputs.device)
-        )
-        for (_, st), (_, ends), keep in zip(work, rounds, wanted, strict=True):
+        index = to_device(targets + picks, graphs.inputs.device)  # one upload for both
+        graphs.inputs.view(-1, h).index_copy_(0, index[: len(targets)], torch.cat(sources).to(graphs.inputs.dtype))
+        drafts, q = self._launch_round(depth, first, work, [rows for rows, _ in rounds])
+        # While the round runs: the rows kept (gathered after it), the depths' new state.
+        gathered = graphs.outputs.view(-1, h).index_select(0, index[len(targets) :])
+        queues = [(st, j, old, at, count) for (_, st), keep in zip(work, wanted, strict=True)
+                  for j, (old, at, count) in keep.items()]  # fmt: skip
+        if any(old is not None and old.shape[0] for _, _, old, _, _ in queues):  # old rows: one copy for all queues
+            pieces, spans, offset = [], [], 0
+            for _, _, old, at, count in queues:
+                queued = old.shape[0] if old is not None else 0
+                if queued:
+                    pieces.append(old)
+                pieces.append(gathered[at : at + count])
+                spans.append((offset, queued + count))
+                offset += queued + count
+            rows_kept = torch.cat(pieces)
+        else:
+            rows_kept, spans = gathered, [(at, count) for _, _, _, at, count in queues]
+        for (_, st), (_, ends) in zip(work, rounds, strict=True):
             st.pending[0] = None
             for j, end in enumerate(ends):
                 st.committed[j] = end
-            for j, (old, at, count) in keep.items():
-                new = gathered[at : at + count]
-                rows = new if old is None or not old.shape[0] else torch.cat([old, new])
-                st.pending[j] = rows if rows.shape[0] else None
-        return drafted
+        for (st, j, _, _, _), (at, count) in zip(queues, spans, strict=True):
+            st.pending[j] = rows_kept[at : at + count] if count else None
+        return self._read_drafts(work, drafts, q)
 
     def _chain(self, depth: int, drafting: list, heads: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
         """After the packed catch-up: the provisional rows and the drafts of the drafting requests (a
@@ -468,23 +482,28 @@ class PagedMTPSpeculator(MTPSpeculator):
                 if st.pending[j] is not None:  # g_{j-1}(p) committed, p = c_j .. c_{j-1} - 1
                     shift[j] = st.pending[j].shape[0]
                     sources.append(st.pending[j])
-                    targets.extend((j * r + m) * width + i for m in range(shift[j]))
+                    targets.extend(range(j * r * width + i, (j * r + shift[j]) * width, width))
             total = [k - 1 - s for s in start]
-            tokens = [[item.token_ids[p + j + 1] if p + j + 1 < k else 0 for p in range(s, k - 1)]
-                      for j, s in enumerate(start)]  # fmt: skip
+            tokens = _known_tokens(item.token_ids, start)
             rounds.append(RoundRows(k, start, [0] * depth, total, shift, tokens))
         head = torch.stack([heads[item.request_id] for item, _ in drafting])  # g_0(K-2) of each request
         graphs.outputs[0, 0, : len(drafting)].copy_(head)
         if targets:
-            index = torch.tensor(targets, dtype=torch.int64).to(graphs.inputs.device, non_blocking=True)
+            index = to_device(targets, graphs.inputs.device)
             graphs.inputs.view(-1, h).index_copy_(0, index, torch.cat(sources).to(graphs.inputs.dtype))
-        return self._run_round(depth, 0, drafting, rounds)
+        return self._read_drafts(drafting, *self._launch_round(depth, 0, drafting, rounds))
 
-    def _run_round(self, depth: int, first: int, work: list, rounds: list[RoundRows]) -> dict[str, tuple[int, ...]]:
+    def _launch_round(
+        self, depth: int, first: int, work: list, rounds: list[RoundRows]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Start the round on the device (`DraftGraphs.run`) -> its drafts `[depth, B]` and `q`, not read yet."""
         temperatures = [item.temperature for item, _ in work]
         generators = [item.generator for item, _ in work]
         slots = [st.state.slot for _, st in work]
-        drafts, q = self.graphs.run(depth, first, rounds, slots, temperatures, generators)
+        return self.graphs.run(depth, first, rounds, slots, temperatures, generators)
+
+    def _read_drafts(self, work: list, drafts: torch.Tensor, q: torch.Tensor | None) -> dict[str, tuple[int, ...]]:
+        """The round's drafts per request (the host waits for the round here); the sampled rows' `q` kept."""
         out = {}
         for i, ((item, _), tokens) in enumerate(zip(work, drafts.t().tolist(), strict=True)):
             out[item.request_id] = tuple(tokens)
@@ -503,6 +522,17 @@ def _depth_rows(item, st: _DrafterState, incoming: dict[str, torch.Tensor], d: i
     reach = start + rows.shape[0]
     end = max(start, min(reach, len(item.token_ids) - 1 - d))
     return rows, start, reach, end
+
+
+def _known_tokens(token_ids: list[int], start: list[int]) -> list[list[int]]:
+    """Per depth j, the token of each of its rows `start[j] .. K-2`: the one at position p + j + 1 when known
+    (< K), else 0 (a draft of this round, filled in on the device)."""
+    k = len(token_ids)
+    tokens = []
+    for j, s in enumerate(start):
+        known = token_ids[s + j + 1 : k]
+        tokens.append(known + [0] * (k - 1 - s - len(known)))
+    return tokens
 
 
 def _rows_seen(st: _DrafterState) -> int:

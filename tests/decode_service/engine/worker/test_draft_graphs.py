@@ -91,28 +91,34 @@ def twin(item: DraftInput) -> DraftInput:
     return dataclasses.replace(item, generator=generator)
 
 
-def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool, schedule: list[int] = ()) -> None:
+def compare(
+    reference, batched, drafter: MTPDrafter, depth: int, exact: bool, schedule: list[int] = (), hot: float = 0.8
+) -> list:
     """Drive both speculators with the same rounds; greedy drafts equal, the sampled request's depth-0 `q` close
     (`exact`: every draft and every `q` bitwise equal). `schedule`: the drafts of each round (`depth_for`), else
-    `depth`."""
+    `depth`; `hot`: the temperature of the one request that may sample. -> the draft distributions each graphed
+    call returned (None: a round of greedy rows only)."""
     device = drafter.embed.weight.device
     at = [0]
     if schedule:
         for spec in (reference, batched):
             spec.depth_for = lambda batch: schedule[at[0] % len(schedule)]
     graphed = []  # (R, RoundRows) of the rounds whose every row ran in the round's graph (a verify round)
+    returned = []  # the `q` of every call
     run = batched.graphs.run
 
     def recording(depth, first, rounds, *args):
         if first:
             graphed.append((first, rounds))
-        return run(depth, first, rounds, *args)
+        out = run(depth, first, rounds, *args)
+        returned.append(out[1])
+        return out
 
     batched.graphs.run = recording
     scripts = [
         Script("long", 80 if schedule else 21, [] if schedule else [9], [depth, 0, 1, depth, 2, 0], 0.0, 1),
         Script("short", 2, [], [0, 1, depth, 0, 0, 1], 0.0, 2),
-        Script("hot", 6, [3], [1, 0, depth, 0, 2, 1], 0.8, 3),
+        Script("hot", 6, [3], [1, 0, depth, 0, 2, 1], hot, 3),
     ]
     h = drafter.config.hidden_size
     for spec in (reference, batched):
@@ -131,8 +137,9 @@ def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool, sc
                 assert got[rid] == tokens, f"step {step} request {rid}"
                 q, p = batched.draft_probs(rid), reference.draft_probs(rid)
                 assert (q is None) == (p is None) and (q is None or torch.equal(q, p))
-            elif rid != "hot":
+            elif rid != "hot" or not hot:
                 assert got[rid] == tokens, f"step {step} request {rid}"
+                assert batched.draft_probs(rid) is None
             elif tokens:  # sampled drafts: the same distribution at depth 0 (later depths see the sampled d_1)
                 torch.testing.assert_close(batched.draft_probs(rid)[0], reference.draft_probs(rid)[0])
         drafts = {rid: got[rid] if rid == "hot" else want[rid] for rid in want}
@@ -155,10 +162,19 @@ def compare(reference, batched, drafter: MTPDrafter, depth: int, exact: bool, sc
         for a, t in zip(s.start, s.total, strict=True)
         if t
     )
+    return returned
 
 
 def test_paged_chain_equals_the_contiguous_speculator(cpu_interpreter, drafter):
-    compare(MTPSpeculator(drafter, 3), paged(drafter, 3), drafter, 3, exact=False)
+    returned = compare(MTPSpeculator(drafter, 3), paged(drafter, 3), drafter, 3, exact=False)
+    assert any(q is not None for q in returned), "rounds with a sampled row return their distributions"
+
+
+def test_greedy_rounds_draft_the_argmax_without_distributions(cpu_interpreter, drafter):
+    """Every row greedy: each round runs the greedy variant (no softmax, no `q`) and drafts what the per-request
+    speculator drafts."""
+    returned = compare(MTPSpeculator(drafter, 3), paged(drafter, 3), drafter, 3, exact=False, hot=0.0)
+    assert returned and all(q is None for q in returned)
 
 
 @pytest.mark.gpu

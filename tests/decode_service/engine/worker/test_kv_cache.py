@@ -5,7 +5,7 @@ import torch
 
 from common.errors import ConfigError
 from decode_service.engine.core.pages import KVAllocator, SequencePages
-from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
+from decode_service.engine.worker.kv_cache import BlockTables, CacheSpec, KVCache, SequenceView
 from decode_service.model.state import SequenceState
 
 
@@ -90,3 +90,26 @@ def test_budget_split(model_config):
     assert spec.num_global_pages > spec.num_sliding_pages
     with pytest.raises(ConfigError):
         CacheSpec.from_budget(config, 100, page_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+
+
+def test_block_tables_upload_the_entries_written_since_the_last_upload():
+    """Each upload sends what was written since the previous one (the last write of an entry wins, a released
+    page reads as the kind's scratch page); nothing else of the device tables changes."""
+    tables = BlockTables(num_slots=3, max_pages=5, scratch={True: 90, False: 91}, device="cpu")
+    want = {kind: torch.full((4, 5), page, dtype=torch.int32) for kind, page in ((True, 90), (False, 91))}
+    tables.upload()  # nothing written
+    for kind in want:
+        assert torch.equal(tables.device[kind], want[kind])
+    rounds = [
+        [(0, True, 0, [3, 4]), (2, False, 0, [7]), (0, True, 1, [5])],  # entry (0, 1) written twice
+        [(1, False, 2, [8, 9, 10]), (0, True, 0, [None])],  # a released sliding page
+        [(2, True, 4, [11])],  # one kind only
+    ]
+    for writes in rounds:
+        for slot, sliding, first, pages in writes:
+            tables.write(slot, sliding, first, pages)
+            for i, page in enumerate(pages):
+                want[sliding][slot, first + i] = 90 if page is None else page
+        tables.upload()
+        for kind in want:
+            assert torch.equal(tables.device[kind], want[kind])
