@@ -191,8 +191,6 @@ def unshuffle_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Te
     return canon_bytes, torch.where(b == 0, 0.0, value).to(torch.float8_e4m3fn)
 
 
-ALIGN_KERNEL_MAX_PAIRS = 4096  # one program walks the pairs in chunks: decode sizes; prefill sorts in torch
-_ALIGN_CHUNK = 128  # pairs per step of the align program (a [CHUNK, CHUNK] comparison ranks them)
 # up to here one program walks the pairs in chunks, beyond it a grid (H200, CUDA graphs, bench_moe --align: 384
 # pairs 15.6 us against 35.6; 1536 pairs 54.2 against 31.1; 4092 146 against 29.4; 12288 the grid 27.8 against
 # 137 for the torch sort)
