@@ -50,6 +50,8 @@ SWEEP = [  # the bytes in flight per program are block_n * block_k * 2 (twice th
     SkinnyConfig(block_n=16, block_k=512, num_warps=8),
     SkinnyConfig(block_n=2, block_k=1024, num_warps=4),
     SkinnyConfig(block_n=2, block_k=2048, num_warps=8),
+    SkinnyConfig(block_n=4, block_k=2048, num_warps=4),
+    SkinnyConfig(block_n=8, block_k=1024, num_warps=4),
     SkinnyConfig(block_n=4, block_k=512, num_warps=4, prefetch=True),
     SkinnyConfig(block_n=8, block_k=512, num_warps=4, prefetch=True),
     SkinnyConfig(block_n=4, block_k=1024, num_warps=4, prefetch=True),
