@@ -41,23 +41,22 @@ from kernels.skinny_gemm import (
 )
 
 _L2_BYTES = 50 << 20
+ONE_ROW_TILE = SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True, prefetch=True)  # part 2, M=1
 SWEEP = [  # the bytes in flight per program are block_n * block_k * 2 (twice that with prefetch)
-    SkinnyConfig(block_n=4, block_k=512, num_warps=4),
     SkinnyConfig(block_n=8, block_k=512, num_warps=4),
     SkinnyConfig(block_n=4, block_k=1024, num_warps=4),
-    SkinnyConfig(block_n=8, block_k=1024, num_warps=8),
-    SkinnyConfig(block_n=16, block_k=256, num_warps=4),
     SkinnyConfig(block_n=16, block_k=512, num_warps=8),
-    SkinnyConfig(block_n=2, block_k=1024, num_warps=4),
-    SkinnyConfig(block_n=2, block_k=2048, num_warps=8),
-    SkinnyConfig(block_n=4, block_k=2048, num_warps=4),
     SkinnyConfig(block_n=8, block_k=1024, num_warps=4),
-    SkinnyConfig(block_n=4, block_k=512, num_warps=4, prefetch=True),
     SkinnyConfig(block_n=8, block_k=512, num_warps=4, prefetch=True),
     SkinnyConfig(block_n=4, block_k=1024, num_warps=4, prefetch=True),
-    SkinnyConfig(block_n=8, block_k=1024, num_warps=8, prefetch=True),
-    SkinnyConfig(block_n=2, block_k=1024, num_warps=4, prefetch=True),
-    SkinnyConfig(block_n=16, block_k=256, num_warps=4, prefetch=True),
+    SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True),
+    SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=4, block_k=512, num_warps=4, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=4, block_k=1024, num_warps=4, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=2, block_k=1024, num_warps=4, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=8, block_k=1024, num_warps=8, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=16, block_k=512, num_warps=8, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=16, block_k=256, num_warps=4, lane_sums=True, prefetch=True),
 ]
 
 
@@ -143,7 +142,7 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
             best = None
             if m <= MAX_ROWS:
                 chosen = default_config(m, lin.n, lin.k)
-                for cfg in SWEEP if chosen in SWEEP else [*SWEEP, chosen]:
+                for cfg in [c for c in (SWEEP if chosen in SWEEP else [*SWEEP, chosen]) if m == 1 or not c.lane_sums]:
                     us = per_launch_us(lambda w, x=x, cfg=cfg: skinny_linear(x, w, config=cfg), weights)
                     step_us[m][cfg] += us * lin.per_step
                     default_step[m] += us * lin.per_step if cfg == chosen else 0.0
@@ -167,15 +166,17 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
 
 
 def _tile(cfg: SkinnyConfig) -> str:
-    return f"({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages}{', prefetch' if cfg.prefetch else ''})"
+    options = "".join(f", {name}" for name in ("prefetch", "lane_sums") if getattr(cfg, name))
+    return f"({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages}{options})"
 
 
 def model_ops(lins: list[Linear], rows: list[int], ceil) -> None:
     """The fused ops as the model calls them, default tiles, against the reference ops they replace."""
-    widths = [11, 3, 9, 16, 16, 9]
+    widths = [11, 3, 9, 16, 16, 9, 16]
     print("\n## part 2: the model's ops at default_config vs the torch reference ops (cuBLAS + elementwise)")
-    print(row(["linear", "M", "floor us", "reference", "kernel", "rel err"], widths))
-    totals: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    print(row(["linear", "M", "floor us", "reference", "kernel", "rel err", f"one row at {_tile(ONE_ROW_TILE)}"],
+              widths))  # fmt: skip
+    totals: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     for lin in lins:
         weights = weight_copies(lin, torch.bfloat16)
         for m in (r for r in rows if r <= MAX_ROWS):
@@ -199,16 +200,20 @@ def model_ops(lins: list[Linear], rows: list[int], ceil) -> None:
             err = ((got - want).norm() / want.norm()).item()
             floor = ceil.floor_us(lin.bytes(m))
             ref_us, us = per_launch_us(reference, weights), per_launch_us(kernel, weights)
+            alt = per_launch_us(partial(kernel, config=ONE_ROW_TILE), weights) if m == 1 else float("nan")
             totals[m][0] += ref_us * lin.per_step
             totals[m][1] += us * lin.per_step
+            totals[m][2] += alt * lin.per_step
             print(row([lin.name, str(m), f"{floor:.1f}", f"{ref_us:.1f} ({ref_us / floor:.2f}x)",
-                       f"{us:.1f} ({us / floor:.2f}x)", f"{err:.1e}"], widths), flush=True)  # fmt: skip
+                       f"{us:.1f} ({us / floor:.2f}x)", f"{err:.1e}", f"{alt:.1f} ({alt / floor:.2f}x)"],
+                      widths), flush=True)  # fmt: skip
         del weights
         torch.cuda.empty_cache()
-    for m, (ref_us, us) in totals.items():
+    for m, (ref_us, us, alt) in totals.items():
         floor = sum(ceil.floor_us(lin.bytes(m)) * lin.per_step for lin in lins)
         print(f"# M={m}: one step's dense linears {us:.0f} us on the kernel vs {ref_us:.0f} us reference ops, "
-              f"floor {floor:.0f} us ({us / floor:.2f}x)", flush=True)  # fmt: skip
+              f"floor {floor:.0f} us ({us / floor:.2f}x); at {_tile(ONE_ROW_TILE)} {alt:.0f} us",
+              flush=True)  # fmt: skip
 
 
 def greedy_head(config: TextConfig, rows: list[int], ceil) -> None:

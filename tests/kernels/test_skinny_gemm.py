@@ -15,6 +15,7 @@ from kernels.skinny_gemm import (
 
 GEMV = SkinnyConfig(block_n=16, block_k=32)
 PREFETCH = SkinnyConfig(block_n=8, block_k=32, prefetch=True)  # the next K block loaded before this one's products
+LANES = [SkinnyConfig(block_n=8, block_k=32, lane_sums=True, prefetch=p) for p in (False, True)]  # one row of x
 
 
 def assert_rounded_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -77,6 +78,26 @@ def test_skinny_swiglu_matches_reference(cpu_interpreter, dtype, groups, with_ga
     gammas = torch.rand(m, groups, generator=gen) + 0.5 if with_gammas else None
     out = skinny_swiglu(x, w13, width, gammas=gammas, config=config)
     assert_rounded_close(out, skinny_swiglu_reference(x, w13, width, gammas=gammas))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", LANES)
+def test_lane_sum_tiles_match_reference(cpu_interpreter, dtype, config):
+    """One row of x: the plain product over partial column and K blocks, the epilogues, the SwiGLU with gammas,
+    the argmax; more rows are refused."""
+    gen = torch.Generator().manual_seed(7)
+    x, weight = operands(1, 44, 80, dtype, gen)
+    assert_rounded_close(skinny_linear(x, weight, config=config), skinny_linear_reference(x, weight))
+    scale, residual = torch.tensor([1.37], dtype=dtype), torch.randn(1, 44, generator=gen).to(dtype)
+    assert_rounded_close(skinny_linear(x, weight, scale=scale, residual=residual, config=config),
+                         skinny_linear_reference(x, weight, scale=scale, residual=residual))  # fmt: skip
+    gammas = torch.rand(1, 2, generator=gen) + 0.5
+    assert_rounded_close(skinny_swiglu(x, weight[:40], 10, gammas=gammas, config=config),
+                         skinny_swiglu_reference(x, weight[:40], 10, gammas=gammas))  # fmt: skip
+    logits = skinny_linear(x, weight, divisor=3.0, out_dtype=torch.float32, config=config)
+    assert torch.equal(skinny_argmax(x, weight, divisor=3.0, config=config), logits.argmax(-1))
+    with pytest.raises(ValueError, match="one row"):
+        skinny_linear(torch.cat([x, x]), weight, config=config)
 
 
 def tied_weight(n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -166,16 +187,19 @@ def test_skinny_linear_gpu_bf16(cuda_device, m, n, k):
     gen = torch.Generator(cuda_device).manual_seed(m)
     x, weight = operands(m, n, k, torch.bfloat16, gen)
     assert_rounded_close(skinny_linear(x, weight), skinny_linear_reference(x, weight))
-    prefetch = SkinnyConfig(block_n=4, block_k=1024, prefetch=True)
-    assert_rounded_close(skinny_linear(x, weight, config=prefetch), skinny_linear_reference(x, weight))
+    for tile in (SkinnyConfig(block_n=4, block_k=1024, prefetch=True), SkinnyConfig(8, 512, lane_sums=True)):
+        if m == 1 or not tile.lane_sums:
+            assert_rounded_close(skinny_linear(x, weight, config=tile), skinny_linear_reference(x, weight))
     logits = skinny_linear(x, weight, divisor=16.0, out_dtype=torch.float32)
     ref = skinny_linear_reference(x, weight, divisor=16.0, out_dtype=torch.float32)
     assert_rounded_close(logits.bfloat16(), ref.bfloat16())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("config", [None, SkinnyConfig(block_n=8, block_k=512, prefetch=True)])
+@pytest.mark.parametrize(
+    "m,config",
+    [(1, None), (3, None), (3, SkinnyConfig(8, 512, prefetch=True)), (1, SkinnyConfig(8, 512, lane_sums=True))],
+)
 def test_skinny_argmax_gpu_bf16(cuda_device, m, config):
     """Inkling-Small's unpadded lm_head rows: the argmax of the GEMV's own logits, ties included."""
     gen = torch.Generator(cuda_device).manual_seed(m)
