@@ -141,7 +141,7 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
             cublas_step[m] += cublas * lin.per_step
             best = None
             if m <= MAX_ROWS:
-                chosen = default_config(m, lin.n, lin.k)
+                chosen = default_config(m, lin.rows, lin.k)
                 for cfg in [c for c in (SWEEP if chosen in SWEEP else [*SWEEP, chosen]) if m == 1 or not c.lane_sums]:
                     us = per_launch_us(lambda w, x=x, cfg=cfg: skinny_linear(x, w, config=cfg), weights)
                     step_us[m][cfg] += us * lin.per_step

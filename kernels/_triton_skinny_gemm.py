@@ -10,9 +10,11 @@ The epilogue rounds to the activation dtype exactly where the torch reference ro
 and up rows of each output column (groups of [gate ``I`` rows; up ``I`` rows] in W) and returns
 ``silu(gate) * up`` (times the group's gamma with ``HAS_GAMMA``); ``HAS_SCALE`` multiplies the rounded product by a
 one-element tensor, ``HAS_RESIDUAL`` then adds a tensor of the output's shape; ``DIVIDE_X`` divides x by a scalar
-(rounded) before the product. ``ARGMAX`` stores, instead of y, one packed int64 key per row of x and program (the
-largest rounded value of its columns, the first of equal ones: ``_argmax_key``) that ``argmax_reduce_kernel``
-reduces to the row's argmax (kernels/_triton_argmax.py).
+(rounded) before the product, as a multiplication by its exact reciprocal with ``RECIPROCAL`` (a power-of-two
+divisor such as the lm_head's muP 16: the same correctly rounded quotient without a division per element and
+program). ``ARGMAX`` stores, instead of y, one packed int64 key per row of x and program (the largest rounded value
+of its columns, the first of equal ones: ``argmax_key``) that ``argmax_reduce_kernel`` reduces to the row's argmax
+(kernels/_triton_argmax.py).
 """
 
 import triton
@@ -54,6 +56,7 @@ def _products(
     BLOCK_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     DIVIDE_X: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
     PAIRED: tl.constexpr,
     LANE_SUMS: tl.constexpr,
 ):
@@ -69,8 +72,8 @@ def _products(
             x = tl.load(x_ptrs[None, :] + tl.zeros(w.shape, tl.int32), mask=x_mask[None, :], other=0.0)
         else:
             x = tl.load(x_ptrs, mask=x_mask, other=0.0)[None, :]
-        if DIVIDE_X:
-            x = tl.math.div_rn(x.to(tl.float32), divisor).to(dtype)
+        if DIVIDE_X:  # divisor: its exact reciprocal with RECIPROCAL (a power of two: the same rounded quotient)
+            x = (x.to(tl.float32) * divisor if RECIPROCAL else tl.math.div_rn(x.to(tl.float32), divisor)).to(dtype)
         x = x.to(tl.float32)
         if LANE_SUMS:
             acc += w.to(tl.float32) * x
@@ -103,6 +106,7 @@ def _accumulate(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     DIVIDE_X: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
     PAIRED: tl.constexpr,
     PREFETCH: tl.constexpr,
     LANE_SUMS: tl.constexpr,
@@ -123,16 +127,16 @@ def _accumulate(
         for k0 in range(BLOCK_K, K, BLOCK_K):
             w_next, up_next = _weight_tiles(w_ptrs, up_ptrs, n_mask, offs_k, k0, K, EVEN_K, PAIRED)
             acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, k0 - BLOCK_K, m0, M, K, stride_xm, divisor,
-                                    BLOCK_M, EVEN_K, DIVIDE_X, PAIRED, LANE_SUMS)  # fmt: skip
+                                    BLOCK_M, EVEN_K, DIVIDE_X, RECIPROCAL, PAIRED, LANE_SUMS)  # fmt: skip
             w, w_up = w_next, up_next
         last = (K - 1) // BLOCK_K * BLOCK_K
         acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, last, m0, M, K, stride_xm, divisor,
-                                BLOCK_M, EVEN_K, DIVIDE_X, PAIRED, LANE_SUMS)  # fmt: skip
+                                BLOCK_M, EVEN_K, DIVIDE_X, RECIPROCAL, PAIRED, LANE_SUMS)  # fmt: skip
     else:
         for k0 in range(0, K, BLOCK_K):
             w, w_up = _weight_tiles(w_ptrs, up_ptrs, n_mask, offs_k, k0, K, EVEN_K, PAIRED)
             acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, k0, m0, M, K, stride_xm, divisor,
-                                    BLOCK_M, EVEN_K, DIVIDE_X, PAIRED, LANE_SUMS)  # fmt: skip
+                                    BLOCK_M, EVEN_K, DIVIDE_X, RECIPROCAL, PAIRED, LANE_SUMS)  # fmt: skip
     if LANE_SUMS:
         acc, acc_up = tl.sum(acc, axis=1)[:, None], tl.sum(acc_up, axis=1)[:, None]
     return acc, acc_up
@@ -166,6 +170,7 @@ def skinny_gemm_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     DIVIDE_X: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
     ARGMAX: tl.constexpr,
     PREFETCH: tl.constexpr,
     LANE_SUMS: tl.constexpr,
@@ -181,7 +186,7 @@ def skinny_gemm_kernel(
     group = offs_n // width if SWIGLU else offs_n  # column g * I + j: gate row g * 2I + j, up row g * 2I + I + j
     rows = offs_n + group * width if SWIGLU else offs_n
     acc, up = _accumulate(acc, acc, W, X, rows, rows + width, n_mask, m0, M, K, stride_wn, stride_xm, divisor,
-                          BLOCK_M, BLOCK_K, EVEN_K, DIVIDE_X, SWIGLU, PREFETCH, LANE_SUMS)  # fmt: skip
+                          BLOCK_M, BLOCK_K, EVEN_K, DIVIDE_X, RECIPROCAL, SWIGLU, PREFETCH, LANE_SUMS)  # fmt: skip
     if SWIGLU:
         gate = _round(acc, dtype)
         silu = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)  # F.silu in the activation dtype

@@ -16,11 +16,12 @@ round = to x's dtype, as the torch ops of the reference store their results; pro
 of W's dtype. Up to ``MAX_ROWS`` rows; more belong to cuBLAS (the callers in ``fast_path.py`` decide). One launch,
 grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))`` from shapes only and no host reads: CUDA-graph safe (the argmax: a
 second launch reducing the programs' packed (value, column) keys, equal values to the first column like torch).
-``default_config`` holds the tiles measured best on an H200 (bench/bench_gemm.py).
+``default_config`` holds the tiles measured best on an H200 (bench/bench_gemm.py) per weight shape.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,9 +53,15 @@ def preferred(m: int, n: int) -> bool:
     return m == 1
 
 
-def default_config(m: int, n: int, k: int) -> SkinnyConfig:
-    """Best measured on an H200 (bench/bench_gemm.py over the Small-L6 proxy's decode linears, bf16): one tile
-    for every shape."""
+def default_config(m: int, rows: int, k: int) -> SkinnyConfig:
+    """Best measured on an H200 (bench/bench_gemm.py over the Small-L6 proxy's decode linears, bf16) for ``m``
+    rows of x against a weight of ``rows`` x ``k``: (8, 512, 4 warps); for one row, lane sums with prefetch on the
+    small 4096 x 4096 weights (wo, shared down: 11.6 against 12.2 us, floor 7.9) and prefetch on the long-K dense
+    down (4096 x 16384)."""
+    if m == 1 and rows * k <= 4096 * 4096:
+        return SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True, prefetch=True)
+    if m == 1 and k >= 16384:
+        return SkinnyConfig(block_n=8, block_k=512, num_warps=4, prefetch=True)
     return SkinnyConfig(block_n=8, block_k=512, num_warps=4)
 
 
@@ -95,6 +102,7 @@ def _launch(
     if m == 0 or n == 0:
         return out
     block_m = min(_next_pow2(m), _GEMV_MAX_ROWS)
+    exact_reciprocal = divisor is not None and abs(math.frexp(divisor)[0]) == 0.5  # x / 2^e == x * 2^-e
     if config.lane_sums and block_m > 1:
         raise ValueError(f"lane_sums tiles are for one row of x, got {m}")
     grid = (-(-n // config.block_n), -(-m // block_m))
@@ -109,7 +117,7 @@ def _launch(
         n,
         k,
         width,
-        float(divisor or 1.0),
+        1.0 / divisor if exact_reciprocal else float(divisor or 1.0),
         x.stride(0),
         weight.stride(0),
         out.stride(0),
@@ -124,6 +132,7 @@ def _launch(
         HAS_SCALE=scale is not None,
         HAS_RESIDUAL=residual is not None,
         DIVIDE_X=divisor is not None,
+        RECIPROCAL=exact_reciprocal,
         ARGMAX=argmax,
         PREFETCH=config.prefetch,
         LANE_SUMS=config.lane_sums,
@@ -200,7 +209,7 @@ def skinny_swiglu(
         raise ValueError(f"gammas must be fp32 [M, G] = [{m}, {groups}], got {gammas.dtype} {tuple(gammas.shape)}")
     n = groups * width
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    return _launch(x, w13, out, config or default_config(m, n, k), width=width, gammas=gammas)
+    return _launch(x, w13, out, config or default_config(m, w13.shape[0], k), width=width, gammas=gammas)
 
 
 def skinny_linear_reference(

@@ -69,6 +69,17 @@ def test_skinny_linear_epilogues(cpu_interpreter):
     assert_rounded_close(logits.half(), ref.half())
 
 
+@pytest.mark.parametrize("divisor", [16.0, 0.25, 3.0, -24.0])  # powers of two: a multiplication by the reciprocal
+@pytest.mark.parametrize("config", [GEMV, LANES[1]])
+def test_divisor_rounds_x_like_torch(cpu_interpreter, divisor, config):
+    """The fused division gives exactly the products of x divided by torch first (the rounded quotient)."""
+    gen = torch.Generator().manual_seed(3)
+    x, weight = operands(1, 40, 64, torch.float16, gen)
+    x = x * 7.1  # quotients off the representable grid
+    got = skinny_linear(x, weight, divisor=divisor, config=config)
+    assert torch.equal(got, skinny_linear((x / divisor).contiguous(), weight, config=config))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("groups,with_gammas,config", [(1, False, GEMV), (2, True, GEMV), (2, True, PREFETCH)])
 def test_skinny_swiglu_matches_reference(cpu_interpreter, dtype, groups, with_gammas, config):
