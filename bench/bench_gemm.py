@@ -11,9 +11,10 @@ on the plain product `x @ W^T` of every shape and prints, per M, each shape's be
 least summed time over one step's launches (what `default_config` should hold). Part 2 times the ops the model
 calls (`TritonOps`: SwiGLU epilogues, the dense down's global scale, the shared down's add of the routed experts,
 the lm_head's muP division and fp32 logits) at `default_config` against the torch reference ops they replace
-(cuBLAS plus the elementwise launches), and checks them against that reference.
+(cuBLAS plus the elementwise launches), and checks them against that reference. Part 3 times the greedy head (the
+lm_head's argmax) at `--head-rows` as `TritonOps` runs it, with and without the fp32 logits.
 
-    python3 -m bench.bench_gemm [--rows 1 2 4 8 16 64] [--skip-sweep]
+    python3 -m bench.bench_gemm [--rows 1 2 4 8 16 64] [--skip-sweep] [--head-rows 1 8 64 256]
 """
 
 from __future__ import annotations
@@ -40,13 +41,22 @@ from kernels.skinny_gemm import (
 )
 
 _L2_BYTES = 50 << 20
-SWEEP = [  # the bytes in flight per program are block_n * block_k * 2
-    SkinnyConfig(block_n=4, block_k=512, num_warps=4),
+ONE_ROW_TILE = SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True, prefetch=True)  # part 2, M=1
+SWEEP = [  # the bytes in flight per program are block_n * block_k * 2 (twice that with prefetch)
     SkinnyConfig(block_n=8, block_k=512, num_warps=4),
     SkinnyConfig(block_n=4, block_k=1024, num_warps=4),
-    SkinnyConfig(block_n=8, block_k=1024, num_warps=8),
-    SkinnyConfig(block_n=16, block_k=256, num_warps=4),
     SkinnyConfig(block_n=16, block_k=512, num_warps=8),
+    SkinnyConfig(block_n=8, block_k=1024, num_warps=4),
+    SkinnyConfig(block_n=8, block_k=512, num_warps=4, prefetch=True),
+    SkinnyConfig(block_n=4, block_k=1024, num_warps=4, prefetch=True),
+    SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True),
+    SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=4, block_k=512, num_warps=4, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=4, block_k=1024, num_warps=4, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=2, block_k=1024, num_warps=4, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=8, block_k=1024, num_warps=8, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=16, block_k=512, num_warps=8, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=16, block_k=256, num_warps=4, lane_sums=True, prefetch=True),
 ]
 
 
@@ -121,7 +131,7 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
     print(row(["linear", "M", "floor us", "cuBLAS", "best kernel", "best tile (block_n, block_k, warps, stages)"],
               widths))  # fmt: skip
     step_us: dict[int, dict[SkinnyConfig, float]] = {m: defaultdict(float) for m in rows}
-    cublas_step: dict[int, float] = defaultdict(float)
+    cublas_step, default_step, best_step = defaultdict(float), defaultdict(float), defaultdict(float)
     for lin in lins:
         weights = weight_copies(lin, torch.bfloat16)
         for m in rows:
@@ -131,11 +141,14 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
             cublas_step[m] += cublas * lin.per_step
             best = None
             if m <= MAX_ROWS:
-                for cfg in SWEEP:
+                chosen = default_config(m, lin.rows, lin.k)
+                for cfg in [c for c in (SWEEP if chosen in SWEEP else [*SWEEP, chosen]) if m == 1 or not c.lane_sums]:
                     us = per_launch_us(lambda w, x=x, cfg=cfg: skinny_linear(x, w, config=cfg), weights)
                     step_us[m][cfg] += us * lin.per_step
+                    default_step[m] += us * lin.per_step if cfg == chosen else 0.0
                     if best is None or us < best[0]:
                         best = (us, cfg)
+                best_step[m] += best[0] * lin.per_step
             kernel = f"{best[0]:.1f} ({best[0] / floor:.2f}x)" if best else "-"
             tile = _tile(best[1]) if best else "-"
             print(row([lin.name, str(m), f"{floor:.1f}", f"{cublas:.1f} ({cublas / floor:.2f}x)", kernel, tile],
@@ -148,21 +161,22 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
             print(f"# M={m}: cuBLAS {cublas_step[m]:.0f} us per step (beyond MAX_ROWS)")
             continue
         cfg, us = min(step_us[m].items(), key=lambda kv: kv[1])
-        chosen = step_us[m].get(default_config(m, 4096, 4096), float("nan"))
-        print(f"# M={m}: best tile {_tile(cfg)} {us:.0f} us per step; default_config {chosen:.0f} us; "
-              f"cuBLAS {cublas_step[m]:.0f} us", flush=True)  # fmt: skip
+        print(f"# M={m}: best single tile {_tile(cfg)} {us:.0f} us per step; each shape's best {best_step[m]:.0f} "
+              f"us; default_config {default_step[m]:.0f} us; cuBLAS {cublas_step[m]:.0f} us", flush=True)  # fmt: skip
 
 
 def _tile(cfg: SkinnyConfig) -> str:
-    return f"({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages})"
+    options = "".join(f", {name}" for name in ("prefetch", "lane_sums") if getattr(cfg, name))
+    return f"({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages}{options})"
 
 
 def model_ops(lins: list[Linear], rows: list[int], ceil) -> None:
     """The fused ops as the model calls them, default tiles, against the reference ops they replace."""
-    widths = [11, 3, 9, 16, 16, 9]
+    widths = [11, 3, 9, 16, 16, 9, 16]
     print("\n## part 2: the model's ops at default_config vs the torch reference ops (cuBLAS + elementwise)")
-    print(row(["linear", "M", "floor us", "reference", "kernel", "rel err"], widths))
-    totals: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    print(row(["linear", "M", "floor us", "reference", "kernel", "rel err", f"one row at {_tile(ONE_ROW_TILE)}"],
+              widths))  # fmt: skip
+    totals: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     for lin in lins:
         weights = weight_copies(lin, torch.bfloat16)
         for m in (r for r in rows if r <= MAX_ROWS):
@@ -186,22 +200,58 @@ def model_ops(lins: list[Linear], rows: list[int], ceil) -> None:
             err = ((got - want).norm() / want.norm()).item()
             floor = ceil.floor_us(lin.bytes(m))
             ref_us, us = per_launch_us(reference, weights), per_launch_us(kernel, weights)
+            alt = per_launch_us(partial(kernel, config=ONE_ROW_TILE), weights) if m == 1 else float("nan")
             totals[m][0] += ref_us * lin.per_step
             totals[m][1] += us * lin.per_step
+            totals[m][2] += alt * lin.per_step
             print(row([lin.name, str(m), f"{floor:.1f}", f"{ref_us:.1f} ({ref_us / floor:.2f}x)",
-                       f"{us:.1f} ({us / floor:.2f}x)", f"{err:.1e}"], widths), flush=True)  # fmt: skip
+                       f"{us:.1f} ({us / floor:.2f}x)", f"{err:.1e}", f"{alt:.1f} ({alt / floor:.2f}x)"],
+                      widths), flush=True)  # fmt: skip
         del weights
         torch.cuda.empty_cache()
-    for m, (ref_us, us) in totals.items():
+    for m, (ref_us, us, alt) in totals.items():
         floor = sum(ceil.floor_us(lin.bytes(m)) * lin.per_step for lin in lins)
         print(f"# M={m}: one step's dense linears {us:.0f} us on the kernel vs {ref_us:.0f} us reference ops, "
-              f"floor {floor:.0f} us ({us / floor:.2f}x)", flush=True)  # fmt: skip
+              f"floor {floor:.0f} us ({us / floor:.2f}x); at {_tile(ONE_ROW_TILE)} {alt:.0f} us",
+              flush=True)  # fmt: skip
+
+
+def greedy_head(config: TextConfig, rows: list[int], ceil) -> None:
+    """The decode graphs' greedy head at the ops' own dispatch (`TritonOps`): `logits(...).argmax(-1)`, what it
+    was, against `argmax_logits` (no fp32 logits; the argmax fused into the GEMV where it takes the rows,
+    `argmax_rows` after cuBLAS otherwise) and the reference's (torch's argmax of the bf16 product), each in a CUDA
+    graph over the full unembedding (1.6 GB: no L2 reuse between replays). Floor: the unpadded rows once."""
+    from decode_service.model.collectives import SINGLE
+    from decode_service.model.fast_path import FAST
+    from decode_service.model.ops import REFERENCE
+
+    h, vocab, mup = config.hidden_size, config.unpadded_vocab_size, config.mup_multiplier
+    weight = torch.randn(config.vocab_size, h, device="cuda").mul_(h**-0.5).to(torch.bfloat16)
+    widths = [5, 9, 22, 22, 22, 6]
+    print(f"\n## part 3: the greedy head over {vocab} of {config.vocab_size} lm_head rows (us; x floor)")
+    print(row(["M", "floor us", "logits + argmax", "argmax_logits", "Ops (torch argmax)", "same"], widths))
+    for m in rows:
+        hidden = torch.randn(m, h, device="cuda").to(torch.bfloat16)
+        heads = [partial(_logits_argmax, FAST, hidden, weight, mup, SINGLE, vocab),
+                 partial(FAST.argmax_logits, hidden, weight, mup, SINGLE, vocab),
+                 partial(REFERENCE.argmax_logits, hidden, weight, mup, SINGLE, vocab)]  # fmt: skip
+        same = torch.equal(heads[0](), heads[1]())
+        floor = ceil.floor_us(vocab * h * 2 + m * h * 2 + m * 8)
+        cells = [f"{us:.1f} ({us / floor:.2f}x)" for us in (time_graph_ms(head, reps=20) * 1e3 for head in heads)]
+        print(row([str(m), f"{floor:.1f}", *cells, str(same)], widths), flush=True)
+    del weight, heads
+    torch.cuda.empty_cache()
+
+
+def _logits_argmax(ops, *args) -> torch.Tensor:
+    return ops.logits(*args).argmax(-1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
-    parser.add_argument("--skip-sweep", action="store_true", help="only part 2 (the model's ops at default tiles)")
+    parser.add_argument("--skip-sweep", action="store_true", help="no part 1 (the tile sweep)")
+    parser.add_argument("--head-rows", type=int, nargs="*", default=[1, 8, 64, 256], help="part 3's M (none: skip)")
     args = parser.parse_args()
     ceil = measure_ceilings()
     print(ceil.line(), flush=True)
@@ -211,6 +261,8 @@ def main() -> None:
     if not args.skip_sweep:
         sweep(lins, args.rows, ceil)
     model_ops(lins, [m for m in args.rows if m in (1, 8)] or args.rows[:1], ceil)
+    if args.head_rows:
+        greedy_head(proxy_config(), args.head_rows, ceil)
 
 
 if __name__ == "__main__":

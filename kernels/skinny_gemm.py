@@ -5,6 +5,8 @@
         residual=r [M, N]            y = round(r + y)                         (the routed experts' output)
         divisor=d                    y = round(round(x / d) W^T)              (the lm_head's muP division)
         out_dtype=torch.float32      the rounded y stored as fp32             (the model's fp32 logits)
+    skinny_argmax(x, W)              argmax(round(x W^T), -1) int64 [M]       (greedy tokens, no logits stored)
+        divisor=d                    over round(round(x / d) W^T)             (the lm_head's)
     skinny_swiglu(x, W13, width)     W13 = G groups of [gate I rows; up I rows], I = width:
                                      a = round(round(silu(round(x Wg^T))) * round(x Wu^T))   [M, G*I]
         gammas=g [M, G] fp32         a = round(a * round(g))                  (the shared experts' gammas)
@@ -12,12 +14,14 @@
 round = to x's dtype, as the torch ops of the reference store their results; products accumulate in fp32. W is
 ``[N, K]`` with unit last stride (row slices such as the lm_head's unpadded vocabulary rows are views), x ``[M, K]``
 of W's dtype. Up to ``MAX_ROWS`` rows; more belong to cuBLAS (the callers in ``fast_path.py`` decide). One launch,
-grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))`` from shapes only and no host reads: CUDA-graph safe.
-``default_config`` holds the tiles measured best on an H200 (bench/bench_gemm.py).
+grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))`` from shapes only and no host reads: CUDA-graph safe (the argmax: a
+second launch reducing the programs' packed (value, column) keys, equal values to the first column like torch).
+``default_config`` holds the tiles measured best on an H200 (bench/bench_gemm.py) per weight shape.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +39,8 @@ class SkinnyConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    prefetch: bool = False  # load the next K block's weight tile before this block's products
+    lane_sums: bool = False  # one row of x only: per-lane fp32 sums over K, one reduction after the loop
 
 
 _GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator column per row of x: beyond this, more row blocks
@@ -47,9 +53,15 @@ def preferred(m: int, n: int) -> bool:
     return m == 1
 
 
-def default_config(m: int, n: int, k: int) -> SkinnyConfig:
-    """Best measured on an H200 (bench/bench_gemm.py over the Small-L6 proxy's decode linears, bf16): one tile
-    for every shape."""
+def default_config(m: int, rows: int, k: int) -> SkinnyConfig:
+    """Best measured on an H200 (bench/bench_gemm.py over the Small-L6 proxy's decode linears, bf16) for ``m``
+    rows of x against a weight of ``rows`` x ``k``: (8, 512, 4 warps); for one row, lane sums with prefetch on the
+    small 4096 x 4096 weights (wo, shared down: 11.6 against 12.2 us, floor 7.9) and prefetch on the long-K dense
+    down (4096 x 16384)."""
+    if m == 1 and rows * k <= 4096 * 4096:
+        return SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True, prefetch=True)
+    if m == 1 and k >= 16384:
+        return SkinnyConfig(block_n=8, block_k=512, num_warps=4, prefetch=True)
     return SkinnyConfig(block_n=8, block_k=512, num_warps=4)
 
 
@@ -58,8 +70,8 @@ def _next_pow2(n: int) -> int:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[1] == 0:
+        raise ValueError(f"x [M, K] and weight [N, K] (K > 0) expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype not in _FLOATS or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share one of fp32/fp16/bf16, got {x.dtype} and {weight.dtype}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
@@ -81,14 +93,18 @@ def _launch(
     scale: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     divisor: float | None = None,
+    argmax: bool = False,
 ) -> torch.Tensor:
     from kernels import _triton_skinny_gemm as tk
 
-    m, n = out.shape
+    m, n = x.shape[0], weight.shape[0] if argmax else out.shape[1]
     k = x.shape[1]
     if m == 0 or n == 0:
         return out
     block_m = min(_next_pow2(m), _GEMV_MAX_ROWS)
+    exact_reciprocal = divisor is not None and abs(math.frexp(divisor)[0]) == 0.5  # x / 2^e == x * 2^-e
+    if config.lane_sums and block_m > 1:
+        raise ValueError(f"lane_sums tiles are for one row of x, got {m}")
     grid = (-(-n // config.block_n), -(-m // block_m))
     tk.skinny_gemm_kernel[grid](
         x,
@@ -101,7 +117,7 @@ def _launch(
         n,
         k,
         width,
-        float(divisor or 1.0),
+        1.0 / divisor if exact_reciprocal else float(divisor or 1.0),
         x.stride(0),
         weight.stride(0),
         out.stride(0),
@@ -116,6 +132,10 @@ def _launch(
         HAS_SCALE=scale is not None,
         HAS_RESIDUAL=residual is not None,
         DIVIDE_X=divisor is not None,
+        RECIPROCAL=exact_reciprocal,
+        ARGMAX=argmax,
+        PREFETCH=config.prefetch,
+        LANE_SUMS=config.lane_sums,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -149,6 +169,29 @@ def skinny_linear(
     return _launch(x, weight, out, config or default_config(m, n, k), scale=scale, residual=residual, divisor=divisor)
 
 
+def skinny_argmax(
+    x: torch.Tensor, weight: torch.Tensor, *, divisor: float | None = None, config: SkinnyConfig | None = None
+) -> torch.Tensor:
+    """x ``[M, K]``, weight ``[N, K]`` -> int64 ``[M]``: the column of each row's largest rounded product (the first
+    of equal ones, NaN above everything, as ``torch.argmax``) without storing the products; see the module
+    docstring."""
+    from kernels.argmax import MAX_COLUMNS, reduce_keys
+
+    _check(x, weight)
+    if divisor is not None and divisor == 0:
+        raise ValueError("divisor must be non-zero")
+    (m, k), n = x.shape, weight.shape[0]
+    if n == 0 or n > MAX_COLUMNS:
+        raise ValueError(f"weight has {n} rows: the argmax takes 1..{MAX_COLUMNS}")
+    config = config or default_config(m, n, k)
+    keys = torch.empty((m, -(-n // config.block_n)), dtype=torch.int64, device=x.device)
+    tokens = torch.empty(m, dtype=torch.int64, device=x.device)
+    if m == 0:
+        return tokens
+    _launch(x, weight, keys, config, divisor=divisor, argmax=True)
+    return reduce_keys(keys, tokens)
+
+
 def skinny_swiglu(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -166,7 +209,7 @@ def skinny_swiglu(
         raise ValueError(f"gammas must be fp32 [M, G] = [{m}, {groups}], got {gammas.dtype} {tuple(gammas.shape)}")
     n = groups * width
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    return _launch(x, w13, out, config or default_config(m, n, k), width=width, gammas=gammas)
+    return _launch(x, w13, out, config or default_config(m, w13.shape[0], k), width=width, gammas=gammas)
 
 
 def skinny_linear_reference(
@@ -187,6 +230,11 @@ def skinny_linear_reference(
     if residual is not None:
         y = residual + y
     return y.to(out_dtype or x.dtype)
+
+
+def skinny_argmax_reference(x: torch.Tensor, weight: torch.Tensor, *, divisor: float | None = None) -> torch.Tensor:
+    """Torch reference of ``skinny_argmax`` (same arguments but ``config``)."""
+    return skinny_linear_reference(x, weight, divisor=divisor).argmax(-1)
 
 
 def skinny_swiglu_reference(

@@ -154,6 +154,19 @@ class TritonOps(Ops):
             return skinny_linear(hidden, weight[:vocab], divisor=divisor, out_dtype=torch.float32)
         return super().logits(hidden, weight, divisor, tp, vocab)
 
+    def argmax_logits(self, hidden, weight, divisor, tp, vocab):
+        """On one rank: for decode rows the argmax fused into the lm_head's launch (`skinny_argmax`: the products of
+        `logits`' kernel, per program the largest, and a reduce launch; no logits stored), for more rows
+        `kernels.argmax.argmax_rows` over `unembed` (the reference's product); the reference otherwise."""
+        from kernels.argmax import argmax_rows
+        from kernels.skinny_gemm import skinny_argmax
+
+        if tp.size > 1 or hidden.dim() != 2 or hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return super().argmax_logits(hidden, weight, divisor, tp, vocab)
+        if _skinny(hidden, weight):
+            return skinny_argmax(hidden, weight[:vocab], divisor=divisor)
+        return argmax_rows(self.unembed(hidden, weight, divisor, tp, vocab))
+
     def fp8_logits(self, hidden, weight, scale, divisor, tp, vocab):
         """One launch for any number of rows (`kernels.fp8_head`: the division fused, fp32 logits)."""
         from kernels.fp8_head import fp8_logits

@@ -136,6 +136,13 @@ class InklingDecoder(nn.Module):
         config = self.config
         return self.ops.logits(hidden, self.unembed.weight, config.mup_multiplier, self.tp, config.unpadded_vocab_size)
 
+    def argmax_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[N, H]` final-normed rows -> int64 `[N]`, `logits(hidden).argmax(-1)` without materialising the logits."""
+        config = self.config
+        return self.ops.argmax_logits(
+            hidden, self.unembed.weight, config.mup_multiplier, self.tp, config.unpadded_vocab_size
+        )
+
 
 def stack_attention_projections(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """The checkpoint's four attention input projections per layer -> the model's stacked `attn.qkvr` rows

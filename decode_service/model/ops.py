@@ -60,13 +60,27 @@ class Ops:
         group g times `gammas[:, g]` (fp32 `[T, G]`, rounded to x's dtype) if given."""
         return skinny_swiglu_reference(x, w13, width, gammas=gammas)
 
+    def unembed(
+        self, hidden: torch.Tensor, weight: torch.Tensor, divisor: float, tp: TPGroup, vocab: int
+    ) -> torch.Tensor:
+        """`[N, H]` final-normed rows, the (vocab-parallel) unembedding `[V/n, H]` -> their product `[N, vocab]` in
+        the rows' dtype: the muP division (a true division, spec 9.8), the product gathered over `tp`, padded
+        columns dropped (a view)."""
+        z = hidden / divisor
+        return tp.gather_vocab(F.linear(z, weight))[:, :vocab]
+
     def logits(
         self, hidden: torch.Tensor, weight: torch.Tensor, divisor: float, tp: TPGroup, vocab: int
     ) -> torch.Tensor:
-        """`[N, H]` final-normed rows, the (vocab-parallel) unembedding `[V/n, H]` -> fp32 logits `[N, vocab]`:
-        the muP division (a true division, spec 9.8), the product gathered over `tp`, padded columns dropped."""
-        z = hidden / divisor
-        return tp.gather_vocab(F.linear(z, weight))[:, :vocab].float()
+        """`unembed` as fp32 logits `[N, vocab]`."""
+        return self.unembed(hidden, weight, divisor, tp, vocab).float()
+
+    def argmax_logits(
+        self, hidden: torch.Tensor, weight: torch.Tensor, divisor: float, tp: TPGroup, vocab: int
+    ) -> torch.Tensor:
+        """`logits(...).argmax(-1)` as int64 `[N]` without the fp32 copy: the argmax of `unembed` (the cast to fp32
+        is exact, so the values, their ties and the first index among them are the same)."""
+        return self.unembed(hidden, weight, divisor, tp, vocab).argmax(-1)
 
     def fp8_logits(
         self,

@@ -14,10 +14,11 @@ the states after exactly those rows (`kernels.conv_verify.conv_commit`, a graph 
 KV of the rejected rows stays in the pool past the sequence's length, where later steps overwrite it.
 
 Greedy steps (`greedy_tokens`): when every row of a step takes the argmax of its logits (the runner decides), a
-second graph per bucket and width runs the lm_head of all B*W rows of the step's static hidden and its argmax, so
-the host reads B*W token ids instead of the fp32 logits and their sampling ops. Its logits are a temporary of the
-graphs' pool: the pool holds the largest bucket's B*W x vocab x (2 + 4) bytes (386 MB at 64 sequences x W=5 for
-Inkling's 201024 columns).
+second graph per bucket and width runs `model.argmax_logits` (the tokens of `model.logits(...).argmax(-1)`, no
+fp32 copy of the logits) over all B*W rows of the step's static hidden, so the host reads B*W token ids instead of
+the fp32 logits and their sampling ops. Its product is a temporary of the graphs' pool: the pool holds the largest
+bucket's B*W x vocab x 2 bytes (129 MB at 64 sequences x W=5 for Inkling's 201024 columns; none for rows of the
+skinny GEMV, whose argmax is fused).
 
 Graphs are captured once per bucket and width (the buckets up to `max_num_seqs`, which is the last one), after an
 eager warm-up run on padding rows (Triton compiles there), and share one memory pool. Without CUDA (CPU tests of
@@ -106,7 +107,8 @@ class DecodeGraphs:
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """After `run` or `verify`, with the hidden they returned: the argmax of every row's logits `[B*W]` int64 on
-        the device (the same lm_head op as `model.logits`), from the head graph of the step's bucket and width."""
+        the device (`model.argmax_logits`: the tokens of `model.logits`' argmax), from the head graph of the step's
+        bucket and width."""
         assert self._stepped is not None, "greedy_tokens without a step"
         size, width = self._stepped
         if not self.capture:
@@ -245,7 +247,7 @@ class DecodeGraphs:
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, H]` final-normed rows -> `[N]` argmax of their logits (what a head graph records)."""
-        return self.model.logits(hidden).argmax(-1)
+        return self.model.argmax_logits(hidden)
 
     def _capture_head(self, hidden: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The lm_head + argmax over a step graph's static hidden (warm-up on whatever it holds)."""

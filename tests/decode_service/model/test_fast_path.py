@@ -402,3 +402,21 @@ def test_tiny_checkpoint_graphs_on_and_off_give_the_same_tokens(cuda_device, tmp
         tokens[graphs] = [o.token_ids for o in outs]
     assert tokens[True] == tokens[False]
     assert all(len(t) == 64 for t in tokens[True])
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_argmax_logits_are_the_logits_argmax(cpu_interpreter, rows):
+    """The greedy head's tokens equal `logits(...).argmax(-1)` on each path, ties included (unembedding rows that
+    repeat, the first wins), over the unpadded columns only (the padded rows hold the largest product)."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=gen) / 8
+    x = torch.randn(rows, 64, generator=gen)
+    weight[[30, 57, 89]] = weight[11].clone()
+    weight[90:] = weight[11] * 4  # padding past vocab = 90: never a token
+    x[0] = weight[11] * 8
+    for ops in (FAST, REFERENCE):
+        tokens = ops.argmax_logits(x, weight, 16.0, SINGLE, 90)
+        assert tokens.dtype == torch.int64 and tokens.shape == (rows,)
+        assert torch.equal(tokens, ops.logits(x, weight, 16.0, SINGLE, 90).argmax(-1))
+        assert tokens[0] == 11
+    assert skinny_gemm.preferred(rows, 96) == (rows == 1)  # one row took the fused argmax, three the reference
