@@ -408,3 +408,40 @@ def _prefill_blocks(
         acc = acc * alpha[:, None] + tl.dot(prob.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def rel_bias_table_kernel(
+    R,
+    P,
+    Out,
+    n_rows,
+    n_heads,
+    d_rel,
+    extent,
+    stride_rm,
+    stride_rh,
+    stride_pk,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Program (block of BLOCK_M (query, head) rows, block of BLOCK_N distances): Out[t, h, s] = R[t, h, :] @ P[:, s]
+    # as one MMA with an fp32 accumulator, row t * n_heads + h of a contiguous [n, nH, extent] table; d_rel padded
+    # to D_PAD with zeros.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, D_PAD)
+    row_ok = rows < n_rows
+    col_ok = cols < extent
+    k_ok = offs_k < d_rel
+    t, h = rows // n_heads, rows % n_heads
+    r = tl.load(
+        R + t.to(tl.int64)[:, None] * stride_rm + h[:, None] * stride_rh + offs_k[None, :],
+        mask=row_ok[:, None] & k_ok[None, :],
+        other=0.0,
+    )
+    p = tl.load(P + offs_k[:, None] * stride_pk + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    table = tl.dot(r, p, input_precision=PRECISION)
+    tl.store(Out + rows.to(tl.int64)[:, None] * extent + cols[None, :], table, mask=row_ok[:, None] & col_ok[None, :])

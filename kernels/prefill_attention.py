@@ -4,8 +4,9 @@ kernels/attention.py): a chunk of queries per sequence against every key visible
 ``prefill_attention``: n queries of one sequence at positions ``q_start..`` against its visible keys ``[m, nKV,
 hd]`` from position ``k_first``, flash-attention style (no ``[nH, n, m]`` scores). ``paged_prefill_attention``:
 the queries of a packed batch of sequences in one launch, their keys read in place from one layer's paged pool
-through each sequence's pages. The logits are kept in fp32, the bias too: ``r @ P`` precomputed in fp32 for every
-query at the distances it can see (``[n, nH, min(R, W)]``), read per (query, key) pair.
+through each sequence's pages. The logits are kept in fp32, the bias too: ``r @ P`` precomputed for every query at
+the distances it can see (``rel_bias_table``: ``[n, nH, min(R, W)]`` fp32, on the tensor cores from the bf16 r and
+P, exact products), read per (query, key) pair.
 Excluded from this slice: several sequences per launch over contiguous caches.
 """
 
@@ -129,6 +130,44 @@ def paged_prefill_attention(
     )  # fmt: skip
 
 
+REL_TABLE_BLOCK_M = 128
+REL_TABLE_BLOCK_N = 128
+
+
+def rel_bias_table(r: torch.Tensor, rel_proj: torch.Tensor, extent: int) -> torch.Tensor:
+    """``r [n, nH, d_rel] @ P[:, :extent]`` as a contiguous fp32 ``[n, nH, extent]`` table, one tensor-core launch.
+
+    r and P share a dtype. For bf16/fp16 operands each product is exact in fp32 (8+8 / 11+11 significand bits
+    within fp32's 24) and the d_rel products are summed in the fp32 accumulator, so the table is the fp32 product
+    of the rounded inputs up to the order of that sum (``rel_bias_table_reference``); fp32 operands take IEEE fp32
+    FMAs, not tf32. r may be a strided view (unit last stride)."""
+    import triton
+
+    from kernels import _triton_attention as tk
+
+    n, n_heads, d_rel = r.shape
+    unit = r.stride(-1) == 1 and rel_proj.stride(-1) == 1
+    if not unit or rel_proj.dtype != r.dtype or not 0 < extent <= rel_proj.shape[1]:
+        raise ValueError(f"r {tuple(r.shape)} strides {r.stride()} / P {tuple(rel_proj.shape)} {rel_proj.dtype}: "
+                         f"unit last strides, one dtype and 0 < extent {extent} <= R expected")  # fmt: skip
+    out = torch.empty((n, n_heads, extent), dtype=torch.float32, device=r.device)
+    rows = n * n_heads
+    if rows == 0:
+        return out
+    grid = (triton.cdiv(rows, REL_TABLE_BLOCK_M), triton.cdiv(extent, REL_TABLE_BLOCK_N))
+    tk.rel_bias_table_kernel[grid](
+        r, rel_proj, out, rows, n_heads, d_rel, extent, r.stride(0), r.stride(1), rel_proj.stride(0),
+        D_PAD=max(16, triton.next_power_of_2(d_rel)), BLOCK_M=REL_TABLE_BLOCK_M, BLOCK_N=REL_TABLE_BLOCK_N,
+        PRECISION="ieee" if r.dtype == torch.float32 else "tf32", num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+def rel_bias_table_reference(r: torch.Tensor, rel_proj: torch.Tensor, extent: int) -> torch.Tensor:
+    """fp32 reference of ``rel_bias_table``."""
+    return torch.matmul(r.float(), rel_proj[:, :extent].float())
+
+
 def _block_list(lengths, q_starts, k_firsts, block_m, window, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(Blocks int32 [num_blocks, 2] = (sequence, query block), heaviest key range first; Seqs int32 [B, 4] =
     (first row, queries, q_start, k_first)) on `device`, in one asynchronous upload."""
@@ -165,7 +204,7 @@ def _prefill_launch(q, r, rel_proj, keys, values, pages, page_size, q_start, k_f
     config = config or _prefill_config(max(q_start[0]) if paged else n)
     block_m, block_n = config.block_m, config.block_n
     rel_extent = min(rel_extent, window) if window is not None else rel_extent  # distances >= W are never visible
-    bias = torch.matmul(r.float(), rel_proj[:, :rel_extent].float())  # [n, nH, R']
+    bias = rel_bias_table(r, rel_proj, rel_extent)  # [n, nH, R'] fp32
     if paged:
         blocks, seqs = _block_list(*q_start, block_m, window, q.device)
         grid, scalars = (n_heads, blocks.shape[0] // 2), (0, 0, 0, 0, 0)
