@@ -620,3 +620,18 @@ def moe_align_place_kernel(
         slots = first[:, None] + rows_m[None, :]
         pad = tl.full([FILL_BLOCKS, BLOCK_M], 0, tl.int32) + n_pairs
         tl.store(SortedPairs + slots, pad, mask=(slots >= end[:, None]) & in_blocks[:, None])
+
+
+@triton.jit
+def kperm_x_kernel(X, Out, n_rows, stride_xm, stride_om, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``Out[t, k0 + nib * BLOCK_K / 2 + 16c + 8h + 2l + b] = X[t, k0 + 32c + 8l + 4h + 2b + nib]`` for each BLOCK_K
+    block of columns from k0 (``moe_w13``'s kperm order of x: the even and the odd columns as two halves, each in
+    ``_fp4_tile``'s KPERM order); program (BLOCK_T rows, one K block)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows < n_rows)[:, None]
+    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=ok)
+    C: tl.constexpr = BLOCK_K // 32
+    # [T, c, l, h, b, nib] -> [T, nib, c, h, l, b]
+    x = tl.permute(tl.reshape(x, [BLOCK_T, C, 4, 2, 2, 2]), [0, 5, 1, 3, 2, 4])
+    tl.store(Out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], tl.reshape(x, [BLOCK_T, BLOCK_K]), mask=ok)

@@ -434,6 +434,34 @@ def _arrival_counters(n: int, device: torch.device) -> torch.Tensor:
     return buffers[-1][:n]
 
 
+KPERM_X_ROWS = 32  # rows per program of the x permutation
+
+
+def kperm_x(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x ``[T, H]`` (unit last stride) with each ``block_k`` block of columns in ``moe_w13``'s kperm order, a
+    contiguous copy in one launch: column 32c + 8l + 4h + 2b + nibble of a block moves to nibble * block_k/2 + 16c +
+    8h + 2l + b (the even and the odd columns as two halves, each in the KPERM order, as the MMA reads them)."""
+    import triton
+
+    from kernels import _triton_moe as tk
+
+    t, h = x.shape
+    if x.stride(1) != 1 or block_k % 32 or h % block_k:
+        raise ValueError(f"x {tuple(x.shape)} strides {x.stride()}: unit last stride, H a multiple of {block_k} "
+                         "(itself a multiple of 32) expected")  # fmt: skip
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t:
+        tk.kperm_x_kernel[(triton.cdiv(t, KPERM_X_ROWS), h // block_k)](
+            x, out, t, x.stride(0), out.stride(0), BLOCK_T=KPERM_X_ROWS, BLOCK_K=block_k, num_warps=4
+        )
+    return out
+
+
+def kperm_x_reference(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """torch reference of ``kperm_x``."""
+    return x.unflatten(1, (-1, block_k // 32, 4, 2, 2, 2)).permute(0, 1, 6, 2, 4, 3, 5).reshape(x.shape)
+
+
 def moe_w13(
     x: torch.Tensor, routing: MoeRouting, w13: torch.Tensor, scales, cfg: MoeConfig, shuffled: bool = False
 ) -> torch.Tensor:
@@ -447,9 +475,8 @@ def moe_w13(
     i = w13.shape[1] // 2
     kperm = fp4 and cfg.kperm
     _check_shuffled(fp4 and shuffled, asm, cfg, r.block_m, cfg.num_warps13)
-    if kperm:  # column 32c + 8l + 4h + 2b + nibble of a K block to nibble * BK/2 + 16c + 8h + 2l + b: the even and
-        # the odd columns as two halves, each in the KPERM order, as the MMA reads them
-        x = x.unflatten(1, (-1, cfg.block_k13 // 32, 4, 2, 2, 2)).permute(0, 1, 6, 2, 4, 3, 5).reshape(x.shape)
+    if kperm:
+        x = kperm_x(x, cfg.block_k13)
     inter = torch.empty((r.ids.numel(), i), dtype=x.dtype, device=x.device)
     n_tiles, splits = i // cfg.block_n13, cfg.split_k13
     grid, n_fast = _grid(cfg.n_fast13, r.n_blocks, n_tiles, splits)

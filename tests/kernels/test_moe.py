@@ -10,6 +10,8 @@ from kernels.moe import (
     MoeConfig,
     bf16_moe,
     default_config,
+    kperm_x,
+    kperm_x_reference,
     moe_align,
     moe_align_grid,
     moe_align_reference,
@@ -238,6 +240,14 @@ def test_nvfp4_moe_code_shapes_match_reference(cpu_interpreter, variant, sorted_
     assert rel_err(out, moe_reference(x, ids, wts, *w13, *w2)) < 1e-5
 
 
+@pytest.mark.parametrize("t,h,block_k,dtype", [(1, 64, 32, torch.float32), (45, 256, 128, torch.float16)])
+def test_kperm_x_is_the_reference_permutation(cpu_interpreter, t, h, block_k, dtype):
+    x = torch.randn(t, h + 8, generator=torch.Generator().manual_seed(t)).to(dtype)[:, :h]  # a row-strided view
+    out = kperm_x(x, block_k)
+    assert out.is_contiguous() and torch.equal(out, kperm_x_reference(x, block_k))
+    assert torch.equal(out.sort(-1).values, x.sort(-1).values)  # a permutation of each row
+
+
 def test_shuffle_nvfp4_keeps_the_dequantised_values():
     """Negative, zero and subnormal scales included; the bits of every word are a permutation."""
     from common.nvfp4 import dequant_nvfp4
@@ -438,6 +448,12 @@ def test_shuffled_layout_is_refused_on_the_prefill_tiles(cuda_device):
     cfg = replace(default_config(moe_module.PREFILL_MIN_PAIRS), sorted_min_pairs=1, block_k2=128, block_n2=128)
     with pytest.raises(ValueError, match="shuffled"):
         nvfp4_moe(x, ids, wts, *shuffled(w13), *shuffled(w2), config=cfg, shuffled=True)
+
+
+@pytest.mark.gpu
+def test_kperm_x_gpu(cuda_device):
+    x = torch.randn(2048, 4096, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(cuda_device)
+    assert torch.equal(kperm_x(x, 128), kperm_x_reference(x, 128))
 
 
 PREFILL_TILES = [  # prefill code shapes on the GPU (bf16, inline-PTX dequant): default_config's, then the old ones
