@@ -147,12 +147,17 @@ class TritonOps(Ops):
 
     def logits(self, hidden, weight, divisor, tp, vocab):
         """One launch for decode rows on one rank (`skinny_linear` over the unpadded vocabulary rows, the division
-        fused, the rounded logits stored as fp32); the reference otherwise."""
+        fused, the rounded logits stored as fp32); for more rows the reference's product (`unembed`), its unpadded
+        columns cast by `float_rows` (one pass over the strided view, exact)."""
+        from kernels.float_rows import float_rows
         from kernels.skinny_gemm import skinny_linear
 
         if tp.size == 1 and _skinny(hidden, weight):
             return skinny_linear(hidden, weight[:vocab], divisor=divisor, out_dtype=torch.float32)
-        return super().logits(hidden, weight, divisor, tp, vocab)
+        product = self.unembed(hidden, weight, divisor, tp, vocab)
+        if product.dim() == 2 and product.dtype in (torch.float16, torch.bfloat16) and product.stride(-1) == 1:
+            return float_rows(product)
+        return product.float()
 
     def argmax_logits(self, hidden, weight, divisor, tp, vocab):
         """On one rank: for decode rows the argmax fused into the lm_head's launch (`skinny_argmax`: the products of

@@ -228,6 +228,15 @@ def test_dense_ops_take_the_skinny_kernel_where_it_beats_cublas(cpu_interpreter,
     assert rel_err(FAST.swiglu(x, w13, 24), REFERENCE.swiglu(x, w13, 24)) < 1e-6
 
 
+def test_bf16_logits_of_several_rows_are_the_reference_cast(cpu_interpreter):
+    """Above one row the lm_head is the reference's product; its unpadded columns (a strided view) are cast by
+    `float_rows`: the reference's fp32 logits bit for bit, contiguous."""
+    gen = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(3, 64, generator=gen).bfloat16(), (torch.randn(96, 64, generator=gen) / 8).bfloat16()
+    fast = FAST.logits(x, weight, 16.0, SINGLE, 90)
+    assert fast.is_contiguous() and torch.equal(fast, REFERENCE.logits(x, weight, 16.0, SINGLE, 90))
+
+
 def test_skinny_kernel_crossover():
     """The measured crossover: one row at every width, cuBLAS from two rows on (the lm_head too)."""
     assert skinny_gemm.preferred(1, 4096) and skinny_gemm.preferred(1, 200058)

@@ -1,0 +1,33 @@
+"""``x.float()`` of ``[M, N]`` rows with a unit last stride and any row stride, as a contiguous fp32 copy in one
+launch (kernels/_triton_float_rows.py): the lm_head's product for more than one row is ``[M, V_padded]`` sliced to
+its unpadded columns, a view torch's copy cannot flatten into one vectorised pass; this one reads each row slice
+with vector loads. The cast is exact: the values are those of ``float_rows_reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 4096  # columns per program
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def float_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[M, N]`` fp32/fp16/bf16 rows (unit last stride) -> contiguous fp32 ``[M, N]``."""
+    import triton
+
+    from kernels import _triton_float_rows as tk
+
+    if x.dim() != 2 or x.dtype not in _FLOATS or x.stride(-1) != 1:
+        raise ValueError(f"[M, N] fp32/fp16/bf16 rows with a unit last stride expected, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
+    m, n = x.shape
+    out = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    if m and n:
+        tk.float_rows_kernel[(m, triton.cdiv(n, BLOCK))](x, out, n, x.stride(0), BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def float_rows_reference(x: torch.Tensor) -> torch.Tensor:
+    """Torch reference of ``float_rows``."""
+    return x.float().contiguous()
