@@ -13,28 +13,42 @@ R 1024) for each `PrefillConfig` side by side: a sliding layer (W 512), the glob
 the last chunk of the prompt; attention FLOPs (4 nH hd per visible pair) over time, next to the bf16 peak, and
 the error against the fp32 reference.
 
+`--glue`: only the per-chunk glue ops, each from a CUDA graph next to its byte floor, the kernel against the torch
+reference it replaced: the relative-bias table of a 2048-token chunk (`rel_bias_table`, sliding R' 512 and global
+1024, r a view of the stacked projection) against the fp32 `r.float() @ P.float()`, the NVFP4 gate/up kernel's
+x permutation (`kperm_x`, [chunk, 4096]) against torch's permute copy, and the lm_head's fp32 cast of B=256
+unpadded logit rows (`float_rows`) against `.float()` of the view.
+
     python3 -m bench.bench_prefill [--tokens 8192] [--chunk 2048[,4096]] [--moe-tiles default,...]
-        [--no-model] [--no-attention]
+        [--no-model] [--no-attention] [--glue]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from functools import partial
 
 import torch
 
 from bench.bench_decode import count_launches, prefill_flops
 from bench.bench_moe import PREFILL_VARIANTS, prefill_variant
-from bench.floors import Ceilings, measure_ceilings, time_eager_ms
+from bench.floors import Ceilings, measure_ceilings, time_eager_ms, time_graph_ms
 from bench.proxy import NVFP4_LAYERS, PAGE, proxy_config, random_proxy
 from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.fast_path import TritonOps
 from decode_service.model.inkling import InklingDecoder
-from kernels.moe import PREFILL_MIN_PAIRS, MoeConfig, bf16_moe, nvfp4_moe
-from kernels.prefill_attention import PrefillConfig, prefill_attention, prefill_attention_reference
+from kernels.float_rows import float_rows, float_rows_reference
+from kernels.moe import PREFILL_MIN_PAIRS, MoeConfig, bf16_moe, kperm_x, kperm_x_reference, nvfp4_moe
+from kernels.prefill_attention import (
+    PrefillConfig,
+    prefill_attention,
+    prefill_attention_reference,
+    rel_bias_table,
+    rel_bias_table_reference,
+)
 
 
 class TilesOps(TritonOps):
@@ -111,6 +125,36 @@ def bench_attention(ceil: Ceilings, n: int = 2048, heads: int = 32, kv_heads: in
                 cells.append(f"{type(e).__name__:>22}")
         print(f"# {name:<24} " + "  ".join(f"{c:>22}" for c in cells), flush=True)
     print(f"# (bf16 matmul peak {ceil.bf16_tflops:.0f} TFLOP/s)", flush=True)
+
+
+def bench_glue(ceil: Ceilings, chunk: int = 2048, heads: int = 32, hd: int = 128, d_rel: int = 16) -> None:
+    """Each glue op's kernel and the torch reference it replaced, us from a CUDA graph, next to the op's byte floor
+    (the bytes it must read and write at the measured copy bandwidth)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    proj = torch.randn(chunk, heads * (hd + d_rel) + 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    r = proj[:, heads * hd : heads * (hd + d_rel)].unflatten(1, (heads, d_rel))  # [n, nH, d_rel] view
+    rel_proj = (torch.randn(d_rel, 1024, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
+    x = torch.randn(chunk, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    vocab, padded = 200058, 201024
+    logits = torch.randn(256, padded, generator=gen, device="cuda").to(torch.bfloat16)[:, :vocab]
+    cases = [
+        (f"bias table n={chunk} R'=512", partial(rel_bias_table, r, rel_proj, 512),
+         partial(rel_bias_table_reference, r, rel_proj, 512), r.numel() * 2 + r.numel() // d_rel * 512 * 4),
+        (f"bias table n={chunk} R'=1024", partial(rel_bias_table, r, rel_proj, 1024),
+         partial(rel_bias_table_reference, r, rel_proj, 1024), r.numel() * 2 + r.numel() // d_rel * 1024 * 4),
+        (f"kperm x [{chunk}, 4096]", partial(kperm_x, x, 128), partial(kperm_x_reference, x, 128), x.numel() * 4),
+        ("fp32 logits [256, 200058]", partial(float_rows, logits), partial(float_rows_reference, logits),
+         logits.numel() * 6),
+    ]  # fmt: skip
+    for name, new, old, n_bytes in cases:
+        same = torch.equal(new(), old()) if "bias" not in name else bool(torch.allclose(new(), old(), atol=1e-5))
+        before, after = time_graph_ms(old) * 1e3, time_graph_ms(new) * 1e3
+        floor = ceil.floor_us(n_bytes)
+        print(
+            f"# glue {name}: torch {before:.1f} us ({before / floor:.2f}x floor), kernel {after:.1f} us "
+            f"({after / floor:.2f}x); floor {floor:.1f} us ({n_bytes / 1e6:.0f} MB); same values: {same}",
+            flush=True,
+        )
 
 
 def bench_model(ceil: Ceilings, tokens: int, chunks: list[int], tiles: list[str]) -> None:
@@ -226,9 +270,13 @@ def main() -> None:
     parser.add_argument("--moe-tiles", default="", help=f"also these MoE prefill tiles, of {list(PREFILL_VARIANTS)}")
     parser.add_argument("--no-model", action="store_true", help="only the attention tiles")
     parser.add_argument("--no-attention", action="store_true", help="only the whole prefill")
+    parser.add_argument("--glue", action="store_true", help="only the glue ops, kernel vs torch, from graphs")
     args = parser.parse_args()
     ceil = measure_ceilings()
     print(ceil.line(), flush=True)
+    if args.glue:
+        bench_glue(ceil)
+        return
     if not args.no_model:
         tiles = [t for t in args.moe_tiles.split(",") if t]
         bench_model(ceil, args.tokens, [int(c) for c in args.chunk.split(",")], tiles)
