@@ -130,11 +130,12 @@ def paged_prefill_attention(
     )  # fmt: skip
 
 
-REL_TABLE_BLOCK_M = 128
-REL_TABLE_BLOCK_N = 128
+REL_TABLE_TILES = (128, 128, 8)  # (query-head rows, distances, warps) per program of ``rel_bias_table``
 
 
-def rel_bias_table(r: torch.Tensor, rel_proj: torch.Tensor, extent: int) -> torch.Tensor:
+def rel_bias_table(
+    r: torch.Tensor, rel_proj: torch.Tensor, extent: int, tiles: tuple[int, int, int] = REL_TABLE_TILES
+) -> torch.Tensor:
     """``r [n, nH, d_rel] @ P[:, :extent]`` as a contiguous fp32 ``[n, nH, extent]`` table, one tensor-core launch.
 
     r and P share a dtype. For bf16/fp16 operands each product is exact in fp32 (8+8 / 11+11 significand bits
@@ -154,11 +155,12 @@ def rel_bias_table(r: torch.Tensor, rel_proj: torch.Tensor, extent: int) -> torc
     rows = n * n_heads
     if rows == 0:
         return out
-    grid = (triton.cdiv(rows, REL_TABLE_BLOCK_M), triton.cdiv(extent, REL_TABLE_BLOCK_N))
+    block_m, block_n, num_warps = tiles
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(extent, block_n))
     tk.rel_bias_table_kernel[grid](
         r, rel_proj, out, rows, n_heads, d_rel, extent, r.stride(0), r.stride(1), rel_proj.stride(0),
-        D_PAD=max(16, triton.next_power_of_2(d_rel)), BLOCK_M=REL_TABLE_BLOCK_M, BLOCK_N=REL_TABLE_BLOCK_N,
-        PRECISION="ieee" if r.dtype == torch.float32 else "tf32", num_warps=8,
+        D_PAD=max(16, triton.next_power_of_2(d_rel)), BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION="ieee" if r.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )  # fmt: skip
     return out
 
