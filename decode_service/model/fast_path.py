@@ -116,10 +116,12 @@ class TritonOps(Ops):
     attention_kernels = True
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """One launch; x `[..., C]` (per-head norms pass `[T, nH, hd]`)."""
+        """One launch; x `[..., C]` (per-head norms pass `[T, nH, hd]`, read in place from a projection's view)."""
         from kernels.rms_norm import rms_norm
 
-        rows = x.reshape(-1, x.shape[-1])  # [N, C], a view for contiguous rows (and for T = 1 of a projection)
+        if x.dim() == 3 and x.stride(-1) == 1:
+            return rms_norm(x, weight, eps)
+        rows = x.reshape(-1, x.shape[-1])  # [N, C], a view for contiguous rows
         return rms_norm(rows, weight, eps).view(x.shape)
 
     def linear(self, x, weight, scale=None, residual=None):

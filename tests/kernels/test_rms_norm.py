@@ -55,8 +55,11 @@ def test_rms_norm_per_head_view(cpu_interpreter):
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(3, 4 * 32 + 16, generator=gen)[:, : 4 * 32].view(3, 4, 32)  # [T, nH, hd] slice of a projection
     weight = torch.rand(32, generator=gen) + 0.5
-    rows = q.reshape(-1, 32)
+    rows = q.reshape(-1, 32)  # a copy: the token stride is not nH * hd
     assert_within_rounding(rms_norm(rows, weight, EPS), rms_norm_reference(rows, weight, EPS))
+    out = rms_norm(q, weight, EPS)  # the view read in place
+    assert out.shape == q.shape and out.is_contiguous()
+    assert torch.equal(out, rms_norm(rows, weight, EPS).view(q.shape))
 
 
 def test_rms_norm_empty_batch(cpu_interpreter):
@@ -72,6 +75,8 @@ def test_rms_norm_rejects_bad_operands():
         rms_norm(x.T, torch.ones(2), EPS)
     with pytest.raises(ValueError, match="residual"):
         rms_norm(x, torch.ones(64), EPS, residual=torch.randn(2, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="without a residual"):
+        rms_norm(x.view(2, 2, 32), torch.ones(32), EPS, residual=x.view(2, 2, 32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -103,3 +108,11 @@ def test_rms_norm_gpu_bf16(cuda_device, n, c, with_residual):
         out = rms_norm(x, weight, EPS)
         ref = rms_norm_reference(x, weight, EPS)
     assert_within_rounding(out, ref)
+
+
+@pytest.mark.gpu
+def test_rms_norm_gpu_per_head_view_of_a_projection(cuda_device):
+    proj = torch.randn(2048, 32 * (128 + 16) + 2048, device=cuda_device).to(torch.bfloat16)
+    q = proj[:, : 32 * 128].view(2048, 32, 128)  # the q heads of the stacked qkvr output
+    weight = (torch.rand(128, device=cuda_device) + 0.5).to(torch.bfloat16)
+    assert torch.equal(rms_norm(q, weight, EPS), rms_norm(q.reshape(-1, 128), weight, EPS).view(q.shape))
