@@ -26,6 +26,7 @@ unpadded logit rows (`float_rows`) against `.float()` of the view.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from functools import partial
 
@@ -84,7 +85,7 @@ CONFIGS = [
     PrefillConfig(128, 64, 8, 2),
     PrefillConfig(64, 128, 4, 2),
 ]
-REL_TABLE_SWEEP = [(64, 128, 4), (128, 64, 4), (64, 256, 8), (128, 256, 8)]
+REL_TABLE_SWEEP = [(128, 128, 8), (64, 64, 4), (256, 64, 8), (128, 32, 4)]
 BREAKDOWN_ROWS = 32  # kernels listed by name in a chunk's breakdown
 # (name, q_start, k_first, window, log_scaling) of a 2048-token chunk of an 8192-token prompt
 LAYOUTS = [
@@ -147,9 +148,10 @@ def bench_glue(ceil: Ceilings, chunk: int = 2048, heads: int = 32, hd: int = 128
         ("fp32 logits [256, 200058]", partial(float_rows, logits), partial(float_rows_reference, logits),
          logits.numel() * 6),
     ]  # fmt: skip
-    for tiles in REL_TABLE_SWEEP:  # the global layer's table per tile (rows, distances, warps)
-        cases.append((f"bias table n={chunk} R'=1024 tiles {tiles}", partial(rel_bias_table, r, rel_proj, 1024, tiles),
-                      partial(rel_bias_table_reference, r, rel_proj, 1024), cases[1][3]))  # fmt: skip
+    for extent, tiles in itertools.product((512, 1024), REL_TABLE_SWEEP):  # the table per (rows, distances, warps)
+        cases.append((f"bias table n={chunk} R'={extent} tiles {tiles}",
+                      partial(rel_bias_table, r, rel_proj, extent, tiles),
+                      partial(rel_bias_table_reference, r, rel_proj, extent), cases[extent // 1024][3]))  # fmt: skip
     for name, new, old, n_bytes in cases:
         same = torch.equal(new(), old()) if "bias" not in name else bool(torch.allclose(new(), old(), atol=1e-5))
         before, after = time_graph_ms(old) * 1e3, time_graph_ms(new) * 1e3

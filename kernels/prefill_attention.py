@@ -130,7 +130,7 @@ def paged_prefill_attention(
     )  # fmt: skip
 
 
-REL_TABLE_TILES = (128, 128, 8)  # (query-head rows, distances, warps) per program of ``rel_bias_table``
+REL_TABLE_TILES = (128, 64, 4)  # (query-head rows, distances, warps) per program of ``rel_bias_table``
 
 
 def rel_bias_table(
