@@ -294,6 +294,7 @@ SHUFFLED_VARIANTS = {  # overrides of default_config timed on the shuffled layou
     "sh_w4": {"num_warps13": 4, "num_warps2": 4},
     "sh_w2": {"num_warps13": 2, "num_warps2": 2},
     "sh_n64": {"block_n13": 64, "block_n2": 64},
+    "sh_kperm": {"kperm": True},  # the 4-warp (wgmma) decode tiles in the prefill tiles' K order
 }
 
 
@@ -405,8 +406,11 @@ def prefill_row(ceil, t, kind, name, us, floors, rel="") -> str:
     return row([*cells, f"{us / max(floors):.2f}", rel], WIDTHS3)
 
 
-def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generator, variants: list[str]) -> None:
-    """NVFP4 prefill sizes: the whole op, its stages, then each kernel alone per tile variant."""
+def bench_prefill_kernels(
+    ceil: Ceilings, batches: list[int], gen: torch.Generator, variants: list[str], shuffled: bool = False
+) -> None:
+    """NVFP4 prefill sizes: the whole op, its stages, then each kernel alone per tile variant; ``shuffled``: also
+    the whole op and each variant on ``shuffle_nvfp4``'s layout (``name+sh``, rel vs the variant's canonical run)."""
     dev = "cuda"
     weights = (*make_nvfp4(E, 2 * I, H, dev), *make_nvfp4(E, H, I, dev))
     print(f"# NVFP4 MoE at prefill sizes, CUDA graph over {PREFILL_SETS} routings; floors: FLOPs at the bf16 peak,")
@@ -423,6 +427,13 @@ def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generat
         both = tuple(a + b for a, b in zip(*(prefill_floors(ceil, k, ids, True) for k in ("w13", "w2")), strict=True))
         us = 1e3 * time_any_ms(lambda sets=sets: [nvfp4_moe(*s, *weights) for s in sets]) / len(sets)
         print(prefill_row(ceil, t, "all", "now", us, both, rel + "(fp32 ref)"), flush=True)
+        if shuffled:
+            sh = shuffle_weights(weights)
+            out_sh = nvfp4_moe(x, ids, wts, *sh, shuffled=True).float()
+            rel_sh = f"{((out_sh - ref).norm() / ref.norm()).item():.1e}(fp32 ref), equal {torch.equal(out_sh, out)}"
+            runs = [(*s, *sh) for s in sets]
+            us = 1e3 * time_any_ms(lambda runs=runs: [nvfp4_moe(*r, shuffled=True) for r in runs]) / len(sets)
+            print(prefill_row(ceil, t, "all", "now+sh", us, both, rel_sh), flush=True)
         run = [(x_, i_, w_, PREFILL_BASE) for x_, i_, w_ in sets]
         us = 1e3 * time_any_ms(lambda run=run: [nvfp4_moe(*s[:3], *weights, config=s[3]) for s in run]) / len(sets)
         print(prefill_row(ceil, t, "all", "before", us, both), flush=True)
@@ -444,6 +455,10 @@ def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generat
                 base = first if base is None else base
                 rel = f"{((first - base).norm() / base.norm()).item():.1e}"
                 print(prefill_row(ceil, t, kind, name, us, floors, rel), flush=True)
+                if shuffled:
+                    us, mine = time_kernel(kind, prefill_variant(name), sets, weights, 10, sh=True)
+                    rel = f"{((mine - first).norm() / first.norm()).item():.1e}"
+                    print(prefill_row(ceil, t, kind, name + "+sh", us, floors, rel), flush=True)
 
 
 def grouped_mm_moe(x, ids, wts, w13, w2):
@@ -585,12 +600,14 @@ def main() -> None:
         variants = args.variants.split(",")
         if args.jobs > 1:
             jobs = [(prefill_variant(v), 512, True) for v in variants]
-            jobs += [(prefill_variant(v), 512, False) for v in BF16_VARIANTS]
+            jobs += [(prefill_variant(v), 512, True, True) for v in variants if args.shuffled]
+            jobs += [(prefill_variant(v), 512, False) for v in BF16_VARIANTS if not args.no_bf16]
             precompile([], [], args.jobs, jobs)
         ceil = measure_ceilings()
         print(ceil.line(), flush=True)
-        bench_prefill_kernels(ceil, PREFILL_BATCHES, gen, variants)
-        bench_prefill_bf16(ceil, PREFILL_BATCHES, gen, BF16_VARIANTS)
+        bench_prefill_kernels(ceil, args.batches or PREFILL_BATCHES, gen, variants, args.shuffled)
+        if not args.no_bf16:
+            bench_prefill_bf16(ceil, args.batches or PREFILL_BATCHES, gen, BF16_VARIANTS)
         print(ceil.line())
         return
     ceil = measure_ceilings()

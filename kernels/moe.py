@@ -121,7 +121,7 @@ def default_config(n_pairs: int, fp4: bool = True) -> MoeConfig:
 
 # The shuffled layout's bit sources: code bits 0..3 of the 8 codes of a canonical 4-byte word (lo(b0), lo(b1),
 # lo(b2), lo(b3), hi(b0), ..., hi(b3)) go to these bits of the stored word (``_triton_moe._shuffled_codes`` reads
-# them back; ``_E2M1_SHUFFLED_ASM`` rotates each pair of codes onto the bf16 bits 6..8 and 15 of its halves).
+# them back; ``_E2M1_SHUFFLED_WORD_ASM`` rotates each pair of codes onto the bf16 bits 6..8 and 15 of its halves).
 SHUFFLE_BITS = (
     (6, 7, 8, 15), (22, 23, 24, 31), (2, 3, 4, 11), (18, 19, 20, 27),
     (28, 29, 30, 5), (12, 13, 14, 21), (0, 1, 10, 9), (16, 17, 26, 25),
@@ -141,8 +141,8 @@ def _shuffle_tables(device: torch.device) -> torch.Tensor:
 
 
 def shuffle_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An NVFP4 layout for the MoE decode tiles (``shuffled=True``; not used by the model yet: the prefill tiles'
-    wgmma operand does not take it, ``_check_shuffled``), made once where the weights would be loaded.
+    """The MoE kernels' NVFP4 layout (``shuffled=True``: every tile, decode and prefill), made once where the weights
+    are loaded (``NVFP4Experts`` under the fast ops); the kernels read each 4-byte word whole.
 
     ``packed`` uint8 ``[..., R, C/2]`` and ``scale`` float8_e4m3fn ``[..., R, C/16]`` as in ``common.nvfp4``;
     returns (weights, scales) of the same shapes and dtypes (scales as uint8) and the same dequantised values:
@@ -158,14 +158,26 @@ def shuffle_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tens
     if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (*packed.shape[:-1], packed.shape[-1] // 8):
         raise ValueError(f"scale must be float8_e4m3fn {(*packed.shape[:-1], packed.shape[-1] // 8)}, got "
                          f"{scale.dtype} {tuple(scale.shape)}")  # fmt: skip
-    s = scale.float()
-    if torch.isnan(s).any():
+    if torch.isnan(scale.float()).any():
         raise ValueError("NaN block scales")
-    blocks = packed.unflatten(-1, (-1, 8))  # [..., R, C/16, 8]: the bytes of one scale
+    rows_w, rows_s = packed.reshape(-1, packed.shape[-1]), scale.reshape(-1, scale.shape[-1])
+    out_w, out_s = torch.empty_like(rows_w), torch.empty(rows_s.shape, dtype=torch.uint8, device=scale.device)
+    tables = _shuffle_tables(packed.device)
+    for r in range(0, rows_w.shape[0], _SHUFFLE_ROWS):  # bounded int64 temporaries for whole expert stacks
+        out_w[r : r + _SHUFFLE_ROWS], out_s[r : r + _SHUFFLE_ROWS] = _shuffle_rows(
+            rows_w[r : r + _SHUFFLE_ROWS], rows_s[r : r + _SHUFFLE_ROWS].float(), tables
+        )
+    return out_w.view(packed.shape), out_s.view(scale.shape)
+
+
+_SHUFFLE_ROWS = 4096
+
+
+def _shuffle_rows(packed: torch.Tensor, s: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = packed.unflatten(-1, (-1, 8))  # [N, C/16, 8]: the bytes of one scale
     flip = torch.where(s < 0, 0x88, 0).to(torch.uint8)[..., None]
     keep = torch.where(s == 0, 0, 0xFF).to(torch.uint8)[..., None]
-    words = ((blocks ^ flip) & keep).flatten(-2).unflatten(-1, (-1, 4)).long()  # [..., R, C/8, 4]
-    tables = _shuffle_tables(packed.device)
+    words = ((blocks ^ flip) & keep).flatten(-2).unflatten(-1, (-1, 4)).long()  # [N, C/8, 4]
     stored = tables[0][words[..., 0]] | tables[1][words[..., 1]] | tables[2][words[..., 2]] | tables[3][words[..., 3]]
     shifts = torch.arange(0, 32, 8, device=packed.device)
     shuffled = ((stored[..., None] >> shifts) & 0xFF).to(torch.uint8).flatten(-2)
@@ -400,14 +412,6 @@ def _fp4_args(w: torch.Tensor, scales, act_dtype: torch.dtype):
     return s, s2, True, asm
 
 
-def _check_shuffled(shuffled: bool, asm: int, cfg: MoeConfig, block_m: int, num_warps: int) -> None:
-    """The shuffled layout's inline-PTX unpack needs each 4 packed bytes it is given to be one word of memory: so
-    on mma.sync operands (H200 round 1: exact at T=1..256 with the decode tiles), not on the wgmma register operand
-    of the kperm / 16-row 4-warp tiles, whose 4-byte groups span two rows (wrong results, measured)."""
-    if shuffled and asm and (cfg.kperm or (block_m >= 16 and num_warps >= 4)):
-        raise ValueError(f"the shuffled NVFP4 layout runs on the decode tiles only (no kperm, no wgmma), got {cfg}")
-
-
 def _grid(n_fast: bool, n_blocks: int, n_tiles: int, *rest: int) -> tuple[tuple[int, ...], bool]:
     """Launch grid and N_FAST (the row blocks go to grid dim 1 only while they fit its 65535 limit)."""
     n_fast = n_fast and n_blocks < 65536
@@ -446,7 +450,6 @@ def moe_w13(
     r = routing
     i = w13.shape[1] // 2
     kperm = fp4 and cfg.kperm
-    _check_shuffled(fp4 and shuffled, asm, cfg, r.block_m, cfg.num_warps13)
     if kperm:  # column 32c + 8l + 4h + 2b + nibble of a K block to nibble * BK/2 + 16c + 8h + 2l + b: the even and
         # the odd columns as two halves, each in the KPERM order, as the MMA reads them
         x = x.unflatten(1, (-1, cfg.block_k13 // 32, 4, 2, 2, 2)).permute(0, 1, 6, 2, 4, 3, 5).reshape(x.shape)
@@ -480,7 +483,6 @@ def moe_w2(
     s2, s2b, fp4, asm = _fp4_args(w2, scales, inter.dtype)
     r = routing
     h = w2.shape[1]
-    _check_shuffled(fp4 and shuffled, asm, cfg, r.block_m, cfg.num_warps2)
     part = torch.empty((r.ids.numel(), h), dtype=torch.float32, device=inter.device)
     grid, n_fast = _grid(cfg.n_fast2, r.n_blocks, h // cfg.block_n2)
     tk.moe_w2_kernel[grid](

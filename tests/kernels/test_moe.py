@@ -427,19 +427,6 @@ def test_shuffled_nvfp4_moe_gpu(cuda_device, t):
     assert err < 1e-2 and same
 
 
-@pytest.mark.gpu
-def test_shuffled_layout_is_refused_on_the_prefill_tiles(cuda_device):
-    """The wgmma operand of the prefill tiles gives the unpack 4-byte groups of two rows: refused, not wrong."""
-    gen = torch.Generator().manual_seed(4)
-    e, h, i, k, t = 8, 256, 128, 2, 4
-    w13, w2 = nvfp4_stack(e, 2 * i, h, gen, cuda_device), nvfp4_stack(e, h, i, gen, cuda_device)
-    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
-    ids, wts = routing(t, e, k, gen, cuda_device)
-    cfg = replace(default_config(moe_module.PREFILL_MIN_PAIRS), sorted_min_pairs=1, block_k2=128, block_n2=128)
-    with pytest.raises(ValueError, match="shuffled"):
-        nvfp4_moe(x, ids, wts, *shuffled(w13), *shuffled(w2), config=cfg, shuffled=True)
-
-
 PREFILL_TILES = [  # prefill code shapes on the GPU (bf16, inline-PTX dequant): default_config's, then the old ones
     {},
     {"swap_ab": False, "kperm": False, "block_n2": 64, "num_warps2": 4},
@@ -464,6 +451,33 @@ def test_nvfp4_moe_gpu_prefill_tiles(cuda_device, variant):
     err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
     print(f"nvfp4_moe prefill tiles {variant}: rel {err:.2e}")
     assert err < 1e-2
+
+
+SHUFFLED_WGMMA_TILES = [  # tiles whose MMA takes the weights as a wgmma register operand: prefill, 16-row decode
+    {},
+    {"block_m": 128, "block_n2": 64, "num_warps2": 4},
+    {"block_m": 16, "kperm": False, "block_k13": 256, "block_k2": 256, "block_n2": 64, "num_warps2": 4},
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", SHUFFLED_WGMMA_TILES)
+def test_shuffled_nvfp4_moe_gpu_wgmma_tiles(cuda_device, variant):
+    """Full widths, ~96 pairs per expert: on the tiles whose wgmma register operand holds 4-byte groups of two rows,
+    the whole-word unpack of the shuffled layout gives the reference result and exactly the canonical layout's."""
+    gen = torch.Generator().manual_seed(19)
+    e, h, i, k, t = 16, 4096, 2048, 6, 256
+    w13 = odd_scales(nvfp4_stack(e, 2 * i, h, gen, cuda_device), gen)
+    w2 = odd_scales(nvfp4_stack(e, h, i, gen, cuda_device), gen)
+    w13, w2 = (w13[0], w13[1], w13[2] * 1e-3), (w2[0], w2[1], w2[2] * 1e-3)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
+    ids, wts = routing(t, e, k, gen, cuda_device)
+    cfg = replace(default_config(moe_module.PREFILL_MIN_PAIRS), **variant)
+    out = nvfp4_moe(x, ids, wts, *shuffled(w13), *shuffled(w2), config=cfg, shuffled=True)
+    err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
+    same = torch.equal(out, nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg))
+    print(f"shuffled nvfp4_moe wgmma tiles {variant}: rel {err:.2e}, equal to the canonical layout's: {same}")
+    assert err < 1e-2 and same
 
 
 @pytest.mark.gpu
