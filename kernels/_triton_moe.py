@@ -24,7 +24,9 @@ NVFP4 weights are unpacked in registers: the low nibble of byte m is column 2m a
 2m+1, so each K block issues two dots, the activations split into their even and odd columns. e2m1 codes
 become fp16 by bit placement (value * 2^-14, exact); the e4m3 block scale is decoded from its bits with the
 2^14 folded in, so ``code * scale`` is exact in bf16; the per-expert fp32 ``scale2`` is applied to the fp32
-accumulator in the epilogue.
+accumulator in the epilogue. ``SHUFFLED`` (``kernels.moe.shuffle_nvfp4``'s layout, the model's under the fast ops):
+the packed weights are loaded as int32 words and each word's 8 weights come out of one elementwise asm, so the
+unpack does not depend on how the MMA operand's registers group bytes (mma.sync or wgmma, kperm or not).
 """
 
 import triton

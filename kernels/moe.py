@@ -32,6 +32,8 @@ Split-K of the gate/up kernel (a handful of pairs, to put more warps on the SMs)
 and the last slice of a tile to finish (an atomic count) adds them in slice order and runs the SwiGLU epilogue,
 so the sum does not depend on the arrival order.
 The stages are public (``moe_routing``, ``moe_w13``, ``moe_w2``, ``moe_sum``) for bench_moe to time each alone.
+``shuffled=True``: the NVFP4 stacks in ``shuffle_nvfp4``'s layout (re-laid once at load; the same values, ~25% fewer
+unpack instructions per weight), on every tile.
 Excluded from this slice: fp8 activations, fusing the slot sum / shared experts into the w2 epilogue.
 """
 
@@ -347,6 +349,16 @@ def _check(x, topk_ids, topk_weights, w13, w2, fp4, scales):
     return e, i
 
 
+def _check_words(w13: torch.Tensor, w2: torch.Tensor, scales) -> None:
+    """The shuffled layout's kernels read the packed weights as whole 4-byte words: word-aligned rows and uint8
+    block scales (``shuffle_nvfp4``'s)."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.data_ptr() % 4 or w.stride(0) % 4 or w.stride(1) % 4:
+            raise ValueError(f"shuffled {name} needs 4-byte aligned rows, got strides {w.stride()}")
+    if scales[0].dtype != torch.uint8 or scales[2].dtype != torch.uint8:
+        raise ValueError(f"shuffled block scales are uint8 (shuffle_nvfp4), got {scales[0].dtype}, {scales[2].dtype}")
+
+
 @dataclass(frozen=True)
 class MoeRouting:
     """Row blocks of one MoE call (``moe_routing``): ``identity`` blocks are one pair each (``ids``' order),
@@ -389,6 +401,8 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
     ):
         if dim % blk:
             raise ValueError(f"{name}={dim} is not a multiple of the tile {blk}")
+    if fp4 and shuffled:
+        _check_words(w13, w2, scales)
     if fp4 and cfg.kperm and not (cfg.presplit and cfg.block_k13 % 32 == 0 and cfg.block_k2 % 32 == 0):
         raise ValueError(f"kperm needs presplit and K tiles that are multiples of 32, got {cfg}")
     if topk_ids.numel() == 0:

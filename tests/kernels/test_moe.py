@@ -279,6 +279,22 @@ def test_shuffled_nvfp4_moe_matches_reference(cpu_interpreter, variant, sorted_m
     assert torch.equal(out, nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg))
 
 
+def test_shuffled_nvfp4_moe_checks_its_layout(cpu_interpreter):
+    """Canonical (e4m3) block scales or packed rows off 4-byte words are refused, not misread."""
+    gen = torch.Generator().manual_seed(13)
+    e, h, i, t, k = 4, 64, 32, 2, 2
+    w13, w2 = nvfp4_stack(e, 2 * i, h, gen), nvfp4_stack(e, h, i, gen)
+    x = torch.randn(t, h, generator=gen)
+    ids, wts = routing(t, e, k, gen)
+    with pytest.raises(ValueError, match="uint8"):
+        nvfp4_moe(x, ids, wts, *w13, *w2, config=SMALL, shuffled=True)
+    packed, scale, scale2 = shuffled(w13)
+    offset = torch.empty(packed.numel() + 2, dtype=torch.uint8)[2:].view(packed.shape)
+    offset.copy_(packed)
+    with pytest.raises(ValueError, match="aligned"):
+        nvfp4_moe(x, ids, wts, offset, scale, scale2, *shuffled(w2), config=SMALL, shuffled=True)
+
+
 @pytest.mark.parametrize("sorted_min_pairs", [1, 64])
 @pytest.mark.parametrize("fp4", [True, False])
 def test_masked_routes_reach_no_expert(cpu_interpreter, sorted_min_pairs, fp4):
