@@ -197,7 +197,7 @@ def bench_nvfp4(ceil: Ceilings, batches: list[int], gen: torch.Generator, shuffl
         n_exp = sum(torch.unique(ids).numel() for _, ids, _ in sets) / SETS
         floor = ceil.floor_us(mb)
         rows = [("default", default_config(t * TOPK), False), ("round1", round1(t * TOPK), False)]
-        for name, cfg, sh in rows + [("shuffled", default_config(t * TOPK), True)] * shuffled:
+        for name, cfg, sh in rows + [("shuffled", default_config(t * TOPK, shuffled=True), True)] * shuffled:
             w = shuffle_weights(weights) if sh else weights
 
             def run(cfg=cfg, sets=sets, w=w, sh=sh):
@@ -294,7 +294,6 @@ SHUFFLED_VARIANTS = {  # overrides of default_config timed on the shuffled layou
     "sh_w4": {"num_warps13": 4, "num_warps2": 4},
     "sh_w2": {"num_warps13": 2, "num_warps2": 2},
     "sh_n64": {"block_n13": 64, "block_n2": 64},
-    "sh_kperm": {"kperm": True},  # the 4-warp (wgmma) decode tiles in the prefill tiles' K order
 }
 
 
@@ -303,7 +302,7 @@ def shuffled_variants() -> list:
     default at T."""
 
     def pick(t, over):
-        base = default_config(t * TOPK)
+        base = default_config(t * TOPK, shuffled=True)
         cfg = replace(base, **over)
         return None if cfg == base else cfg
 
@@ -615,7 +614,7 @@ def main() -> None:
     batches = args.batches or ([1, 8, 64, 256] if not args.quick else [1, 64])
     configs = [(("w13", "w2"), "default", lambda t: default_config(t * TOPK))]
     if args.shuffled:
-        configs.append((("w13", "w2"), "shuffled", lambda t: default_config(t * TOPK), True))
+        configs.append((("w13", "w2"), "shuffled", lambda t: default_config(t * TOPK, shuffled=True), True))
         configs += shuffled_variants()
     if args.sweep:
         configs += sweep_configs()

@@ -85,9 +85,10 @@ BF16_WIDE_MIN_PAIRS = 24576  # bf16 weights from here on (T = 4096, 96 pairs per
 # (144 registers: 7 per SM) stay within one wave of the 132 SMs
 SPLIT_K13_MAX_PAIRS = 8
 NARROW_WARPS_MAX_PAIRS = 767  # sorted decode below T = 128 at k = 6: 2-warp tiles (32 weight rows per warp)
+SHUFFLED_NARROW_WARPS_MAX_PAIRS = 1536  # the shuffled layout: 2-warp tiles up to T = 256 (the largest size measured)
 
 
-def default_config(n_pairs: int, fp4: bool = True) -> MoeConfig:
+def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> MoeConfig:
     """Measured choice (H200, H=4096, I=2048, E=256, k=6; ``bench_moe --sweep``, each kernel alone, 2026-12-01):
 
     * below ``sorted_min_pairs`` (identity routing, one block per pair): 32-row tiles of 2 warps, so a batch-1 call
@@ -102,6 +103,8 @@ def default_config(n_pairs: int, fp4: bool = True) -> MoeConfig:
       tiles of 8 warps (T=1024/2048/4096: gate/up 1575/1743/3517 us against 1972 (decode tiles)/2113/4070, down
       789/815/1561 against 976/1017/2006); bf16 weights: the 64-row tiles as before up to ``BF16_WIDE_MIN_PAIRS``,
       then 128-row blocks of 8 warps (T=4096: gate/up 2502 us against 3464, down 1831 against 1796).
+    * ``shuffled`` (``shuffle_nvfp4``'s layout, the model's): the same, but 2-warp sorted tiles up to
+      ``SHUFFLED_NARROW_WARPS_MAX_PAIRS`` (T=256: gate/up 771 us against 822 with 4 warps, down 398 against 468).
 
     Measured and not taken: 16-row blocks (T=256: gate/up 968-1568 us against 858; the 16-wide MMA operand costs
     more than the 15% of blocks it saves), 4-row blocks, 128-row tiles of 8 warps, 128-wide K tiles, 2 or 4
@@ -116,7 +119,7 @@ def default_config(n_pairs: int, fp4: bool = True) -> MoeConfig:
             return MoeConfig(block_m=64, block_k13=128, block_k2=128, block_n2=128, num_warps2=8, kperm=True)
         wide = {"block_m": 128, "num_warps13": 8, "num_warps2": 8} if n_pairs >= BF16_WIDE_MIN_PAIRS else {}
         return MoeConfig(**{"block_m": 64, "swap_ab": False, "block_k13": 128, "block_k2": 128, **wide})
-    if n_pairs <= NARROW_WARPS_MAX_PAIRS:
+    if n_pairs <= (SHUFFLED_NARROW_WARPS_MAX_PAIRS if fp4 and shuffled else NARROW_WARPS_MAX_PAIRS):
         return replace(base, num_warps13=2, num_warps2=2)
     return base
 
@@ -388,7 +391,7 @@ def moe_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts:
 
 
 def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: MoeConfig | None, shuffled=False):
-    cfg = config or default_config(topk_ids.numel(), fp4)
+    cfg = config or default_config(topk_ids.numel(), fp4, shuffled)
     e, i = _check(x, topk_ids, topk_weights, w13, w2, fp4, scales)
     if not fp4 and x.element_size() > 2:  # fp32 weight tiles: keep the pipeline within shared memory
         cfg = replace(cfg, block_k13=min(cfg.block_k13, 128), block_k2=min(cfg.block_k2, 128))

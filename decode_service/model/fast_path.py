@@ -53,12 +53,12 @@ def _fit(tile: int, dim: int) -> int | None:
 
 
 @functools.cache
-def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False, fp4: bool = True):
-    """The kernels' measured default tiles for this many (token, slot) pairs, shrunk to divide H and I; fp32
-    activations get two pipeline stages (three overflow the H200's shared memory at Inkling-Small widths)."""
+def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False, fp4: bool = True, shuffled: bool = False):
+    """The kernels' measured default tiles for this many (token, slot) pairs (and layout), shrunk to divide H and I;
+    fp32 activations get two pipeline stages (three overflow the H200's shared memory at Inkling-Small widths)."""
     from kernels.moe import MoeConfig, default_config
 
-    base = default_config(n_pairs, fp4)
+    base = default_config(n_pairs, fp4, shuffled)
     tiles = {
         "num_stages": min(base.num_stages, 2) if fp32 else base.num_stages,
         "block_n13": _fit(base.block_n13, width),
@@ -101,11 +101,12 @@ def _bf16_moe(
 def _nvfp4_moe(x, ids, weights, w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2) -> torch.Tensor:
     from kernels.moe import nvfp4_moe
 
-    config = _moe_config(ids.numel(), x.shape[1], 2 * w2.shape[-1], x.dtype == torch.float32)
+    shuffled = w13_scale.dtype == torch.uint8
+    config = _moe_config(ids.numel(), x.shape[1], 2 * w2.shape[-1], x.dtype == torch.float32, shuffled=shuffled)
     return nvfp4_moe(
         x, ids, weights.float(),
         w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2,
-        config=config, shuffled=w13_scale.dtype == torch.uint8,
+        config=config, shuffled=shuffled,
     )  # fmt: skip
 
 
