@@ -170,10 +170,10 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         batch = len(token_ids)
         size = self.bucket(batch)
-        if self.capture:
-            self._ensure_graphs(size, width)  # before the fill: a capture runs on padding metadata
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's metadata has left the pinned buffer
+        if self.capture:
+            self._ensure_graphs(size, width)  # before the fill: a capture runs on padding metadata
         self._fill(token_ids, views, size, width)
         self._upload(size, width)
         if pending is not None:
