@@ -156,8 +156,9 @@ class Request:
     def token_slice(self, start: int, end: int) -> list[int]:
         """`all_token_ids[start:end]` without concatenating the whole history; `PENDING_TOKEN` for the positions of
         pending tokens."""
-        n_prompt, known = len(self.prompt_token_ids), self.num_tokens - self.num_pending_tokens
-        if end > known:
+        n_prompt = len(self.prompt_token_ids)
+        if self.num_pending_tokens and end > n_prompt + len(self.output_token_ids):
+            known = n_prompt + len(self.output_token_ids)
             head = self.token_slice(start, known) if start < known else []
             return head + [PENDING_TOKEN] * (end - max(start, known))
         if end <= n_prompt:
