@@ -66,7 +66,7 @@ class EngineSettings:
     # MTP_AUTO: per batch bucket from step costs measured at start and `mtp_acceptance` (core/speculation.py)
     mtp_acceptance: tuple[float, ...] = VLLM_MTP_ACCEPTANCE  # cumulative acceptance of draft positions 1, 2, ...
     mtp_draft_head: str = DEFAULT_MTP_DRAFT_HEAD  # the lm_head a tensor-parallel rank builds its drafter with
-    async_scheduling: bool = False  # pure decode steps launch before the previous step's tokens are read (`step`)
+    async_scheduling: bool = True  # pure decode steps launch before the previous step's tokens are read (`step`)
 
 
 @dataclass
