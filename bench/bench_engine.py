@@ -1,6 +1,7 @@
 """Engine control-plane benchmark: scheduling overhead per step, and prefix-cache savings on multi-turn media chats.
 
     python bench/bench_engine.py [--running 256] [--steps 50]
+    python3 -m bench.bench_engine --gpu [--gpu-running 64 256] [--steps 50] [--modes sync async]
 
 Part 1 runs the engine with a model whose forward costs nothing, so the measured step time is the engine's own
 CPU work (scheduler, page tables, batch packing, sampling). It is printed next to the HBM-traffic floor of an
@@ -8,6 +9,12 @@ Inkling-Small decode step at the same batch size on H200 bandwidth (`decode_step
 < 5% of a GPU decode step at batch 64.
 Part 2 replays a multi-turn multimodal conversation on the tiny random checkpoint and reports how many prompt
 tokens the prefix cache served.
+`--gpu` instead runs the whole engine on the GPU over the Small-L6 proxy (`bench/proxy.py`, CUDA graphs) at each
+`--gpu-running` count of greedy decoding requests (32-token prompts, context ~100), the same engine and requests in
+each of `--modes` (sync, async: `EngineSettings.async_scheduling`), twice in alternation: decode tokens/s, wall ms
+per step, host ms per step (the step's wall time less the time it blocks reading sampled tokens), the steps of
+each kind the engine ran, next to the step's byte floor at the copy bandwidth measured in the same run.
+`--modes sync` runs on engines without async scheduling (a same-run baseline from another tree).
 """
 
 from __future__ import annotations
@@ -126,12 +133,95 @@ def multi_turn_savings(checkpoint: str, turns: int) -> tuple[int, int]:
     return prompt_total, cached_total
 
 
+def engine_throughput(running_counts: list[int], steps: int, modes: list[str], layers: int = 6) -> None:
+    """`--gpu`: decode steps of the whole engine on the proxy, per running count and mode (module docstring)."""
+    import dataclasses
+
+    from bench.floors import measure_ceilings
+    from bench.proxy import (
+        layer_mix,
+        paged_decode_batch,
+        proxy_config,
+        proxy_nvfp4_layers,
+        proxy_shapes,
+        random_proxy,
+        step_bytes,
+        touched_experts,
+    )
+    from common.config import parse_model_config
+    from tools.make_tiny_checkpoint import raw_config
+
+    ceil = measure_ceilings()
+    print(ceil.line(), flush=True)
+    config, nvfp4 = proxy_config(layers), proxy_nvfp4_layers(layers)
+    model = random_proxy(config, nvfp4).with_ops("fast")
+    model_config = parse_model_config(raw_config(**proxy_shapes(layers)))
+    n = max(running_counts)
+    settings = EngineSettings(kv_cache_bytes=4 << 30, max_num_seqs=n, max_num_batched_tokens=4096, max_model_len=2048,
+                              device="cuda")  # fmt: skip
+    started = time.perf_counter()
+    engine = Engine(model, model_config, settings)
+    print(f"# Small-L{layers} ({layer_mix(config, nvfp4)}): engine up in {time.perf_counter() - started:.1f} s "
+          f"(graphs of buckets {engine.runner.decode_graphs.buckets})", flush=True)  # fmt: skip
+    blocked = Stopwatch()  # the host waiting for the tokens: the async read, the sync path's .tolist()
+    runner = engine.runner
+    for name in ("collect", "_greedy_samples"):
+        if hasattr(runner, name):
+            setattr(runner, name, blocked.wrap(getattr(runner, name)))
+    gen = torch.Generator().manual_seed(0)
+    sampling = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    print("| running | mode | tokens/s | step ms | host ms/step | floor ms (ctx) | step/floor | steps sync/async |")
+    print("|---|---|---|---|---|---|---|---|")
+    for running in running_counts:
+        ids = [f"b{running}-{i}" for i in range(running)]
+        for rid in ids:
+            engine.add_request(Request(rid, torch.randint(10, 200000, (32,), generator=gen).tolist(), sampling))
+        while any(r.num_computed_tokens < 32 for r in engine.requests.values()):
+            engine.step()
+        for _ in range(3):
+            engine.step()  # every sequence decoding
+        ctx = max(r.num_tokens for r in engine.requests.values()) + 2 * steps
+        fb, graphs, _ = paged_decode_batch(model, running, ctx, ctx + 1)
+        floor = ceil.floor_us(step_bytes(model, running, ctx, touched_experts(model, fb))) / 1e3
+        del fb, graphs
+        for mode in modes * 2:
+            if mode == "async":
+                engine.settings = dataclasses.replace(settings, async_scheduling=True)
+            elif hasattr(settings, "async_scheduling"):
+                engine.settings = dataclasses.replace(settings, async_scheduling=False)
+            for _ in range(3):
+                engine.step()
+            counts = dict(getattr(engine, "num_steps", {}))
+            torch.cuda.synchronize()
+            blocked.seconds, tokens = 0.0, 0
+            start = time.perf_counter()
+            for _ in range(steps):
+                tokens += sum(len(o.new_token_ids) for o in engine.step())
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+            after = getattr(engine, "num_steps", {})
+            kinds = "/".join(str(after.get(k, 0) - counts.get(k, 0)) for k in ("sync", "async")) if after else "-"
+            step_ms, host_ms = wall / steps * 1e3, (wall - blocked.seconds) / steps * 1e3
+            print(f"| {running} | {mode} | {tokens / wall:.0f} | {step_ms:.3f} | {host_ms:.3f} | {floor:.3f} ({ctx}) | "
+                  f"{step_ms / floor:.2f} | {kinds} |", flush=True)  # fmt: skip
+        for rid in ids:
+            engine.abort(rid)
+        while engine.has_unfinished:
+            engine.step()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--running", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--gpu", action="store_true", help="the engine on the GPU over the Small-L6 proxy instead")
+    parser.add_argument("--gpu-running", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--modes", nargs="+", choices=("sync", "async"), default=["sync", "async"])
     args = parser.parse_args()
+    if args.gpu:
+        engine_throughput(args.gpu_running, args.steps, args.modes)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         make_tiny_checkpoint(tmp, nvfp4=True, seed=0)
         config = load_model_config(tmp)

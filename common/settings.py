@@ -361,6 +361,7 @@ class DecodeEngineSettings:
     enable_prefix_cache: bool = True
     snapshot_interval_blocks: int = 16
     cuda_graphs: bool = True
+    async_scheduling: bool = True  # pure decode steps launch before the previous step's tokens are read
     seed: int = 0  # seeds the generators of requests without their own seed
     tensor_parallel_size: int = 1  # ranks of the replica (decode_service/engine/parallel.py), one per GPU
     expert_parallel: bool = False  # routed experts partitioned over the ranks instead of split by width
@@ -479,6 +480,7 @@ def decode_settings(args: argparse.Namespace) -> DecodeSettings:
         enable_prefix_cache=args.prefix_cache,
         snapshot_interval_blocks=args.snapshot_interval_blocks,
         cuda_graphs=args.cuda_graphs,
+        async_scheduling=args.async_scheduling,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.enable_expert_parallel,

@@ -359,6 +359,12 @@ def _add_decode_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="run decode steps eagerly on CUDA (same kernels; for debugging)",
     )
+    engine.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=e.async_scheduling,
+        help="plan each pure decode step while the GPU runs the previous one (engine.py `Engine.step`)",
+    )
     engine.add_argument("--seed", type=int, default=e.seed, help="seeds requests that bring no seed")
     _add_parallel_args(engine, e.tensor_parallel_size)
     engine.add_argument(

@@ -42,6 +42,7 @@ def build_engine(
         seed=settings.seed,
         model_fingerprint=model_fingerprint(checkpoint, settings.dtype),
         cuda_graphs=settings.cuda_graphs,
+        async_scheduling=settings.async_scheduling,
         mtp_depth=settings.mtp_depth,
         mtp_acceptance=settings.mtp_acceptance,
         mtp_draft_head=settings.mtp_draft_head,

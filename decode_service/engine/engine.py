@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -24,12 +24,13 @@ from common.config import ModelConfig
 from common.errors import ConfigError, InvalidInputError, ResourceExhaustedError
 from common.fingerprint import config_fingerprint
 from common.settings import DEFAULT_MTP_DRAFT_HEAD, MTP_AUTO, VLLM_MTP_ACCEPTANCE
+from decode_service.engine.core.outputs import SchedulerOutput
 from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.core.prefix_index import PrefixCache
 from decode_service.engine.core.scheduler import Scheduler, SchedulerConfig
 from decode_service.engine.core.speculation import DepthTable
 from decode_service.engine.core.stop import check_stop
-from decode_service.engine.request import FinishReason, Request, TokenLogprobs
+from decode_service.engine.request import PENDING_TOKEN, FinishReason, Request, TokenLogprobs
 from decode_service.engine.worker.calibrate import measure_prefill_rate, measure_speculation_costs
 from decode_service.engine.worker.decode_graphs import BUCKETS, DecodeGraphs
 from decode_service.engine.worker.kv_cache import CacheSpec, KVCache
@@ -37,7 +38,7 @@ from decode_service.engine.worker.mtp import DraftModel, MTPSpeculator, PagedMTP
 from decode_service.engine.worker.prefix_store import PrefixStore
 from decode_service.engine.worker.ranks import RankFailure, RankLeader
 from decode_service.engine.worker.redis_tier import RedisPrefixTier
-from decode_service.engine.worker.runner import DecoderModel, ModelRunner, WorkerRequest
+from decode_service.engine.worker.runner import DecoderModel, ModelRunner, PendingStep, WorkerRequest
 from decode_service.engine.worker.sampler import Sampler
 from decode_service.model import fast_path
 from decode_service.model.collectives import SINGLE
@@ -65,6 +66,7 @@ class EngineSettings:
     # MTP_AUTO: per batch bucket from step costs measured at start and `mtp_acceptance` (core/speculation.py)
     mtp_acceptance: tuple[float, ...] = VLLM_MTP_ACCEPTANCE  # cumulative acceptance of draft positions 1, 2, ...
     mtp_draft_head: str = DEFAULT_MTP_DRAFT_HEAD  # the lm_head a tensor-parallel rank builds its drafter with
+    async_scheduling: bool = True  # pure decode steps launch before the previous step's tokens are read (`step`)
 
 
 @dataclass
@@ -205,6 +207,8 @@ class Engine:
         if settings.mtp_depth == MTP_AUTO:
             self.calibrate_speculation()
         self.requests: dict[str, Request] = {}
+        self._pending: tuple[SchedulerOutput, PendingStep, list[Request]] | None = None  # async: the step in flight
+        self.num_steps = {"sync": 0, "async": 0}  # steps run each way (`step`)
 
     def calibrate_prefix_tier(self) -> None:
         """Measure the prefill rate the Redis prefix tier weighs fetches against (one scratch prefill chunk)."""
@@ -267,23 +271,37 @@ class Engine:
             self.scheduler.abort(request_id)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns outputs of requests that got tokens or finished."""
+        """Schedule, run the model once, sample; returns outputs of requests that got tokens or finished.
+
+        With `async_scheduling`, a step the runner can overlap (`ModelRunner.overlappable`: every chunk a one-token
+        decode through the decode graphs, sampled on the device alone) is launched before the tokens of the step in
+        flight are read: the scheduler planned it with one pending token per request in flight, whose ids the
+        device takes from that step's samples. Then the step in flight is read, checked for stops and emitted, and
+        the new one committed; it is in flight until the next call. A request that stopped has its chunk of the new
+        step discarded (its pages are released at the stop; the device's writes to them precede any reuse in stream
+        order). Every other step (prefill chunks, MTP verify, grammar, logprobs, penalties, media, prefix-tier I/O)
+        first reads the step in flight and then runs synchronously; so does a step after an abort, so an aborted
+        request still gets the tokens it was sampled. `num_steps` counts both kinds."""
+        deltas: dict[str, tuple[Request, list[int], list[TokenLogprobs]]] = {}
+        if self._pending is not None and self.scheduler.has_pending_aborts:
+            self._resolve(deltas)
         output = self.scheduler.schedule()
         assert output.chunks or output.finished or not self.has_unfinished, "scheduler made no progress"
-        deltas: dict[str, tuple[Request, list[int], list[TokenLogprobs]]] = {
-            rid: (self.requests[rid], [], []) for rid in output.finished
-        }
+        for rid in output.finished:
+            _merge(deltas, self.requests[rid], [], [])
+        if self.settings.async_scheduling and self.ranks is None and self.runner.overlappable(output):
+            self.num_steps["async"] += 1
+            return self._overlap(output, deltas)
+        self.num_steps["sync"] += 1
+        if self._pending is not None:
+            self._resolve(deltas)
+            output = self._known(output)
         try:
             results = self.runner.execute(output)
         except RankFailure:
             raise  # a tensor-parallel rank is gone: the replica cannot serve (the service fails every stream)
         except Exception as exc:  # the step's requests fail; the engine and the other requests carry on
-            logger.exception("forward step failed; finishing its %d requests", len(output.chunks))
-            self.scheduler.abandon(output)
-            for chunk in output.chunks:
-                request = self.requests[chunk.request_id]
-                self.scheduler.finish(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
-                deltas[request.request_id] = (request, [], [])
+            self._fail(output, exc, deltas)
             return self._emit(deltas)
         accepted: dict[str, int] = {}
         stopped: list[tuple[Request, FinishReason]] = []
@@ -311,11 +329,74 @@ class Engine:
                     break
             else:
                 request.draft_token_ids = results.drafts.get(request.request_id, ())
-            deltas[request.request_id] = (request, new_ids, new_logprobs)
+            _merge(deltas, request, new_ids, new_logprobs)
         self.scheduler.commit(output, accepted)
         for request, reason in stopped:
             self.scheduler.finish(request, reason)
         return self._emit(deltas)
+
+    def _overlap(self, output: SchedulerOutput, deltas: dict) -> list[RequestOutput]:
+        """Launch `output`, then read, stop-check and emit the step in flight; `output` is in flight after."""
+        previous = self._pending
+        try:
+            launched = self.runner.launch(output, previous[1] if previous is not None else None)
+        except RankFailure:
+            raise
+        except Exception as exc:
+            if previous is not None:
+                self._resolve(deltas)
+            self._fail(output, exc, deltas)
+            return self._emit(deltas)
+        self._pending = (output, launched, [self.requests[c.request_id] for c in output.chunks])
+        for request in self._pending[2]:
+            request.num_pending_tokens += 1
+        if previous is not None:
+            self._resolve(deltas, previous)
+        self.scheduler.commit(output)  # its input tokens are all known now; chunks of stopped requests are skipped
+        if all(r.is_finished for r in self._pending[2]):
+            self._pending = None  # nothing left to read (its device work is queued before any later step)
+        return self._emit(deltas)
+
+    def _resolve(self, deltas: dict, pending: tuple | None = None) -> None:
+        """Read the tokens of the step in flight (`pending`: the one before it), append them, check stops."""
+        if pending is None:
+            pending, self._pending = self._pending, None
+        _, launched, requests = pending
+        results = self.runner.collect(launched)
+        for request in requests:
+            if request.is_finished:  # stopped at the step before: this token is discarded
+                continue
+            (result,) = results.samples[request.request_id]
+            request.num_pending_tokens -= 1
+            request.output_token_ids.append(result.token_id)
+            _merge(deltas, request, [result.token_id], [])
+            reason = check_stop(request, self.config.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+
+    def _known(self, output: SchedulerOutput) -> SchedulerOutput:
+        """After `_resolve`: `output` with its pending token ids filled in and without the chunks of requests that
+        stopped (their snapshots dropped)."""
+        chunks, stopped = [], []
+        for c in output.chunks:
+            request = self.requests[c.request_id]
+            if request.is_finished:
+                stopped.append(c)
+            elif PENDING_TOKEN in c.token_ids:
+                chunks.append(c._replace(token_ids=tuple(request.token_slice(c.start, c.end))))
+            else:
+                chunks.append(c)
+        self.scheduler.discard(tuple(stopped))
+        return replace(output, chunks=tuple(chunks))
+
+    def _fail(self, output: SchedulerOutput, exc: Exception, deltas: dict) -> None:
+        logger.exception("forward step failed; finishing its %d requests", len(output.chunks))
+        self.scheduler.abandon(output)
+        for chunk in output.chunks:
+            request = self.requests[chunk.request_id]
+            if not request.is_finished:
+                self.scheduler.finish(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+            _merge(deltas, request, [], [])
 
     def _emit(self, deltas: dict[str, tuple[Request, list[int], list[TokenLogprobs]]]) -> list[RequestOutput]:
         outputs = []
@@ -356,6 +437,14 @@ class Engine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[rid] for rid in order]
+
+
+def _merge(deltas: dict, request: Request, ids: list[int], logprobs: list[TokenLogprobs]) -> None:
+    """Add a request's new tokens to this call's outputs (a call may read two steps)."""
+    if request.request_id in deltas:
+        _, old_ids, old_logprobs = deltas[request.request_id]
+        ids, logprobs = old_ids + ids, old_logprobs + logprobs
+    deltas[request.request_id] = (request, ids, logprobs)
 
 
 def _speculator(

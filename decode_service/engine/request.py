@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from decode_service.structured.matcher import ConstraintMatcher
 
 _arrival_counter = itertools.count()
+PENDING_TOKEN = -1  # a token id the data plane takes from the previous step's samples on the device
 
 
 class RequestStatus(enum.Enum):
@@ -137,6 +138,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV/conv state is in `handle`
+    num_pending_tokens: int = 0  # async scheduling: tokens a step in flight samples on the device, not read yet
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the first admission
     num_preemptions: int = 0
     handle: SequencePages | None = None
@@ -152,8 +154,13 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """`all_token_ids[start:end]` without concatenating the whole history."""
+        """`all_token_ids[start:end]` without concatenating the whole history; `PENDING_TOKEN` for the positions of
+        pending tokens."""
         n_prompt = len(self.prompt_token_ids)
+        if self.num_pending_tokens and end > n_prompt + len(self.output_token_ids):
+            known = n_prompt + len(self.output_token_ids)
+            head = self.token_slice(start, known) if start < known else []
+            return head + [PENDING_TOKEN] * (end - max(start, known))
         if end <= n_prompt:
             return self.prompt_token_ids[start:end]
         if start >= n_prompt:
@@ -162,7 +169,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt, generated and pending tokens: the positions the scheduler plans for."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -85,7 +85,7 @@ class PrefixCache:
     def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The first `num_blocks` chained hashes of the request's tokens (memoised on the request)."""
         hashes, size = request.block_hashes, self.page_size
-        assert num_blocks * size <= request.num_tokens
+        assert num_blocks * size <= request.num_tokens - request.num_pending_tokens, "hashing a pending token"
         parent = hashes[-1] if hashes else self._root(request)
         for i in range(len(hashes), num_blocks):
             start, end = i * size, (i + 1) * size

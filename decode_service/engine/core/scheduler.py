@@ -130,7 +130,10 @@ class Scheduler:
         `accepted`: for verify chunks, how many of their tokens are committed (the rest were rejected drafts); the
         sliding pages a rollback still reads are released only here, after acceptance is known."""
         for chunk in output.chunks:
-            request = self.live[chunk.request_id]
+            request = self.live.get(chunk.request_id)
+            if request is None:  # async scheduling: it stopped at the step before, which finished after this one ran
+                self.discard((chunk,))
+                continue
             n = accepted[chunk.request_id] if chunk.num_drafts and accepted else len(chunk.token_ids)
             seq, end = request.handle, chunk.start + n
             if self.prefix_cache is not None:
@@ -139,6 +142,15 @@ class Scheduler:
                     self._dropped.append(chunk.snapshot_id)  # an equal block already had one
             seq.commit(end)
             request.num_computed_tokens = end
+
+    def discard(self, chunks: tuple[ScheduledChunk, ...]) -> None:
+        """Chunks that will not be committed (their request finished while they were planned): the snapshots they
+        planned are dropped with the next output."""
+        self._dropped += [c.snapshot_id for c in chunks if c.snapshot_id is not None]
+
+    @property
+    def has_pending_aborts(self) -> bool:
+        return bool(self._aborts)
 
     def abandon(self, output: SchedulerOutput) -> None:
         """The data plane failed to run `output` (its requests are finished by the caller): drop the snapshots
@@ -155,6 +167,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.live.pop(request.request_id, None)
         self._release(request)
+        request.num_pending_tokens = 0  # sampled by a step in flight: discarded
         request.finish(reason, message)
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -258,6 +271,7 @@ class Scheduler:
                 self.finish(request, FinishReason.ERROR, f"{request.num_tokens} tokens exceed the KV cache capacity")
                 step.finished.append(request.request_id)
                 continue
+            assert not request.num_pending_tokens, f"request {request.request_id} admitted with pending tokens"
             request.handle = seq = self.cache.new_sequence()
             step.conv_ops.append(ConvOp(ZERO, seq.slot))
             hit = self.prefix_cache.lookup(request) if self.prefix_cache is not None else None

@@ -18,6 +18,6 @@ def check_stop(
         return FinishReason.STOP
     if n >= p.min_tokens and ((not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids):
         return FinishReason.STOP
-    if (p.max_tokens is not None and n >= p.max_tokens) or request.num_tokens >= max_model_len:
+    if (p.max_tokens is not None and n >= p.max_tokens) or request.num_prompt_tokens + n >= max_model_len:
         return FinishReason.LENGTH
     return None

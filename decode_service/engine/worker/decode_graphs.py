@@ -23,14 +23,18 @@ skinny GEMV, whose argmax is fused).
 Graphs are captured once per bucket and width (the buckets up to `max_num_seqs`, which is the last one), after an
 eager warm-up run on padding rows (Triton compiles there), and share one memory pool. Without CUDA (CPU tests of
 this path under the kernels' interpreter), or with graphs off, the same buffers and padding run eagerly. The pinned
-host buffers (metadata, block-table mirror) are copied asynchronously and rewritten by the next step: the engine
-reads each step's sampled tokens back (a sync) before it schedules the next one.
+host metadata buffer is copied asynchronously; the next step waits for that copy (an event) before it rewrites
+the buffer, since under async scheduling the engine fills step N+1 before it reads step N's tokens.
+
+Async scheduling (`run(..., pending=...)`): token ids the host does not know yet (the previous step's samples, still
+on the device) are gathered on the device into the uploaded ids, so step N+1 launches without a host round trip.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +45,15 @@ from decode_service.model.inkling import InklingDecoder
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Rows of the metadata buffer: per row of the step (B*W) the first four, per sequence (B) the last two.
 _IDS, _SEQ_LENS, _ROWS_SLIDING, _ROWS_GLOBAL, _SLOTS, _ACCEPTED = range(6)
+
+
+@dataclass(frozen=True)
+class DeviceTokens:
+    """Token ids of a step that are still on the device: row `rows[i]` of the step takes `tokens[index[i]]`."""
+
+    tokens: torch.Tensor  # [N] int64, the previous step's samples
+    index: torch.Tensor  # [M] int64 on the device
+    rows: torch.Tensor  # [M] int64 on the device
 
 
 class DecodeGraphs:
@@ -77,6 +90,7 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._last: tuple[int, int] | None = None  # (bucket, width) of the verify awaiting its commit
         self._stepped: tuple[int, int] | None = None  # (bucket, width) of the last step, for `greedy_tokens`
+        self._uploaded: torch.cuda.Event | None = None  # the last metadata copy out of `_host`
 
     def bucket(self, batch: int) -> int:
         """The bucket a batch of this size replays in (the scheduler never runs more than max_num_seqs)."""
@@ -88,10 +102,10 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.widths, tokens)
         return self.widths[i] if i < len(self.widths) else None
 
-    def run(self, token_ids: list[int], views: list[SequenceView]) -> torch.Tensor:
+    def run(self, token_ids: list[int], views: list[SequenceView], pending: DeviceTokens | None = None) -> torch.Tensor:
         """Decode one token for each sequence (its view has the page of the new position) -> final-normed hidden
-        `[B, H]`."""
-        return self._step([(t,) for t in token_ids], views, 1)
+        `[B, H]`. `pending`: the rows whose token is on the device (their entry in `token_ids` is a placeholder)."""
+        return self._step([(t,) for t in token_ids], views, 1, pending)
 
     def verify(self, token_ids: Sequence[Sequence[int]], views: list[SequenceView]) -> tuple[torch.Tensor, int]:
         """Run each sequence's tokens (1..W: the last sampled token and its drafts; its view has the pages of
@@ -147,13 +161,26 @@ class DecodeGraphs:
             if width > 1:
                 self._commits[size, width] = self._capture_commit(size, width)
 
-    def _step(self, token_ids: Sequence[Sequence[int]], views: list[SequenceView], width: int) -> torch.Tensor:
+    def _step(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        views: list[SequenceView],
+        width: int,
+        pending: DeviceTokens | None = None,
+    ) -> torch.Tensor:
         batch = len(token_ids)
         size = self.bucket(batch)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's metadata has left the pinned buffer
         if self.capture:
             self._ensure_graphs(size, width)  # before the fill: a capture runs on padding metadata
         self._fill(token_ids, views, size, width)
         self._upload(size, width)
+        if pending is not None:
+            self._meta[_IDS].index_copy_(0, pending.rows, pending.tokens.index_select(0, pending.index))
+        if self.capture:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
         self._stepped = (size, width)
         if not self.capture:
             return self._forward(size, width)[: batch * width]

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from decode_service.engine.core.outputs import BEFORE_FORWARD, ScheduledChunk, SchedulerOutput
-from decode_service.engine.request import MultimodalItem, Request, SamplingParams
-from decode_service.engine.worker.decode_graphs import DecodeGraphs
+from decode_service.engine.request import PENDING_TOKEN, MultimodalItem, Request, SamplingParams
+from decode_service.engine.worker.decode_graphs import DecodeGraphs, DeviceTokens
 from decode_service.engine.worker.kv_cache import KVCache, SequenceView
 from decode_service.engine.worker.mtp import DraftInput, DraftModel
 from decode_service.engine.worker.rejection import verify_draft
-from decode_service.engine.worker.sampler import Sampler, SampleResult, argmax_only, to_device
+from decode_service.engine.worker.sampler import Sampler, SampleResult, argmax_only, samples_on_device, to_device
 from decode_service.engine.worker.snapshots import SnapshotStore
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.collectives import SINGLE, TPGroup
@@ -118,6 +118,17 @@ class RunnerOutput:
     drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
+@dataclass(eq=False)
+class PendingStep:
+    """A decode step launched on the device whose tokens the host has not read (`ModelRunner.launch`)."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    requests: list[WorkerRequest]  # the chunks' requests when it launched
+    tokens: torch.Tensor  # [B] int64 on the device: chunk i's sampled token, the next step's input
+    host: torch.Tensor  # [B] its copy on the host (pinned on CUDA), complete once `ready` has passed
+    ready: torch.cuda.Event | None
+
+
 class ModelRunner:
     """`decode_graphs`: decode and verify steps of text tokens go there (batched paged path, CUDA graphs); the
     rest (prefill chunks, media rows) is packed.
@@ -158,6 +169,76 @@ class ModelRunner:
         self.views.pop(request_id, None)
         if self.drafter is not None:
             self.drafter.remove(request_id)
+
+    def overlappable(self, output: SchedulerOutput) -> bool:
+        """Whether `launch` runs this step: every chunk a one-token decode through the decode graphs whose token the
+        device alone samples (`samples_on_device`), no conv slot zeroed or restored, no prefix-tier I/O, one rank,
+        no drafter. Any other step runs through `execute` (the engine's per-step rule, engine.py)."""
+        if self.decode_graphs is None or self.drafter is not None or self.sampler is None or self.tp.size > 1:
+            return False
+        if not output.chunks or output.prefix_tier.loads or output.prefix_tier.saves:
+            return False
+        if any(op.kind in BEFORE_FORWARD for op in output.conv_ops):
+            return False
+        for c in output.chunks:
+            if c.num_tokens != 1 or c.num_drafts or not c.needs_logits or c.new_sequence:
+                return False
+            request = self.requests[c.request_id]
+            if not samples_on_device(request) or any(i.start < c.end and c.start < i.end for i in request.mm_items):
+                return False
+        return True
+
+    @torch.inference_mode()
+    def launch(self, output: SchedulerOutput, previous: PendingStep | None = None) -> PendingStep:
+        """Run an `overlappable` step up to its sampled tokens without reading them: chunks whose token is
+        `PENDING_TOKEN` take `previous`'s sample of their request on the device. `collect` reads the tokens."""
+        try:
+            self._prepare(output)
+            chunks = output.chunks
+            ids = [c.token_ids[0] for c in chunks]
+            pending = self._device_tokens(chunks, ids, previous)
+            hidden = self.decode_graphs.run(ids, [self.views[c.request_id] for c in chunks], pending)  # [B, H]
+            requests = [self.requests[c.request_id] for c in chunks]
+            if self._argmax_only(chunks):
+                tokens = self.decode_graphs.greedy_tokens(hidden).clone()  # the head graph's buffer is reused
+            else:
+                tokens = self.sampler.choose(self.model.logits(hidden).float(), requests)
+            if output.conv_ops:
+                self.snapshots.after_forward(output.conv_ops)
+                self.snapshots.drop(output.conv_ops)
+        finally:
+            if self.prefix_tier is not None:
+                self.prefix_tier.discard_staged()
+        if tokens.device.type != "cuda":
+            return PendingStep(chunks, requests, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingStep(chunks, requests, tokens, host, ready)
+
+    def collect(self, step: PendingStep) -> RunnerOutput:
+        """Wait for a launched step's tokens and record them (the step's one sync)."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        samples = {}
+        for c, request, token in zip(step.chunks, step.requests, step.host.tolist(), strict=True):
+            request.output_token_ids.append(token)
+            samples[c.request_id] = [SampleResult(token)]
+        return RunnerOutput(samples)
+
+    def _device_tokens(
+        self, chunks: tuple[ScheduledChunk, ...], ids: list[int], previous: PendingStep | None
+    ) -> DeviceTokens | None:
+        """Where each `PENDING_TOKEN` of this step is in `previous`'s samples."""
+        rows = [i for i, t in enumerate(ids) if t == PENDING_TOKEN]
+        if not rows:
+            return None
+        assert previous is not None, "a pending token without a step in flight"
+        at = {c.request_id: i for i, c in enumerate(previous.chunks)}
+        index = [at[chunks[i].request_id] for i in rows]
+        device = previous.tokens.device
+        return DeviceTokens(previous.tokens, to_device(index, device), to_device(rows, device))
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:

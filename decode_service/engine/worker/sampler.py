@@ -136,6 +136,14 @@ def argmax_only(request: SamplingState) -> bool:
     return p.greedy and no_penalty and request.constraint is None and p.logprobs is None
 
 
+def samples_on_device(request: SamplingState) -> bool:
+    """Whether `Sampler.choose` alone gives this request's token, with nothing on the host before or after it: no
+    penalties (they read the host's token history), no grammar, no logprobs (async scheduling, worker/runner.py)."""
+    p = request.sampling
+    no_penalty = p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+    return no_penalty and request.constraint is None and p.logprobs is None
+
+
 def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
     """Repetition penalty over prompt + output tokens; presence and frequency penalties over output tokens."""
     params = [r.sampling for r in requests]

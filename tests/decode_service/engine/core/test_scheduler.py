@@ -12,7 +12,7 @@ from decode_service.engine.core.pages import KVAllocator, PoolSizes
 from decode_service.engine.core.prefix_index import PrefixCache
 from decode_service.engine.core.prefix_tier import TierHit
 from decode_service.engine.core.scheduler import Scheduler, SchedulerConfig
-from decode_service.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from decode_service.engine.request import PENDING_TOKEN, FinishReason, Request, RequestStatus, SamplingParams
 
 CONTROL_PLANE = (
     "decode_service.engine.core.scheduler",
@@ -321,3 +321,32 @@ def test_drafts_are_capped_and_never_preempt(model_config):
     a.draft_token_ids = (5, 6, 7, 8, 9)  # position 11 fits the third page, the drafts would need a fourth
     out = tight.schedule()
     assert [(c.request_id, c.num_drafts) for c in out.chunks] == [("a", 0), ("b", 0)] and not out.preempted
+
+
+def test_pending_tokens_are_planned_as_placeholders_and_a_stop_discards_its_chunk(model_config):
+    """Async scheduling: a request with a token in flight is planned one more decode whose token is
+    `PENDING_TOKEN`; when it stops before that step is committed, the chunk is skipped and its snapshot dropped."""
+    s = make(model_config.text, budget=16, page_size=4, prefix=True)
+    a, b = request("a", 7, max_tokens=10), request("b", 6, max_tokens=10)
+    s.add(a)
+    s.add(b)
+    fake_step(s)
+    fake_step(s)  # the prefills end: both sampled a token
+    first = s.schedule()  # a decode each, launched: its tokens are pending
+    s.commit(first)
+    for r in (a, b):
+        r.num_pending_tokens += 1
+    second = s.schedule()  # planned before the first step's tokens are read
+    assert [c.token_ids for c in second.chunks] == [(PENDING_TOKEN,), (PENDING_TOKEN,)]
+    assert [c.start for c in second.chunks] == [8, 7]  # after the prompt and the sampled token
+    assert a.token_slice(0, 9)[-1] == PENDING_TOKEN and PENDING_TOKEN not in a.token_slice(0, 8)
+    for r in (a, b):  # the first step's tokens are read: b stops there
+        r.num_pending_tokens -= 1
+        r.output_token_ids.append(1)
+    s.finish(b, FinishReason.STOP)
+    assert b.num_pending_tokens == 0 and b.handle is None
+    s.commit(second)  # b's chunk is skipped (its pages went back at the stop)
+    assert a.num_computed_tokens == 9 and b.num_computed_tokens == 0
+    snapshot = second.chunks[1].snapshot_id
+    assert snapshot is not None  # b's chunk ended on the tracked boundary at 8: its snapshot is dropped
+    assert (DROP, None, snapshot) in s.schedule().conv_ops

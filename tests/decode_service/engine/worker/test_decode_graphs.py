@@ -53,7 +53,7 @@ def test_batched_decode_equals_each_sequence_alone(cpu_interpreter, kernel_model
     assert graphs is not None and not graphs.capture
     calls = []
     run = graphs.run
-    graphs.run = lambda ids, views: calls.append(len(ids)) or run(ids, views)
+    graphs.run = lambda ids, views, *pending: calls.append(len(ids)) or run(ids, views, *pending)
     requests = [Request(f"r{i}", p, GREEDY, mm_items=(media,) if i == 2 else ()) for i, p in enumerate(prompts)]
     outs = engine.generate(requests)
     again = engine.generate([Request("again", prompts[1] + [7, 8, 9, 10], GREEDY)])[0]
@@ -87,7 +87,8 @@ def test_greedy_steps_take_the_graph_argmax(cpu_interpreter, kernel_model, kerne
 
     def generate(samplings: list[SamplingParams]) -> tuple[list[list[int]], list[set[str]], list[set[str]]]:
         """Tokens, and the request ids of each step sampled by the graphs' argmax / on the host."""
-        engine = Engine(kernel_model.with_ops("fast"), kernel_config, settings())
+        # the synchronous steps (async ones sample in `ModelRunner.launch`: test_engine_async.py)
+        engine = Engine(kernel_model.with_ops("fast"), kernel_config, settings(async_scheduling=False))
         runner, steps = engine.runner, ([], [])
         greedy_samples, sample = runner._greedy_samples, runner._sample
 
