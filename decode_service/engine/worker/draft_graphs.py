@@ -36,10 +36,12 @@ positions, which the next round's committed rows overwrite before any query read
 depth's weights once for all its rows (one-row steps read them once per row).
 
 Sampling inside the graph, without device asserts: greedy rows take the argmax; a row at temperature T takes
-`argmax(q / E)` with `q = softmax(logits / T)` and `E ~ Exp(1)` per vocabulary entry drawn outside the graph from
-the request's generator (the exponential race, i.e. Gumbel-max: a draw from q). `q` is returned for rejection
-sampling. A round whose every row is greedy replays a graph of its own (the `greedy` variant of the key): the
-argmax of the logits alone, no softmax and no `q` (the verifier reads `q` only for rows at temperature > 0).
+`argmax(q / E)` with `q = softmax(logits / T)` and `E ~ Exp(1)` per vocabulary entry drawn outside the graph (the
+exponential race, i.e. Gumbel-max: a draw from q): from a seeded request's own generator, for the other sampled rows
+one draw per round from the chain's generator. `q` is returned for rejection sampling. A round whose every row is
+greedy replays a graph of its own (the `greedy` variant of the key): the argmax of the logits alone
+(`MTPDrafter.argmax_logits`, no fp32 logits on the bf16 head), no softmax and no `q` (the verifier reads `q` only
+for rows at temperature > 0).
 
 Every input of a graph lives in static buffers refilled before a replay. Without CUDA, or with graphs off, the
 same buffers run eagerly (the CPU tests, under the kernels' interpreter).
@@ -105,21 +107,35 @@ class DepthSequence:
         self.view = SequenceView(pools.cache, self.pages.slot)
         self.layers = [DepthLayer(self.view, d) for d in range(pools.cache.config.num_layers)]
         pools.cache.zero_conv(self.pages.slot)
+        # Most rounds neither need a page nor free one: positions below `_paged` have pages of every kind, and no
+        # sliding page is released until the committed rows reach `_release_at` (both set by the last full `grow`).
+        self._paged, self._release_at = 0, 0
 
     @property
     def slot(self) -> int:
         return self.view.slot
 
     def fits(self, num_tokens: int) -> bool:
-        return self.pools.allocator.fits(self.pages.pages_needed(num_tokens))
+        return num_tokens <= self._paged or self.pools.allocator.fits(self.pages.pages_needed(num_tokens))
 
     def grow(self, num_tokens: int, committed: int) -> None:
         """Pages for positions `< num_tokens`; sliding pages no row from `committed` on can see are released."""
-        self.pages.grow(num_tokens)
-        self.pages.commit(max(committed, self.pages.num_tokens))
-        for sliding, update in zip((True, False), self.pages.take_updates(), strict=True):
+        pages = self.pages
+        committed = max(committed, pages.num_tokens)
+        if num_tokens <= self._paged and committed < self._release_at:  # nothing to allocate or release
+            pages.num_tokens = committed
+            return
+        pages.grow(num_tokens)
+        pages.commit(committed)
+        for sliding, update in zip((True, False), pages.take_updates(), strict=True):
             if update.pages or update.freed:
                 self.view.update(sliding, update)
+        allocator, page = pages.allocator, pages.allocator.page_size
+        kinds = [sliding for sliding, has in ((True, allocator.has_sliding), (False, allocator.has_global)) if has]
+        self._paged = min(len(pages.tables[sliding]) * page for sliding in kinds) if kinds else 1 << 62
+        # `commit` releases the sliding pages before (committed - (window - 1)) // page: the next one at this count.
+        released = max(0, committed - (allocator.window - 1)) // page
+        self._release_at = (released + 1) * page + allocator.window - 1 if allocator.has_sliding else 1 << 62
 
     def release(self) -> None:
         self.pages.release()
@@ -150,7 +166,13 @@ class DraftGraphs:
     greedy, no draft distributions)."""
 
     def __init__(
-        self, drafter: MTPDrafter, pools: DepthPools, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
+        self,
+        drafter: MTPDrafter,
+        pools: DepthPools,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_graphs: bool = True,
+        seed: int = 0,
     ):
         self.drafter, self.pools, self.cache = drafter, pools, pools.cache
         self.max_model_len = max_model_len
@@ -173,6 +195,7 @@ class DraftGraphs:
         self._padding[_KNOWN], self._padding[_SLOT] = n + 1, self.cache.scratch_slot
         self.temperature = torch.ones(width, dtype=torch.float32, device=device)  # 0 = greedy
         self.noise = torch.ones((n, width, vocab), dtype=torch.float32, device=device)  # Exp(1) draws
+        self.generator = torch.Generator(device).manual_seed(seed)  # the noise of rows without their own generator
         self.drafts = torch.zeros((n, width), dtype=torch.int64, device=device)
         self.q = torch.zeros((n, width, vocab), dtype=torch.float32, device=device)
         self.inputs = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: row inputs from the host
@@ -206,15 +229,24 @@ class DraftGraphs:
         if self.capture and key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         self._fill(rows, slots, size, temperatures)
-        for i, (t, g) in enumerate(zip(temperatures, generators, strict=True)):
-            if t > 0:
-                self.noise[:depth, i].exponential_(generator=g)
+        self._draw_noise(depth, temperatures, generators)
         self._upload(size)
         if self.capture:
             self._graphs[key].replay()
         else:
             self._forward(size, depth, first, greedy)
         return self.drafts[:depth, :batch], None if greedy else self.q[:depth, :batch]
+
+    def _draw_noise(self, depth: int, temperatures: list[float], generators: list[torch.Generator | None]) -> None:
+        """Exp(1) noise for the sampled rows' `depth` drafts: one draw over the round's rows from `self.generator`
+        when a sampled row brings no generator of its own, then each row with its own generator (a seeded request)
+        from that, so a seeded request's drafts depend on its seed alone."""
+        batch = len(temperatures)
+        if any(t > 0 and g is None for t, g in zip(temperatures, generators, strict=True)):
+            self.noise[:depth, :batch].exponential_(generator=self.generator)
+        for i, (t, g) in enumerate(zip(temperatures, generators, strict=True)):
+            if t > 0 and g is not None:
+                self.noise[:depth, i].exponential_(generator=g)
 
     @torch.inference_mode()
     def capture_all(self, depths: list[int], firsts: list[int]) -> None:
@@ -259,11 +291,11 @@ class DraftGraphs:
     def _sample(self, j: int, hidden: torch.Tensor, size: int, greedy: bool) -> torch.Tensor:
         """Draft `d_{j+1}` from depth j's row K-2, `[size, H]` -> `[size]` (greedy or the exponential race;
         `greedy`: every row greedy, the argmax alone)."""
-        logits = self.drafter.logits(hidden)  # [size, V] fp32
         if greedy:
-            token = logits.argmax(-1)
+            token = self.drafter.argmax_logits(hidden)
             self.drafts[j, :size].copy_(token)
             return token
+        logits = self.drafter.logits(hidden)  # [size, V] fp32
         t = self.temperature[:size]
         sampled = t > 0
         q = torch.softmax(logits / torch.where(sampled, t, 1.0)[:, None], -1)  # spec 7.4: the request's scaled logits

@@ -50,7 +50,7 @@ class DraftInput:
     token_ids: list[int]  # every known token (prompt + output, including the one sampled this step)
     draft: bool  # the trunk sampled a token this step: propose the next drafts
     temperature: float = 0.0  # > 0: drafts are sampled from the depth's softmax(logits / temperature), kept as `q`
-    generator: torch.Generator | None = None  # draws those drafts (the request's own)
+    generator: torch.Generator | None = None  # draws those drafts (a seeded request's own; None: the drafter's)
 
 
 class DraftModel(Protocol):
@@ -289,6 +289,7 @@ class PagedMTPSpeculator(MTPSpeculator):
         max_chunk: int,
         max_model_len: int,
         use_graphs: bool = True,
+        seed: int = 0,
     ) -> PagedMTPSpeculator:
         """Pools for the trunk's sequences (`trunk`: its pool sizes, dtype and device): a conv slot per sequence,
         sliding pages for a window plus a chunk (`max_chunk`, the step's token budget) each, and the trunk's global
@@ -299,7 +300,7 @@ class PagedMTPSpeculator(MTPSpeculator):
         sliding = seqs * (math.ceil(reach / page) + 2)
         spec = CacheSpec(page, sliding, trunk.num_global_pages + seqs, seqs, trunk.dtype, trunk.device)
         pools = DepthPools(drafter, spec, max_model_len, num_depths)
-        graphs = DraftGraphs(drafter, pools, seqs, max_model_len, use_graphs)
+        graphs = DraftGraphs(drafter, pools, seqs, max_model_len, use_graphs, seed)
         graphs.capture_all([num_depths], list(range(num_depths + 2)))  # fewer drafts (`depth_for`): on first use
         return cls(drafter, num_depths, pools, graphs)
 
