@@ -68,17 +68,18 @@ _KNOWN, _SLOT, _FIELDS = 0, 1, ("start", "count", "total", "shift")  # integer m
 
 @dataclass(frozen=True)
 class RoundRows:
-    """One sequence's rows of a drafting round, per depth j < D: positions `start[j] .. start[j] + total[j] - 1`
-    (through K-2), of which the first `count[j]` are committed (their conv states kept); row m's input is
-    `inputs[j, m]` (from the host) for `m < shift[j]`, else depth j-1's row `m - shift[j]` of this round; its token
-    `tokens[j][m]` when known (position + j + 1 < K), else the round's draft for that position."""
+    """The rows of a drafting round of B sequences, per sequence i and depth j < D: positions `start[i, j] ..
+    start[i, j] + total[i, j] - 1` (through K-2), of which the first `count[i, j]` are committed (their conv states
+    kept); row m's input is `inputs[j, m, i]` (from the host) for `m < shift[i, j]`, else depth j-1's row
+    `m - shift[i, j]` of this round; its token `tokens[i, j, m]` when known (position + j + 1 < K), else 0 (the
+    round's draft for that position, filled in on the device). int64 arrays, one row per sequence."""
 
-    known: int  # K
-    start: list[int]
-    count: list[int]
-    total: list[int]
-    shift: list[int]
-    tokens: list[list[int]]
+    known: np.ndarray  # [B] K
+    start: np.ndarray  # [B, D]
+    count: np.ndarray  # [B, D]
+    total: np.ndarray  # [B, D]
+    shift: np.ndarray  # [B, D]
+    tokens: np.ndarray  # [B, D, max_rows]
 
 
 class DepthLayer:
@@ -198,8 +199,10 @@ class DraftGraphs:
         self.generator = torch.Generator(device).manual_seed(seed)  # the noise of rows without their own generator
         self.drafts = torch.zeros((n, width), dtype=torch.int64, device=device)
         self.q = torch.zeros((n, width, vocab), dtype=torch.float32, device=device)
-        self.inputs = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: row inputs from the host
-        self.outputs = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: row outputs
+        # [j, m]: the rows' inputs from the host, then their outputs, in one buffer: `flat` row
+        # `(j * r + m) * width + i` is the input of row m of depth j of sequence i, `output_rows` later its output.
+        rows = torch.zeros((2, n, r, width, h), dtype=dtype, device=device)
+        self.inputs, self.outputs, self.flat, self.output_rows = rows[0], rows[1], rows.view(-1, h), n * r * width
         # Per (depth, conv) `[width, K-1+rows, C]`: the windows (state ++ the step's rows) of the multi-row steps.
         k1 = self.cache.config.conv_kernel_size - 1
         self.windows = {
@@ -215,14 +218,14 @@ class DraftGraphs:
         assert 0 < batch <= self.buckets[-1], f"draft batch of {batch} outside 1..{self.buckets[-1]}"
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-    def run(self, depth: int, first: int, rows: list[RoundRows], slots: list[int], temperatures: list[float],
+    def run(self, depth: int, first: int, rows: RoundRows, slots: list[int], temperatures: list[float],
             generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """Draft `depth` tokens for each sequence (`rows[i]`: its round, `slots[i]` its depth conv slot), depth j
-        running `first + j` rows per sequence (`first` = 0: no depth-0 rows, its output row K-2 already in
+        """Draft `depth` tokens for each sequence (`rows`: the round's rows, `slots[i]` sequence i's depth conv slot),
+        depth j running `first + j` rows per sequence (`first` = 0: no depth-0 rows, its output row K-2 already in
         `outputs[0, 0, i]`); `inputs[j, m, i]` holds the host's inputs (filled by the caller). -> drafts
         `[depth, B]` and the draft distributions `[depth, B, V]` (meaningful for the rows at temperature > 0; None
         when every row is greedy)."""
-        batch = len(rows)
+        batch = len(slots)
         size = self.bucket(batch)
         greedy = not any(t > 0 for t in temperatures)
         key = (size, depth, first, greedy)
@@ -260,28 +263,23 @@ class DraftGraphs:
                             if key not in self._graphs:
                                 self._graphs[key] = self._capture(*key)
 
-    def _fill(self, rows: list[RoundRows], slots: list[int], size: int, temperatures: list[float]) -> None:
+    def _fill(self, rows: RoundRows | None, slots: list[int], size: int, temperatures: list[float]) -> None:
         """The metadata column of each sequence (K, slot, each field per depth, the tokens per depth and row; zeros
-        past a sequence's depths and rows), then the padding sequences', into the pinned host buffers."""
-        n, r, batch = self.num_depths, self.max_rows, len(rows)
+        past the round's depths), then the padding sequences', into the pinned host buffers."""
+        n, r, batch, host = self.num_depths, self.max_rows, len(slots), self._host_np
         self._host_t_np[:batch] = temperatures
         self._host_t_np[batch:size] = 0.0
-        self._host_np[:, batch:size] = self._padding[:, None]
+        host[:, batch:size] = self._padding[:, None]
         if not batch:
             return
-        zeros, columns = [0] * (n * r), []
-        for s, slot in zip(rows, slots, strict=True):
-            column = [s.known, slot]
-            for field in _FIELDS:
-                values = getattr(s, field)
-                column += values
-                column += zeros[: n - len(values)]
-            for tokens in s.tokens:
-                column += tokens
-                column += zeros[: r - len(tokens)]
-            column += zeros[: (n - len(s.tokens)) * r]
-            columns.append(column)
-        self._host_np[:, :batch] = np.array(columns, dtype=np.int64).T
+        depth = rows.start.shape[1]
+        host[_KNOWN, :batch] = rows.known
+        host[_SLOT, :batch] = slots
+        for f, field in enumerate(_FIELDS):
+            host[2 + f * n : 2 + f * n + depth, :batch] = getattr(rows, field).T
+            host[2 + f * n + depth : 2 + (f + 1) * n, :batch] = 0
+        host[self._tokens : self._tokens + depth * r, :batch] = rows.tokens.reshape(batch, depth * r).T
+        host[self._tokens + depth * r :, :batch] = 0
 
     def _upload(self, size: int) -> None:
         self.tables.upload()
@@ -389,7 +387,7 @@ class DraftGraphs:
 
     def warm_up(self, size: int, depth: int, first: int, greedy: bool) -> None:
         """One round of `size` padding sequences (compiles the kernels; touches only scratch pages and slots)."""
-        self._fill([], [], size, [])
+        self._fill(None, [], size, [])
         self._upload(size)
         self._forward(size, depth, first, greedy)
 
