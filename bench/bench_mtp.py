@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -285,6 +287,29 @@ class GraphedChain:
         return run
 
 
+def host_before_replay_ms(fn: Callable[[], None], reps: int) -> float:
+    """Median host time from the call of `fn` (the device idle) to its first CUDA graph replay: what the device
+    waits through before the round starts."""
+    replay, marks = torch.cuda.CUDAGraph.replay, []
+
+    def timed(graph: torch.cuda.CUDAGraph) -> None:
+        marks.append(time.perf_counter())
+        replay(graph)
+
+    times = []
+    torch.cuda.CUDAGraph.replay = timed
+    try:
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            marks.clear()
+            start = time.perf_counter()
+            fn()
+            times.append((marks[0] - start) * 1e3)
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+    return statistics.median(times)
+
+
 def plain_graph_ms(model: InklingDecoder, batch: int, ctx: int, reps: int) -> float:
     """The engine's plain greedy decode step for B sequences at `ctx` (`DecodeGraphs` replay, then the lm_head and
     argmax from the head graph and the B token ids read), as in `bench.bench_decode`."""
@@ -325,6 +350,7 @@ class Row:
     lm_plain_ms: float = 0.0  # the lm_head alone over the plain step's B rows
     lm_verify_ms: float = 0.0  # ... over the verify step's B(D+1) rows
     chain_graph_ms: float | None = None  # the chain as the engine runs it (paged pools, CUDA graph); None: eager
+    pre_replay_ms: float | None = None  # its host time from the call to the graph replay (CUDA)
 
     @property
     def draft_ms(self) -> float:
@@ -412,13 +438,18 @@ def run(
             rows = 1 + round(expected_accepted(d))
             chain_ms = time_ms(chain.step(d, rows), device, reps) if chain is not None else math.nan
             chain_graph = time_ms(graphed_chain.step(d, rows), device, reps) if graphed_chain is not None else None
+            graphed_round = graphed_chain is not None and device == "cuda"
+            pre = host_before_replay_ms(graphed_chain.step(d, rows), reps) if graphed_round else None
             tokens = 1.0 + simulate_accepted(d, b, rounds)
             lm_verify = lm_head_ms(trunk, b * (d + 1), device, reps)
-            row = Row(b, d, verify, chain_ms, rows, tokens, plain, floor, graphed, lm_plain, lm_verify, chain_graph)
+            row = Row(
+                b, d, verify, chain_ms, rows, tokens, plain, floor, graphed, lm_plain, lm_verify, chain_graph, pre
+            )  # fmt: skip
             results.append(row)
             eager_text = f" (eager per request {chain_ms:.3f} ms)" if chain is not None else ""
             chain_text = (
                 f"draft chain {chain_graph:.3f} ms from its CUDA graph{eager_text}"
+                + (f", host {pre:.3f} ms before the replay" if pre is not None else "")
                 if chain_graph is not None
                 else f"draft chain {chain_ms:.3f} ms eager"
             )

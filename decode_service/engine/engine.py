@@ -471,8 +471,9 @@ def _speculator(
         batched = isinstance(model, InklingDecoder) and fast_path.supports_batched_decode(model)
         if batched and drafter.tp.size == 1:  # under TP the drafts are the leader's picks (`_leader_picks`)
             return PagedMTPSpeculator.build(
-                drafter, depth, spec, settings.max_num_batched_tokens, max_model_len, settings.cuda_graphs
-            )
+                drafter, depth, spec, settings.max_num_batched_tokens, max_model_len, settings.cuda_graphs,
+                settings.seed,
+            )  # fmt: skip
         return MTPSpeculator(drafter, depth)
     if drafter.num_depths != depth:
         raise ConfigError(f"mtp_depth={depth}: the drafter proposes {drafter.num_depths} tokens")

@@ -174,8 +174,22 @@ class MTPDrafter(nn.Module):
         (`kernels.fp8_head.preferred`: up to 2 rows; the same muP division). Every draft and its distribution q
         come from these logits."""
         mup, vocab = self.config.mup_multiplier, self.config.unpadded_vocab_size
-        if self.fp8_head is not None and fp8_preferred(hidden.shape[0]):  # measured: more rows, bf16 is faster
+        if self._fp8(hidden):
             weight, scale = self.fp8_head
             return self.ops.fp8_logits(hidden, weight, scale, mup, self.tp, vocab)
-        z = hidden / mup  # a true division, as the trunk's (spec 9.8)
-        return self.tp.gather_vocab(self.unembed(z))[:, :vocab].float()
+        return self._product(hidden).float()
+
+    def argmax_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`logits(hidden).argmax(-1)` as int64 `[N]` (the greedy drafts): on the bf16 head the argmax of the same
+        bf16 product without its fp32 copy (the cast is exact: the same values, ties and first index), on the FP8
+        head its logits' argmax."""
+        if self._fp8(hidden):
+            return self.logits(hidden).argmax(-1)
+        return self._product(hidden).argmax(-1)
+
+    def _product(self, hidden: torch.Tensor) -> torch.Tensor:
+        z = hidden / self.config.mup_multiplier  # a true division, as the trunk's (spec 9.8)
+        return self.tp.gather_vocab(self.unembed(z))[:, : self.config.unpadded_vocab_size]
+
+    def _fp8(self, hidden: torch.Tensor) -> bool:
+        return self.fp8_head is not None and fp8_preferred(hidden.shape[0])  # measured: more rows, bf16 is faster

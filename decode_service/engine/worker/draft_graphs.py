@@ -36,10 +36,12 @@ positions, which the next round's committed rows overwrite before any query read
 depth's weights once for all its rows (one-row steps read them once per row).
 
 Sampling inside the graph, without device asserts: greedy rows take the argmax; a row at temperature T takes
-`argmax(q / E)` with `q = softmax(logits / T)` and `E ~ Exp(1)` per vocabulary entry drawn outside the graph from
-the request's generator (the exponential race, i.e. Gumbel-max: a draw from q). `q` is returned for rejection
-sampling. A round whose every row is greedy replays a graph of its own (the `greedy` variant of the key): the
-argmax of the logits alone, no softmax and no `q` (the verifier reads `q` only for rows at temperature > 0).
+`argmax(q / E)` with `q = softmax(logits / T)` and `E ~ Exp(1)` per vocabulary entry drawn outside the graph (the
+exponential race, i.e. Gumbel-max: a draw from q): from a seeded request's own generator, for the other sampled rows
+one draw per round from the chain's generator. `q` is returned for rejection sampling. A round whose every row is
+greedy replays a graph of its own (the `greedy` variant of the key): the argmax of the logits alone
+(`MTPDrafter.argmax_logits`, no fp32 logits on the bf16 head), no softmax and no `q` (the verifier reads `q` only
+for rows at temperature > 0).
 
 Every input of a graph lives in static buffers refilled before a replay. Without CUDA, or with graphs off, the
 same buffers run eagerly (the CPU tests, under the kernels' interpreter).
@@ -66,17 +68,18 @@ _KNOWN, _SLOT, _FIELDS = 0, 1, ("start", "count", "total", "shift")  # integer m
 
 @dataclass(frozen=True)
 class RoundRows:
-    """One sequence's rows of a drafting round, per depth j < D: positions `start[j] .. start[j] + total[j] - 1`
-    (through K-2), of which the first `count[j]` are committed (their conv states kept); row m's input is
-    `inputs[j, m]` (from the host) for `m < shift[j]`, else depth j-1's row `m - shift[j]` of this round; its token
-    `tokens[j][m]` when known (position + j + 1 < K), else the round's draft for that position."""
+    """The rows of a drafting round of B sequences, per sequence i and depth j < D: positions `start[i, j] ..
+    start[i, j] + total[i, j] - 1` (through K-2), of which the first `count[i, j]` are committed (their conv states
+    kept); row m's input is `inputs[j, m, i]` (from the host) for `m < shift[i, j]`, else depth j-1's row
+    `m - shift[i, j]` of this round; its token `tokens[i, j, m]` when known (position + j + 1 < K), else 0 (the
+    round's draft for that position, filled in on the device). int64 arrays, one row per sequence."""
 
-    known: int  # K
-    start: list[int]
-    count: list[int]
-    total: list[int]
-    shift: list[int]
-    tokens: list[list[int]]
+    known: np.ndarray  # [B] K
+    start: np.ndarray  # [B, D]
+    count: np.ndarray  # [B, D]
+    total: np.ndarray  # [B, D]
+    shift: np.ndarray  # [B, D]
+    tokens: np.ndarray  # [B, D, max_rows]
 
 
 class DepthLayer:
@@ -105,21 +108,35 @@ class DepthSequence:
         self.view = SequenceView(pools.cache, self.pages.slot)
         self.layers = [DepthLayer(self.view, d) for d in range(pools.cache.config.num_layers)]
         pools.cache.zero_conv(self.pages.slot)
+        # Most rounds neither need a page nor free one: positions below `_paged` have pages of every kind, and no
+        # sliding page is released until the committed rows reach `_release_at` (both set by the last full `grow`).
+        self._paged, self._release_at = 0, 0
 
     @property
     def slot(self) -> int:
         return self.view.slot
 
     def fits(self, num_tokens: int) -> bool:
-        return self.pools.allocator.fits(self.pages.pages_needed(num_tokens))
+        return num_tokens <= self._paged or self.pools.allocator.fits(self.pages.pages_needed(num_tokens))
 
     def grow(self, num_tokens: int, committed: int) -> None:
         """Pages for positions `< num_tokens`; sliding pages no row from `committed` on can see are released."""
-        self.pages.grow(num_tokens)
-        self.pages.commit(max(committed, self.pages.num_tokens))
-        for sliding, update in zip((True, False), self.pages.take_updates(), strict=True):
+        pages = self.pages
+        committed = max(committed, pages.num_tokens)
+        if num_tokens <= self._paged and committed < self._release_at:  # nothing to allocate or release
+            pages.num_tokens = committed
+            return
+        pages.grow(num_tokens)
+        pages.commit(committed)
+        for sliding, update in zip((True, False), pages.take_updates(), strict=True):
             if update.pages or update.freed:
                 self.view.update(sliding, update)
+        allocator, page = pages.allocator, pages.allocator.page_size
+        kinds = [sliding for sliding, has in ((True, allocator.has_sliding), (False, allocator.has_global)) if has]
+        self._paged = min(len(pages.tables[sliding]) * page for sliding in kinds) if kinds else 1 << 62
+        # `commit` releases the sliding pages before (committed - (window - 1)) // page: the next one at this count.
+        released = max(0, committed - (allocator.window - 1)) // page
+        self._release_at = (released + 1) * page + allocator.window - 1 if allocator.has_sliding else 1 << 62
 
     def release(self) -> None:
         self.pages.release()
@@ -150,7 +167,13 @@ class DraftGraphs:
     greedy, no draft distributions)."""
 
     def __init__(
-        self, drafter: MTPDrafter, pools: DepthPools, max_num_seqs: int, max_model_len: int, use_graphs: bool = True
+        self,
+        drafter: MTPDrafter,
+        pools: DepthPools,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_graphs: bool = True,
+        seed: int = 0,
     ):
         self.drafter, self.pools, self.cache = drafter, pools, pools.cache
         self.max_model_len = max_model_len
@@ -173,10 +196,13 @@ class DraftGraphs:
         self._padding[_KNOWN], self._padding[_SLOT] = n + 1, self.cache.scratch_slot
         self.temperature = torch.ones(width, dtype=torch.float32, device=device)  # 0 = greedy
         self.noise = torch.ones((n, width, vocab), dtype=torch.float32, device=device)  # Exp(1) draws
+        self.generator = torch.Generator(device).manual_seed(seed)  # the noise of rows without their own generator
         self.drafts = torch.zeros((n, width), dtype=torch.int64, device=device)
         self.q = torch.zeros((n, width, vocab), dtype=torch.float32, device=device)
-        self.inputs = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: row inputs from the host
-        self.outputs = torch.zeros((n, r, width, h), dtype=dtype, device=device)  # [j, m]: row outputs
+        # [j, m]: the rows' inputs from the host, then their outputs, in one buffer: `flat` row
+        # `(j * r + m) * width + i` is the input of row m of depth j of sequence i, `output_rows` later its output.
+        rows = torch.zeros((2, n, r, width, h), dtype=dtype, device=device)
+        self.inputs, self.outputs, self.flat, self.output_rows = rows[0], rows[1], rows.view(-1, h), n * r * width
         # Per (depth, conv) `[width, K-1+rows, C]`: the windows (state ++ the step's rows) of the multi-row steps.
         k1 = self.cache.config.conv_kernel_size - 1
         self.windows = {
@@ -192,29 +218,38 @@ class DraftGraphs:
         assert 0 < batch <= self.buckets[-1], f"draft batch of {batch} outside 1..{self.buckets[-1]}"
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-    def run(self, depth: int, first: int, rows: list[RoundRows], slots: list[int], temperatures: list[float],
+    def run(self, depth: int, first: int, rows: RoundRows, slots: list[int], temperatures: list[float],
             generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """Draft `depth` tokens for each sequence (`rows[i]`: its round, `slots[i]` its depth conv slot), depth j
-        running `first + j` rows per sequence (`first` = 0: no depth-0 rows, its output row K-2 already in
+        """Draft `depth` tokens for each sequence (`rows`: the round's rows, `slots[i]` sequence i's depth conv slot),
+        depth j running `first + j` rows per sequence (`first` = 0: no depth-0 rows, its output row K-2 already in
         `outputs[0, 0, i]`); `inputs[j, m, i]` holds the host's inputs (filled by the caller). -> drafts
         `[depth, B]` and the draft distributions `[depth, B, V]` (meaningful for the rows at temperature > 0; None
         when every row is greedy)."""
-        batch = len(rows)
+        batch = len(slots)
         size = self.bucket(batch)
         greedy = not any(t > 0 for t in temperatures)
         key = (size, depth, first, greedy)
         if self.capture and key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         self._fill(rows, slots, size, temperatures)
-        for i, (t, g) in enumerate(zip(temperatures, generators, strict=True)):
-            if t > 0:
-                self.noise[:depth, i].exponential_(generator=g)
+        self._draw_noise(depth, temperatures, generators)
         self._upload(size)
         if self.capture:
             self._graphs[key].replay()
         else:
             self._forward(size, depth, first, greedy)
         return self.drafts[:depth, :batch], None if greedy else self.q[:depth, :batch]
+
+    def _draw_noise(self, depth: int, temperatures: list[float], generators: list[torch.Generator | None]) -> None:
+        """Exp(1) noise for the sampled rows' `depth` drafts: one draw over the round's rows from `self.generator`
+        when a sampled row brings no generator of its own, then each row with its own generator (a seeded request)
+        from that, so a seeded request's drafts depend on its seed alone."""
+        batch = len(temperatures)
+        if any(t > 0 and g is None for t, g in zip(temperatures, generators, strict=True)):
+            self.noise[:depth, :batch].exponential_(generator=self.generator)
+        for i, (t, g) in enumerate(zip(temperatures, generators, strict=True)):
+            if t > 0 and g is not None:
+                self.noise[:depth, i].exponential_(generator=g)
 
     @torch.inference_mode()
     def capture_all(self, depths: list[int], firsts: list[int]) -> None:
@@ -228,28 +263,23 @@ class DraftGraphs:
                             if key not in self._graphs:
                                 self._graphs[key] = self._capture(*key)
 
-    def _fill(self, rows: list[RoundRows], slots: list[int], size: int, temperatures: list[float]) -> None:
+    def _fill(self, rows: RoundRows | None, slots: list[int], size: int, temperatures: list[float]) -> None:
         """The metadata column of each sequence (K, slot, each field per depth, the tokens per depth and row; zeros
-        past a sequence's depths and rows), then the padding sequences', into the pinned host buffers."""
-        n, r, batch = self.num_depths, self.max_rows, len(rows)
+        past the round's depths), then the padding sequences', into the pinned host buffers."""
+        n, r, batch, host = self.num_depths, self.max_rows, len(slots), self._host_np
         self._host_t_np[:batch] = temperatures
         self._host_t_np[batch:size] = 0.0
-        self._host_np[:, batch:size] = self._padding[:, None]
+        host[:, batch:size] = self._padding[:, None]
         if not batch:
             return
-        zeros, columns = [0] * (n * r), []
-        for s, slot in zip(rows, slots, strict=True):
-            column = [s.known, slot]
-            for field in _FIELDS:
-                values = getattr(s, field)
-                column += values
-                column += zeros[: n - len(values)]
-            for tokens in s.tokens:
-                column += tokens
-                column += zeros[: r - len(tokens)]
-            column += zeros[: (n - len(s.tokens)) * r]
-            columns.append(column)
-        self._host_np[:, :batch] = np.array(columns, dtype=np.int64).T
+        depth = rows.start.shape[1]
+        host[_KNOWN, :batch] = rows.known
+        host[_SLOT, :batch] = slots
+        for f, field in enumerate(_FIELDS):
+            host[2 + f * n : 2 + f * n + depth, :batch] = getattr(rows, field).T
+            host[2 + f * n + depth : 2 + (f + 1) * n, :batch] = 0
+        host[self._tokens : self._tokens + depth * r, :batch] = rows.tokens.reshape(batch, depth * r).T
+        host[self._tokens + depth * r :, :batch] = 0
 
     def _upload(self, size: int) -> None:
         self.tables.upload()
@@ -259,11 +289,11 @@ class DraftGraphs:
     def _sample(self, j: int, hidden: torch.Tensor, size: int, greedy: bool) -> torch.Tensor:
         """Draft `d_{j+1}` from depth j's row K-2, `[size, H]` -> `[size]` (greedy or the exponential race;
         `greedy`: every row greedy, the argmax alone)."""
-        logits = self.drafter.logits(hidden)  # [size, V] fp32
         if greedy:
-            token = logits.argmax(-1)
+            token = self.drafter.argmax_logits(hidden)
             self.drafts[j, :size].copy_(token)
             return token
+        logits = self.drafter.logits(hidden)  # [size, V] fp32
         t = self.temperature[:size]
         sampled = t > 0
         q = torch.softmax(logits / torch.where(sampled, t, 1.0)[:, None], -1)  # spec 7.4: the request's scaled logits
@@ -357,7 +387,7 @@ class DraftGraphs:
 
     def warm_up(self, size: int, depth: int, first: int, greedy: bool) -> None:
         """One round of `size` padding sequences (compiles the kernels; touches only scratch pages and slots)."""
-        self._fill([], [], size, [])
+        self._fill(None, [], size, [])
         self._upload(size)
         self._forward(size, depth, first, greedy)
 

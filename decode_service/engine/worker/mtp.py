@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from decode_service.engine.worker.draft_graphs import DepthPools, DepthSequence, DraftGraphs, RoundRows
@@ -50,7 +51,7 @@ class DraftInput:
     token_ids: list[int]  # every known token (prompt + output, including the one sampled this step)
     draft: bool  # the trunk sampled a token this step: propose the next drafts
     temperature: float = 0.0  # > 0: drafts are sampled from the depth's softmax(logits / temperature), kept as `q`
-    generator: torch.Generator | None = None  # draws those drafts (the request's own)
+    generator: torch.Generator | None = None  # draws those drafts (a seeded request's own; None: the drafter's)
 
 
 class DraftModel(Protocol):
@@ -289,6 +290,7 @@ class PagedMTPSpeculator(MTPSpeculator):
         max_chunk: int,
         max_model_len: int,
         use_graphs: bool = True,
+        seed: int = 0,
     ) -> PagedMTPSpeculator:
         """Pools for the trunk's sequences (`trunk`: its pool sizes, dtype and device): a conv slot per sequence,
         sliding pages for a window plus a chunk (`max_chunk`, the step's token budget) each, and the trunk's global
@@ -299,7 +301,7 @@ class PagedMTPSpeculator(MTPSpeculator):
         sliding = seqs * (math.ceil(reach / page) + 2)
         spec = CacheSpec(page, sliding, trunk.num_global_pages + seqs, seqs, trunk.dtype, trunk.device)
         pools = DepthPools(drafter, spec, max_model_len, num_depths)
-        graphs = DraftGraphs(drafter, pools, seqs, max_model_len, use_graphs)
+        graphs = DraftGraphs(drafter, pools, seqs, max_model_len, use_graphs, seed)
         graphs.capture_all([num_depths], list(range(num_depths + 2)))  # fewer drafts (`depth_for`): on first use
         return cls(drafter, num_depths, pools, graphs)
 
@@ -393,80 +395,40 @@ class PagedMTPSpeculator(MTPSpeculator):
     def _graphed_round(self, depth: int, work: list) -> dict[str, tuple[int, ...]] | None:
         """A round whose drafting depths take at most `max_first + j` rows (committed and provisional) per request
         at depth j (a verify round) as one `DraftGraphs.run`: every depth's rows in one multi-row step, then its
-        draft. None: not taken (more rows; the caller runs the packed catch-up and `_chain`)."""
-        graphs, n = self.graphs, self.num_depths
-        rounds = []  # per request: its RoundRows, then per depth j < depth its committed end
-        for item, st in work:
-            k, arriving = len(item.token_ids), item.hidden.shape[0]  # rows depth j receives from depth j - 1
-            start, count, total, shift, ends = [], [], [], [], []
-            for j in range(depth):
-                queued = st.pending[j].shape[0] if st.pending[j] is not None else 0
-                first = st.committed[j]
-                assert first + queued + arriving == k - 1, "every depth's rows reach K-2"
-                end = max(first, min(first + queued + arriving, k - 1 - j))  # rows whose token is known
-                start.append(first)
-                count.append(end - first)
-                total.append(queued + arriving)
-                shift.append(queued)
-                ends.append(end)
-                arriving = queued + arriving  # depth j's rows, committed and provisional, feed depth j + 1
-            tokens = _known_tokens(item.token_ids, start)
-            rounds.append((RoundRows(k, start, count, total, [total[0]] + shift[1:], tokens), ends))
-        first = max(max(t - j for j, t in enumerate(rows.total)) for rows, _ in rounds)
-        if first > graphs.max_first:
+        draft. None: not taken (more rows; the caller runs the packed catch-up and `_chain`). Its plan (`_Plan`)
+        is built as arrays over the batch from `_ARRAYS_FROM` requests on, per request below (numpy's per-call cost
+        would dominate a small round)."""
+        graphs = self.graphs
+        build = _plan_arrays if len(work) >= _ARRAYS_FROM else _plan_lists
+        plan = build(work, depth, self.num_depths, graphs.buckets[-1], graphs.max_rows, graphs.max_first)
+        if plan is None:
             return None
-        h, width, r = self.drafter.config.hidden_size, graphs.buckets[-1], graphs.max_rows
-        sources, targets = [], []  # host rows of the steps' inputs
-        for i, ((item, st), (rows, _)) in enumerate(zip(work, rounds, strict=True)):
-            if st.pending[0] is not None:
-                sources.append(st.pending[0])
-            sources.append(item.hidden)
-            targets.extend(range(i, rows.total[0] * width, width))
-            for j in range(1, depth):
-                if rows.shift[j]:
-                    sources.append(st.pending[j])
-                    targets.extend(range(j * r * width + i, (j * r + rows.shift[j]) * width, width))
-        # The rows to keep: each depth's inputs it cannot commit yet (`pending`), from the host's or the step's rows.
-        picks, wanted = [], []  # flat rows of `outputs`; per request {depth: (old rows, at, new count)}
-        for i, ((_, st), (rows, ends)) in enumerate(zip(work, rounds, strict=True)):
-            keep = {}
-            for j in range(1, min(depth + 1, n)):
-                if j < depth:
-                    lo, hi = ends[j] - rows.start[j], ends[j - 1] - rows.start[j]  # input rows of depth j kept
-                    queued = rows.shift[j]
-                    old = st.pending[j][lo:queued] if lo < queued else None
-                    cell, count = max(lo, queued) - queued, max(0, hi - max(lo, queued))  # depth j-1's rows kept
-                else:  # the first depth past the drafts queues depth j-1's committed rows
-                    old, cell, count = st.pending[j], 0, rows.count[j - 1]
-                keep[j] = (old, len(picks), count)
-                at = ((j - 1) * r + cell) * width + i
-                picks.extend(range(at, at + count * width, width))
-            wanted.append(keep)
-        index = to_device(targets + picks, graphs.inputs.device)  # one upload for both
-        graphs.inputs.view(-1, h).index_copy_(0, index[: len(targets)], torch.cat(sources).to(graphs.inputs.dtype))
-        drafts, q = self._launch_round(depth, first, work, [rows for rows, _ in rounds])
+        index = to_device(plan.index, graphs.inputs.device)  # one upload for the targets and the kept rows
+        h, targets = self.drafter.config.hidden_size, plan.num_targets
+        graphs.inputs.view(-1, h).index_copy_(0, index[:targets], torch.cat(plan.sources).to(graphs.inputs.dtype))
+        drafts, q = self._launch_round(depth, plan.first, work, plan.rows)
         # While the round runs: the rows kept (gathered after it), the depths' new state.
-        gathered = graphs.outputs.view(-1, h).index_select(0, index[len(targets) :])
-        queues = [(st, j, old, at, count) for (_, st), keep in zip(work, wanted, strict=True)
-                  for j, (old, at, count) in keep.items()]  # fmt: skip
-        if any(old is not None and old.shape[0] for _, _, old, _, _ in queues):  # old rows: one copy for all queues
-            pieces, spans, offset = [], [], 0
-            for _, _, old, at, count in queues:
-                queued = old.shape[0] if old is not None else 0
-                if queued:
-                    pieces.append(old)
-                pieces.append(gathered[at : at + count])
-                spans.append((offset, queued + count))
-                offset += queued + count
-            rows_kept = torch.cat(pieces)
-        else:
-            rows_kept, spans = gathered, [(at, count) for _, _, _, at, count in queues]
-        for (_, st), (_, ends) in zip(work, rounds, strict=True):
+        gathered = graphs.flat.index_select(0, index[targets:])
+        ends, at = (plan.rows.start + plan.rows.count).tolist(), 0
+        lagging = []  # (state, old queue, its new rows) of the depth past the drafts
+        for (_, st), end, counts in zip(work, ends, plan.kept, strict=True):
             st.pending[0] = None
-            for j, end in enumerate(ends):
-                st.committed[j] = end
-        for (st, j, _, _, _), (at, count) in zip(queues, spans, strict=True):
-            st.pending[j] = rows_kept[at : at + count] if count else None
+            st.committed[:depth] = end
+            for d, k in enumerate(counts, 1):
+                rows_kept, at = gathered[at : at + k], at + k
+                if d == depth:
+                    lagging.append((st, st.pending[d], rows_kept))
+                else:
+                    st.pending[d] = rows_kept if k else None
+        if any(old is not None for _, old, _ in lagging):  # old rows first: one copy for all the queues
+            pieces = [p for _, old, new in lagging for p in ((old, new) if old is not None else (new,))]
+            queue, at = torch.cat(pieces), 0
+            for st, old, new in lagging:
+                k = new.shape[0] + (old.shape[0] if old is not None else 0)
+                st.pending[depth], at = (queue[at : at + k] if k else None), at + k
+        else:
+            for st, _, new in lagging:
+                st.pending[depth] = new if new.shape[0] else None
         return self._read_drafts(work, drafts, q)
 
     def _chain(self, depth: int, drafting: list, heads: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -474,18 +436,20 @@ class PagedMTPSpeculator(MTPSpeculator):
         `DraftGraphs.run` without depth-0 rows, depth 0's last row given)."""
         graphs, h = self.graphs, self.drafter.config.hidden_size
         width, r = graphs.buckets[-1], graphs.max_rows
-        sources, targets, rounds = [], [], []
+        sources, targets, b = [], [], len(drafting)
+        known, start = np.zeros(b, dtype=np.int64), np.zeros((b, depth), dtype=np.int64)
+        shift, tokens = np.zeros((b, depth), dtype=np.int64), np.zeros((b, depth, r), dtype=np.int64)
         for i, (item, st) in enumerate(drafting):
-            k = len(item.token_ids)
-            start, shift = list(st.committed[:depth]), [0] * depth
+            known[i], start[i] = len(item.token_ids), st.committed[:depth]
             for j in range(1, depth):
                 if st.pending[j] is not None:  # g_{j-1}(p) committed, p = c_j .. c_{j-1} - 1
-                    shift[j] = st.pending[j].shape[0]
+                    shift[i, j] = st.pending[j].shape[0]
                     sources.append(st.pending[j])
-                    targets.extend(range(j * r * width + i, (j * r + shift[j]) * width, width))
-            total = [k - 1 - s for s in start]
-            tokens = _known_tokens(item.token_ids, start)
-            rounds.append(RoundRows(k, start, [0] * depth, total, shift, tokens))
+                    targets.extend(range(j * r * width + i, (j * r + shift[i, j]) * width, width))
+            for j, row in enumerate(_known_tokens(item.token_ids, start[i].tolist())):
+                tokens[i, j, : len(row)] = row
+        total = known[:, None] - 1 - start
+        rounds = RoundRows(known, start, np.zeros_like(start), total, shift, tokens)
         head = torch.stack([heads[item.request_id] for item, _ in drafting])  # g_0(K-2) of each request
         graphs.outputs[0, 0, : len(drafting)].copy_(head)
         if targets:
@@ -494,7 +458,7 @@ class PagedMTPSpeculator(MTPSpeculator):
         return self._read_drafts(drafting, *self._launch_round(depth, 0, drafting, rounds))
 
     def _launch_round(
-        self, depth: int, first: int, work: list, rounds: list[RoundRows]
+        self, depth: int, first: int, work: list, rounds: RoundRows
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Start the round on the device (`DraftGraphs.run`) -> its drafts `[depth, B]` and `q`, not read yet."""
         temperatures = [item.temperature for item, _ in work]
@@ -533,6 +497,117 @@ def _known_tokens(token_ids: list[int], start: list[int]) -> list[list[int]]:
         known = token_ids[s + j + 1 : k]
         tokens.append(known + [0] * (k - 1 - s - len(known)))
     return tokens
+
+
+_ARRAYS_FROM = 8  # requests from which a graphed round's plan is built as arrays (host time, see decisions.md)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A graphed round's host side: its rows, `first` (R), the host rows (`sources`) and their flat rows in
+    `graphs.inputs` (`index[:num_targets]`), then the flat rows of `graphs.flat` each depth d >= 1 keeps
+    (`pending`, `index[num_targets:]`), `kept[i][d - 1]` of them for request i (request-major, depth-minor)."""
+
+    rows: RoundRows
+    first: int
+    sources: list[torch.Tensor]
+    index: Sequence[int]
+    num_targets: int
+    kept: list[list[int]]
+
+
+def _plan_lists(work: list, depth: int, n: int, width: int, r: int, max_first: int) -> _Plan | None:
+    """`_Plan` of a round, per request in Python lists (small rounds)."""
+    outputs = n * r * width  # flat row of `outputs[0, 0, 0]`
+    fields, tokens, sources, targets, picks, kept, first = ([], [], [], [], []), [], [], [], [], [], 0
+    for i, (item, st) in enumerate(work):
+        k, pending = len(item.token_ids), st.pending
+        start = st.committed[:depth]
+        total = [k - 1 - s for s in start]  # every depth's rows reach K-2
+        count = [max(0, t - j) for j, t in enumerate(total)]  # rows whose token is known
+        queued = [0 if p is None else p.shape[0] for p in pending[:depth]]
+        shift = [total[0]] + queued[1:]
+        assert total[0] == queued[0] + item.hidden.shape[0], "depth 0 gets its queue and the trunk's rows"
+        assert all(total[j] == total[j - 1] + queued[j] for j in range(1, depth)), "depth j gets depth j-1's rows"
+        first = max(first, *(t - j for j, t in enumerate(total)))
+        for field, values in zip(fields, ([k], start, count, total, shift), strict=True):
+            field.append(values)
+        for j, s in enumerate(start):
+            known = item.token_ids[s + j + 1 : k]
+            tokens += known
+            tokens += [0] * (r - len(known))
+        sources.extend(pending[:1] if pending[0] is not None else ())
+        sources.append(item.hidden)
+        sources.extend(p for p in pending[1:depth] if p is not None)
+        for j in range(depth):
+            targets.extend(range(j * r * width + i, (j * r + shift[j]) * width, width))
+        counts = []
+        for j in range(1, min(depth + 1, n)):  # see `_plan_arrays`
+            lo, hi, s = (count[j], start[j - 1] + count[j - 1] - start[j], shift[j]) if j < depth else (0, count[-1], 0)
+            picks.extend(range((j * r + lo) * width + i, (j * r + min(hi, s)) * width, width))
+            at = outputs + ((j - 1) * r + max(lo, s) - s) * width + i
+            picks.extend(range(at, at + max(0, hi - max(lo, s)) * width, width))
+            counts.append(max(0, hi - lo))
+        kept.append(counts)
+    if first > max_first:
+        return None
+    known, start, count, total, shift = (np.array(f, dtype=np.int64).reshape(len(work), -1) for f in fields)
+    tokens = np.array(tokens, dtype=np.int64).reshape(len(work), depth, r)
+    rows = RoundRows(known[:, 0], start, count, total, shift, tokens)
+    return _Plan(rows, first, sources, targets + picks, len(targets), kept)
+
+
+def _plan_arrays(work: list, depth: int, n: int, width: int, r: int, max_first: int) -> _Plan | None:
+    """`_Plan` of a round as arrays over the batch: per request only its lists are read."""
+    b, w = len(work), max_first + 1
+    known = np.array([len(item.token_ids) for item, _ in work], dtype=np.int64)  # K
+    start = np.array([st.committed[:depth] for _, st in work], dtype=np.int64).reshape(b, depth)
+    queued = np.array([[0 if p is None else p.shape[0] for p in st.pending[:depth]] for _, st in work])
+    arriving = np.array([item.hidden.shape[0] for item, _ in work])
+    total = known[:, None] - 1 - start  # [B, D] every depth's rows reach K-2
+    assert (total[:, 0] == queued[:, 0] + arriving).all() and (total[:, 1:] == total[:, :-1] + queued[:, 1:]).all()
+    j = np.arange(depth)
+    first = int((total - j).max())
+    if first > max_first:
+        return None
+    count = np.maximum(0, total - j)  # rows whose token is known: positions < K-1-j
+    shift = np.concatenate([total[:, :1], queued[:, 1:]], 1)
+    # Tokens: row m of depth j is position start + m, its token the one at position start + m + j + 1 when
+    # known (< K); every such position is among the last `w` (a graphed round starts no depth earlier).
+    tail = np.array([_last(item.token_ids, w) for item, _ in work], dtype=np.int64)  # [B, w]
+    m = np.arange(r)
+    p = start[:, :, None] + j[None, :, None] + 1 + m  # [B, D, R]
+    at = np.minimum(p - known[:, None, None] + w, w - 1).reshape(b, -1)  # >= 1: total - j <= first < w
+    tokens = np.take_along_axis(tail, at, 1).reshape(b, depth, r)
+    tokens[(p >= known[:, None, None]) | (m >= total[:, :, None])] = 0
+    # The host rows, per request: depth 0's (its queue, then the trunk's), then each depth's queue, into
+    # `inputs[j, m, i]` (`m < shift`).
+    sources = []
+    for item, st in work:
+        sources.extend(st.pending[:1] if st.pending[0] is not None else ())
+        sources.append(item.hidden)
+        sources.extend(p for p in st.pending[1:depth] if p is not None)
+    i, d, row = np.nonzero(m < shift[:, :, None])  # request-major, as the sources
+    targets = (d * r + row) * width + i
+    # The rows each depth d >= 1 keeps (`pending`), per request: depth d's input rows count .. (depth d-1's new
+    # committed end) - 1 (queued rows, still in `inputs`, then depth d-1's outputs of this round); the depth past
+    # the drafts keeps its queue and depth d-1's committed rows (`lo` = `s` = 0, `hi` = the count).
+    lo, s = count[:, 1:], shift[:, 1:]
+    hi = start[:, :-1] + count[:, :-1] - start[:, 1:]
+    if depth < n:
+        zero = np.zeros((b, 1), dtype=np.int64)
+        lo, s, hi = np.hstack([lo, zero]), np.hstack([s, zero]), np.hstack([hi, count[:, -1:]])
+    i, c, row = np.nonzero((m >= lo[:, :, None]) & (m < hi[:, :, None]))
+    queued = row < s[i, c]
+    picks = np.where(queued, (c + 1) * r + row, n * r + c * r + row - s[i, c]) * width + i
+    kept = np.maximum(0, hi - lo).tolist()
+    rows = RoundRows(known, start, count, total, shift, tokens)
+    return _Plan(rows, first, sources, np.concatenate([targets, picks]), len(targets), kept)
+
+
+def _last(token_ids: list[int], w: int) -> list[int]:
+    """The last `w` tokens, zeros before a shorter sequence's first."""
+    return [0] * (w - len(token_ids)) + token_ids if len(token_ids) < w else token_ids[-w:]
 
 
 def _rows_seen(st: _DrafterState) -> int:

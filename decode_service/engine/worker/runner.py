@@ -478,6 +478,8 @@ class ModelRunner:
             rows = hidden[first : first + n]
             # A follower picks no drafts of its own: the leader's reach it inside the chain (worker/mtp.py).
             t = request.sampling.temperature if self.sampler is not None else 0.0
-            generator = self.sampler.generator(request, hidden.device) if emitted and t > 0 else None
+            # A seeded request's drafts come from its own generator; the others' from the chain's (one draw a round).
+            seeded = emitted and t > 0 and request.sampling.seed is not None
+            generator = self.sampler.generator(request, hidden.device) if seeded else None
             inputs.append(DraftInput(c.request_id, c.start, rows, request.all_token_ids, bool(emitted), t, generator))
         return self.drafter.extend(inputs) if inputs else {}

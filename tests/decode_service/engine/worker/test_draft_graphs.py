@@ -14,6 +14,7 @@ import torch
 
 from common.checkpoint import CheckpointFiles, load_decoder_weights, load_mtp_weights
 from common.config import load_model_config
+from decode_service.engine.worker import mtp
 from decode_service.engine.worker.draft_graphs import DepthPools, DraftGraphs
 from decode_service.engine.worker.kv_cache import CacheSpec
 from decode_service.engine.worker.mtp import DraftInput, MTPSpeculator, PagedMTPSpeculator
@@ -151,21 +152,26 @@ def compare(
     assert len(graphed) >= 4, "the verify rounds run as one graphed round"
     # Its multi-row steps saw sequences of different row counts in one batch (odd ones among them, and sequences
     # with fewer rows than the step), committed and provisional rows in one step, rows straddling a page boundary.
-    assert any(len({s.total[0] for s in rounds}) > 1 and any(s.total[0] % 2 for s in rounds) for _, rounds in graphed)
-    assert any(min(s.total[0] for s in rounds) < first for first, rounds in graphed)
-    assert any(0 < c < t for _, rounds in graphed for s in rounds for c, t in zip(s.count, s.total, strict=True))
+    assert any(len(set(rows.total[:, 0].tolist())) > 1 and (rows.total[:, 0] % 2).any() for _, rows in graphed)
+    assert any(rows.total[:, 0].min() < first for first, rows in graphed)
+    assert any(((0 < rows.count) & (rows.count < rows.total)).any() for _, rows in graphed)
     page = batched.pools.cache.page_size
-    assert any(
-        a // page != (a + t - 1) // page
-        for _, rounds in graphed
-        for s in rounds
-        for a, t in zip(s.start, s.total, strict=True)
-        if t
-    )
+    for _, rows in graphed:
+        straddling = (rows.start // page != (rows.start + rows.total - 1) // page) & (rows.total > 0)
+        if straddling.any():
+            break
+    else:
+        raise AssertionError("no round's rows straddle a page boundary")
     return returned
 
 
-def test_paged_chain_equals_the_contiguous_speculator(cpu_interpreter, drafter):
+@pytest.fixture(params=["per request", "arrays"])
+def plans(request, monkeypatch):
+    """Both builders of a graphed round's plan (`_plan_lists` below `_ARRAYS_FROM` requests, `_plan_arrays`)."""
+    monkeypatch.setattr(mtp, "_ARRAYS_FROM", 1 if request.param == "arrays" else 1 << 30)
+
+
+def test_paged_chain_equals_the_contiguous_speculator(cpu_interpreter, drafter, plans):
     returned = compare(MTPSpeculator(drafter, 3), paged(drafter, 3), drafter, 3, exact=False)
     assert any(q is not None for q in returned), "rounds with a sampled row return their distributions"
 
@@ -189,7 +195,7 @@ def test_paged_chain_with_the_fp8_head_equals_the_contiguous_speculator(cuda_dev
     compare(paged(drafter, DEPTHS, use_graphs=False), paged(drafter, DEPTHS), drafter, DEPTHS, exact=True)
 
 
-def test_fewer_drafts_per_round_queue_the_deeper_depths_exactly(cpu_interpreter, drafter):
+def test_fewer_drafts_per_round_queue_the_deeper_depths_exactly(cpu_interpreter, drafter, plans):
     """`depth_for` of 1, 0, 3, 2 drafts: the paged speculator's deeper depths queue their rows (an 80-row prompt
     drafted at D = 1 leaves them past the 64-row lag, so the next round catches them up) and draft what the
     per-request speculator, which runs every depth every round, drafts."""
@@ -197,7 +203,7 @@ def test_fewer_drafts_per_round_queue_the_deeper_depths_exactly(cpu_interpreter,
 
 
 @pytest.mark.gpu
-def test_chain_from_its_cuda_graphs_equals_the_same_chain_eager(cuda_device, checkpoint):
+def test_chain_from_its_cuda_graphs_equals_the_same_chain_eager(cuda_device, checkpoint, plans):
     """bf16 on the GPU: the graph replays give exactly what the same static-buffer chain gives eagerly."""
     drafter = build(checkpoint, torch.bfloat16, "cuda")[1]
     graphed = paged(drafter, DEPTHS)
