@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import torch
 
+from kernels.float_rows import check_float_rows
+
 MAX_COLUMNS = 0x7FFFFFFF  # columns pack into 31 bits under the value
 CHUNK = 2048  # columns per program of the first launch
 _REDUCE_BLOCK = 1024  # keys per step of the reduce (the lm_head's GEMV stores ~25k per row)
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def argmax_rows(values: torch.Tensor) -> torch.Tensor:
     """``[M, N]`` -> int64 ``[M]``, ``values.argmax(-1)``."""
     from kernels import _triton_argmax as tk
 
-    if values.dim() != 2 or values.dtype not in _FLOATS or values.stride(-1) != 1:
-        raise ValueError(f"[M, N] fp32/fp16/bf16 rows with a unit last stride expected, got {values.dtype} "
-                         f"{tuple(values.shape)} strides {values.stride()}")  # fmt: skip
+    check_float_rows(values)
     m, n = values.shape
     if not 0 < n <= MAX_COLUMNS:
         raise ValueError(f"{n} columns: argmax_rows takes 1..{MAX_COLUMNS}")

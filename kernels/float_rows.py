@@ -12,15 +12,20 @@ BLOCK = 4096  # columns per program
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def check_float_rows(x: torch.Tensor) -> None:
+    """What the row kernels here and in kernels/argmax.py take: ``[M, N]`` fp32/fp16/bf16, unit last stride."""
+    if x.dim() != 2 or x.dtype not in _FLOATS or x.stride(-1) != 1:
+        raise ValueError(f"[M, N] fp32/fp16/bf16 rows with a unit last stride expected, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
+
+
 def float_rows(x: torch.Tensor) -> torch.Tensor:
     """``[M, N]`` fp32/fp16/bf16 rows (unit last stride) -> contiguous fp32 ``[M, N]``."""
     import triton
 
     from kernels import _triton_float_rows as tk
 
-    if x.dim() != 2 or x.dtype not in _FLOATS or x.stride(-1) != 1:
-        raise ValueError(f"[M, N] fp32/fp16/bf16 rows with a unit last stride expected, got {x.dtype} "
-                         f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
+    check_float_rows(x)
     m, n = x.shape
     out = torch.empty((m, n), dtype=torch.float32, device=x.device)
     if m and n:
