@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.config import parse_model_config
-from common.nvfp4 import pack_nvfp4
+from common.nvfp4 import dequant_nvfp4, pack_nvfp4
 from decode_service.model import packed
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.collectives import SINGLE
@@ -21,6 +21,7 @@ from decode_service.model.inkling import InklingDecoder
 from decode_service.model.layers import Bf16Experts, NVFP4Experts, SharedExperts
 from decode_service.model.ops import REFERENCE, bf16_experts_reference, nvfp4_experts_reference
 from kernels import skinny_gemm
+from kernels.moe import unshuffle_nvfp4
 from kernels.skinny_gemm import MAX_ROWS
 
 # Window 8 and rel_extent 12 below the decoded lengths, tau active (n_floor 6), d_rel 4 (zero-padded to 16 for the
@@ -125,7 +126,28 @@ def test_ops_are_chosen_at_build():
     assert fast.ops is FAST and supports_batched_decode(fast)
     assert all(layer.attn_norm.ops is FAST for layer in fast.layers)
     assert fast.embed.weight.data_ptr() == model.embed.weight.data_ptr()  # the same tensors, not a copy
-    assert fast.layers[2].mlp.experts.w13_weight.data_ptr() == model.layers[2].mlp.experts.w13_weight.data_ptr()
+
+
+def test_fast_ops_keep_nvfp4_experts_in_the_kernels_layout():
+    """Re-laid once when adopted (uint8 block scales), the same dequantised values; a reference model built from
+    the fast one reads that layout as it is."""
+    model = tiny_model()
+    fast = model.with_ops("fast")
+    for layer in NVFP4_LAYERS:
+        mine, theirs = model.layers[layer].mlp.experts, fast.layers[layer].mlp.experts
+        assert theirs.shuffled and not mine.shuffled
+        for stack in ("w13_weight", "w2_weight"):
+            assert getattr(theirs, f"{stack}_scale").dtype == torch.uint8
+            back = unshuffle_nvfp4(getattr(theirs, stack), getattr(theirs, f"{stack}_scale"))
+            scale2 = getattr(mine, f"{stack}_scale2")
+            want = dequant_nvfp4(getattr(mine, stack), getattr(mine, f"{stack}_scale"), scale2)
+            assert torch.equal(dequant_nvfp4(*back, scale2), want)
+    again = fast.with_ops("reference")
+    assert again.layers[2].mlp.experts.w13_weight.data_ptr() == fast.layers[2].mlp.experts.w13_weight.data_ptr()
+    x = torch.randn(3, model.config.hidden_size)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    wts = torch.rand(3, 2)
+    assert torch.equal(again.layers[2].mlp.experts(x, ids, wts), model.layers[2].mlp.experts(x, ids, wts))
 
 
 def test_shapes_the_kernels_do_not_take_keep_the_reference_at_build():
