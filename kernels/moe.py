@@ -33,7 +33,7 @@ and the last slice of a tile to finish (an atomic count) adds them in slice orde
 so the sum does not depend on the arrival order.
 The stages are public (``moe_routing``, ``moe_w13``, ``moe_w2``, ``moe_sum``) for bench_moe to time each alone.
 ``shuffled=True``: the NVFP4 stacks in ``shuffle_nvfp4``'s layout (re-laid once at load; the same values, ~25% fewer
-unpack instructions per weight), on every tile.
+unpack instructions per weight), on every tile whose K tiles are at least ``SHUFFLED_MIN_BLOCK_K`` wide.
 Excluded from this slice: fp8 activations, fusing the slot sum / shared experts into the w2 epilogue.
 """
 
@@ -86,6 +86,10 @@ BF16_WIDE_MIN_PAIRS = 24576  # bf16 weights from here on (T = 4096, 96 pairs per
 SPLIT_K13_MAX_PAIRS = 8
 NARROW_WARPS_MAX_PAIRS = 767  # sorted decode below T = 128 at k = 6: 2-warp tiles (32 weight rows per warp)
 SHUFFLED_NARROW_WARPS_MAX_PAIRS = 1536  # the shuffled layout: 2-warp tiles up to T = 256 (the largest size measured)
+# The shuffled layout's K tiles are at least this wide (32 columns per MMA): on its word-unpacked weights Triton 3.6
+# gives the mma.sync operands kWidth 8, 8 consecutive K columns per thread, which a dot of 16 columns (K tiles of
+# 32, the tiny checkpoint's I = 32) cannot hold: wrong sums (Triton 3.9 bounds kWidth by K; decisions 2026-12-02)
+SHUFFLED_MIN_BLOCK_K = 64
 
 
 def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> MoeConfig:
@@ -352,6 +356,12 @@ def _check(x, topk_ids, topk_weights, w13, w2, fp4, scales):
     return e, i
 
 
+def _check_shuffled_tile(name: str, block_k: int) -> None:
+    if block_k < SHUFFLED_MIN_BLOCK_K:
+        raise ValueError(f"the shuffled NVFP4 layout needs {name} >= {SHUFFLED_MIN_BLOCK_K} (SHUFFLED_MIN_BLOCK_K), "
+                         f"got {block_k}")  # fmt: skip
+
+
 def _check_words(w13: torch.Tensor, w2: torch.Tensor, scales) -> None:
     """The shuffled layout's kernels read the packed weights as whole 4-byte words: word-aligned rows and uint8
     block scales (``shuffle_nvfp4``'s)."""
@@ -495,6 +505,8 @@ def moe_w13(
     r = routing
     i = w13.shape[1] // 2
     kperm = fp4 and cfg.kperm
+    if fp4 and shuffled:
+        _check_shuffled_tile("block_k13", cfg.block_k13)
     if kperm:
         x = kperm_x(x, cfg.block_k13)
     inter = torch.empty((r.ids.numel(), i), dtype=x.dtype, device=x.device)
@@ -525,6 +537,8 @@ def moe_w2(
     from kernels import _triton_moe as tk
 
     s2, s2b, fp4, asm = _fp4_args(w2, scales, inter.dtype)
+    if fp4 and shuffled:
+        _check_shuffled_tile("block_k2", cfg.block_k2)
     r = routing
     h = w2.shape[1]
     part = torch.empty((r.ids.numel(), h), dtype=torch.float32, device=inter.device)

@@ -199,9 +199,12 @@ class TritonOps(Ops):
         return _nvfp4_moe if self.moe_kernels(hidden, width) else super().nvfp4_experts(hidden, width)
 
     def nvfp4_shuffled(self, hidden: int, width: int) -> bool:
-        """The kernels' layout wherever they run the experts (~25% fewer instructions per weight than the
-        checkpoint's; decisions 2026-12-01, issue 17)."""
-        return self.moe_kernels(hidden, width)
+        """The kernels' layout wherever they run the experts on K tiles it takes (~25% fewer instructions per weight
+        than the checkpoint's; decisions 2026-12-01, issue 17): every default K tile (128 or 256) shrinks to
+        `SHUFFLED_MIN_BLOCK_K` or more exactly when H and I are multiples of it."""
+        from kernels.moe import SHUFFLED_MIN_BLOCK_K
+
+        return self.moe_kernels(hidden, width) and hidden % SHUFFLED_MIN_BLOCK_K == width % SHUFFLED_MIN_BLOCK_K == 0
 
     def shared_experts(self, x, gammas, w13, w2, routed=None):
         """Two GEMMs: every expert's [gate; up] rows stacked along N, then the gamma-scaled activations against the
