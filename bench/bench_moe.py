@@ -197,7 +197,7 @@ def bench_nvfp4(ceil: Ceilings, batches: list[int], gen: torch.Generator, shuffl
         n_exp = sum(torch.unique(ids).numel() for _, ids, _ in sets) / SETS
         floor = ceil.floor_us(mb)
         rows = [("default", default_config(t * TOPK), False), ("round1", round1(t * TOPK), False)]
-        for name, cfg, sh in rows + [("shuffled", default_config(t * TOPK), True)] * shuffled:
+        for name, cfg, sh in rows + [("shuffled", default_config(t * TOPK, shuffled=True), True)] * shuffled:
             w = shuffle_weights(weights) if sh else weights
 
             def run(cfg=cfg, sets=sets, w=w, sh=sh):
@@ -302,7 +302,7 @@ def shuffled_variants() -> list:
     default at T."""
 
     def pick(t, over):
-        base = default_config(t * TOPK)
+        base = default_config(t * TOPK, shuffled=True)
         cfg = replace(base, **over)
         return None if cfg == base else cfg
 
@@ -405,8 +405,11 @@ def prefill_row(ceil, t, kind, name, us, floors, rel="") -> str:
     return row([*cells, f"{us / max(floors):.2f}", rel], WIDTHS3)
 
 
-def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generator, variants: list[str]) -> None:
-    """NVFP4 prefill sizes: the whole op, its stages, then each kernel alone per tile variant."""
+def bench_prefill_kernels(
+    ceil: Ceilings, batches: list[int], gen: torch.Generator, variants: list[str], shuffled: bool = False
+) -> None:
+    """NVFP4 prefill sizes: the whole op, its stages, then each kernel alone per tile variant; ``shuffled``: also
+    the whole op and each variant on ``shuffle_nvfp4``'s layout (``name+sh``, rel vs the variant's canonical run)."""
     dev = "cuda"
     weights = (*make_nvfp4(E, 2 * I, H, dev), *make_nvfp4(E, H, I, dev))
     print(f"# NVFP4 MoE at prefill sizes, CUDA graph over {PREFILL_SETS} routings; floors: FLOPs at the bf16 peak,")
@@ -423,6 +426,13 @@ def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generat
         both = tuple(a + b for a, b in zip(*(prefill_floors(ceil, k, ids, True) for k in ("w13", "w2")), strict=True))
         us = 1e3 * time_any_ms(lambda sets=sets: [nvfp4_moe(*s, *weights) for s in sets]) / len(sets)
         print(prefill_row(ceil, t, "all", "now", us, both, rel + "(fp32 ref)"), flush=True)
+        if shuffled:
+            sh = shuffle_weights(weights)
+            out_sh = nvfp4_moe(x, ids, wts, *sh, shuffled=True).float()
+            rel_sh = f"{((out_sh - ref).norm() / ref.norm()).item():.1e}(fp32 ref), equal {torch.equal(out_sh, out)}"
+            runs = [(*s, *sh) for s in sets]
+            us = 1e3 * time_any_ms(lambda runs=runs: [nvfp4_moe(*r, shuffled=True) for r in runs]) / len(sets)
+            print(prefill_row(ceil, t, "all", "now+sh", us, both, rel_sh), flush=True)
         run = [(x_, i_, w_, PREFILL_BASE) for x_, i_, w_ in sets]
         us = 1e3 * time_any_ms(lambda run=run: [nvfp4_moe(*s[:3], *weights, config=s[3]) for s in run]) / len(sets)
         print(prefill_row(ceil, t, "all", "before", us, both), flush=True)
@@ -444,6 +454,10 @@ def bench_prefill_kernels(ceil: Ceilings, batches: list[int], gen: torch.Generat
                 base = first if base is None else base
                 rel = f"{((first - base).norm() / base.norm()).item():.1e}"
                 print(prefill_row(ceil, t, kind, name, us, floors, rel), flush=True)
+                if shuffled:
+                    us, mine = time_kernel(kind, prefill_variant(name), sets, weights, 10, sh=True)
+                    rel = f"{((mine - first).norm() / first.norm()).item():.1e}"
+                    print(prefill_row(ceil, t, kind, name + "+sh", us, floors, rel), flush=True)
 
 
 def grouped_mm_moe(x, ids, wts, w13, w2):
@@ -585,12 +599,14 @@ def main() -> None:
         variants = args.variants.split(",")
         if args.jobs > 1:
             jobs = [(prefill_variant(v), 512, True) for v in variants]
-            jobs += [(prefill_variant(v), 512, False) for v in BF16_VARIANTS]
+            jobs += [(prefill_variant(v), 512, True, True) for v in variants if args.shuffled]
+            jobs += [(prefill_variant(v), 512, False) for v in BF16_VARIANTS if not args.no_bf16]
             precompile([], [], args.jobs, jobs)
         ceil = measure_ceilings()
         print(ceil.line(), flush=True)
-        bench_prefill_kernels(ceil, PREFILL_BATCHES, gen, variants)
-        bench_prefill_bf16(ceil, PREFILL_BATCHES, gen, BF16_VARIANTS)
+        bench_prefill_kernels(ceil, args.batches or PREFILL_BATCHES, gen, variants, args.shuffled)
+        if not args.no_bf16:
+            bench_prefill_bf16(ceil, args.batches or PREFILL_BATCHES, gen, BF16_VARIANTS)
         print(ceil.line())
         return
     ceil = measure_ceilings()
@@ -598,7 +614,7 @@ def main() -> None:
     batches = args.batches or ([1, 8, 64, 256] if not args.quick else [1, 64])
     configs = [(("w13", "w2"), "default", lambda t: default_config(t * TOPK))]
     if args.shuffled:
-        configs.append((("w13", "w2"), "shuffled", lambda t: default_config(t * TOPK), True))
+        configs.append((("w13", "w2"), "shuffled", lambda t: default_config(t * TOPK, shuffled=True), True))
         configs += shuffled_variants()
     if args.sweep:
         configs += sweep_configs()

@@ -24,7 +24,9 @@ NVFP4 weights are unpacked in registers: the low nibble of byte m is column 2m a
 2m+1, so each K block issues two dots, the activations split into their even and odd columns. e2m1 codes
 become fp16 by bit placement (value * 2^-14, exact); the e4m3 block scale is decoded from its bits with the
 2^14 folded in, so ``code * scale`` is exact in bf16; the per-expert fp32 ``scale2`` is applied to the fp32
-accumulator in the epilogue.
+accumulator in the epilogue. ``SHUFFLED`` (``kernels.moe.shuffle_nvfp4``'s layout, the model's under the fast ops):
+the packed weights are loaded as int32 words and each word's 8 weights come out of one elementwise asm, so the
+unpack does not depend on how the MMA operand's registers group bytes (mma.sync or wgmma, kperm or not).
 """
 
 import triton
@@ -71,33 +73,23 @@ and.b32 a, t1, 0x00F000F0; mul.lo.u32 a, a, 260; and.b32 a, a, 0x81C081C0; mul.r
 """)
 _ASM_UNSCALE: tl.constexpr = tl.constexpr(128.0)  # 2^7 taken out of the weights by the asm path
 
-# The same outputs from a word of the shuffled layout (``kernels.moe.shuffle_nvfp4``): the 8 codes of a 4-byte word
-# sit so that each bf16 pair is the word rotated left by 0, 4 or 10 bits and masked (pairs lo(b0, b1), lo(b2, b3),
-# hi(b0, b1)); the last pair, hi(b2, b3), takes its bits from the rotations by 6 and 30. 9 integer instructions
-# and 4 packed multiplies per 8 weights (18 above, whose nibbles need spreading and a multiply to place).
-_E2M1_SHUFFLED_ASM: tl.constexpr = tl.constexpr("""
+# The same outputs from one word of the shuffled layout (``kernels.moe.shuffle_nvfp4``), loaded whole as an int32: its
+# 8 codes sit so that each bf16 pair is the word rotated left by 0, 4 or 10 bits and masked (pairs lo(b0, b1),
+# lo(b2, b3), hi(b0, b1)); the last pair, hi(b2, b3), takes its bits from the rotations by 6 and 30. 9 integer
+# instructions and 4 packed multiplies per 8 weights (18 above, whose nibbles need spreading and a multiply to
+# place). Outputs: 8 bf16 (lo(b0), lo(b1), lo(b2), lo(b3), hi(b0), ..., hi(b3)); $9: the word's block scale * 2^119
+# in both bf16 halves. Elementwise over whole words, it is right whatever register layout the MMA operand takes
+# (the 4-byte groups of a wgmma register operand span two rows: a byte-packed unpack of this layout is wrong there).
+_E2M1_SHUFFLED_WORD_ASM: tl.constexpr = tl.constexpr("""
 {
-.reg .b32 r, a, b;
-and.b32 a, $4, 0x81C081C0; mul.rn.bf16x2 $0, a, $5;
-shf.l.wrap.b32 r, $4, $4, 4; and.b32 a, r, 0x81C081C0; mul.rn.bf16x2 $1, a, $6;
-shf.l.wrap.b32 r, $4, $4, 10; and.b32 a, r, 0x81C081C0; mul.rn.bf16x2 $2, a, $5;
-shf.l.wrap.b32 r, $4, $4, 6; and.b32 a, r, 0x80C080C0;
-shf.l.wrap.b32 r, $4, $4, 30; and.b32 b, r, 0x01000100; or.b32 a, a, b; mul.rn.bf16x2 $3, a, $6;
+.reg .b32 r, a, b, o;
+and.b32 a, $8, 0x81C081C0; mul.rn.bf16x2 o, a, $9; mov.b32 {$0, $1}, o;
+shf.l.wrap.b32 r, $8, $8, 4; and.b32 a, r, 0x81C081C0; mul.rn.bf16x2 o, a, $9; mov.b32 {$2, $3}, o;
+shf.l.wrap.b32 r, $8, $8, 10; and.b32 a, r, 0x81C081C0; mul.rn.bf16x2 o, a, $9; mov.b32 {$4, $5}, o;
+shf.l.wrap.b32 r, $8, $8, 6; and.b32 a, r, 0x80C080C0;
+shf.l.wrap.b32 r, $8, $8, 30; and.b32 b, r, 0x01000100; or.b32 a, a, b; mul.rn.bf16x2 o, a, $9; mov.b32 {$6, $7}, o;
 }
 """)
-
-# 2 scale bytes of the shuffled layout's encoding (``kernels.moe.shuffle_nvfp4``: B = (exponent + 10) * 8 +
-# 3-bit mantissa of a positive scale) -> bf16x2 of scale * 2^119: B * 16 + 0x7600 in each half (the exponent field
-# B / 8 + 236). 3 instructions per 2 scales.
-_SCALE_SHUFFLED_ASM: tl.constexpr = tl.constexpr("""
-{
-.reg .b32 t;
-cvt.u32.u16 t, $1;
-prmt.b32 t, t, 0, 0x4140;
-mad.lo.u32 $0, t, 16, 0x76007600;
-}
-""")
-
 
 # 2 e4m3 scale bytes -> bf16x2 of scale * 2^119, exact for every non-NaN code (0 included): the native e4m3 -> f16
 # convert (one F2FP on sm_89+); e4m3 values are f16-normal with zero low mantissa bits, so the f16 magnitude moved
@@ -164,6 +156,32 @@ def _shuffled_scale_times_2pow14(b):
 
 
 @triton.jit
+def _shuffled_word_tile(W, w_row_off, k0, stride_wn, offs_n, raw_scale, BLOCK_K: tl.constexpr, KPERM: tl.constexpr):
+    """``_fp4_tile`` for ASM + SHUFFLED: (lo, hi) bf16, the weights times scale * 2^-7 as the canonical asm's; KPERM:
+    [BN, C, 2, 4, 2] (c, h, l, b: column 16c + 8h + 2l + b of each half from byte 2h + b of word 4c + l), else
+    [BN, WORDS, 2, 2] (column 4w + 2h + b)."""
+    BN: tl.constexpr = offs_n.shape[0]
+    WORDS: tl.constexpr = BLOCK_K // 8
+    C: tl.constexpr = BLOCK_K // 32
+    words = W.to(tl.pointer_type(tl.int32)) + w_row_off // 4 + offs_n[:, None] * (stride_wn // 4)
+    word = tl.load(words + (k0 // 8 + tl.arange(0, WORDS)[None, :]))  # [BN, WORDS]: byte offsets are multiples of 4
+    # scale * 2^119 as bf16 in both halves: (B * 16 + 0x7600) * 0x10001, one per 2 words
+    scale = raw_scale.to(tl.int32) * 0x100010 + 0x76007600
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, WORDS // 2, 2)), [BN, WORDS])
+    e = tl.inline_asm_elementwise(_E2M1_SHUFFLED_WORD_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [word, scale],
+                                  dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)  # fmt: skip
+    lo = tl.join(tl.join(e[0], e[1]), tl.join(e[2], e[3]))  # [BN, WORDS, b, h]
+    hi = tl.join(tl.join(e[4], e[5]), tl.join(e[6], e[7]))
+    if KPERM:
+        lo = tl.permute(tl.reshape(lo, [BN, C, 4, 2, 2]), [0, 1, 4, 2, 3])
+        hi = tl.permute(tl.reshape(hi, [BN, C, 4, 2, 2]), [0, 1, 4, 2, 3])
+    else:  # column 4w + 2h + b from byte 2h + b of word w
+        lo = tl.permute(lo, [0, 1, 3, 2])
+        hi = tl.permute(hi, [0, 1, 3, 2])
+    return lo, hi
+
+
+@triton.jit
 def _fp4_tile(
     W,
     S,
@@ -192,20 +210,16 @@ def _fp4_tile(
     offs_g = tl.arange(0, G)
     offs_b = tl.arange(0, BLOCK_K // 2)
     # 2-D load (rows of BLOCK_K/2 contiguous bytes -> 16-byte copies), then [BN, G, 8]: one scale per 8 bytes.
-    w_ptrs = W + w_row_off + offs_n[:, None] * stride_wn + (k0 // 2 + offs_b[None, :])
     s_ptrs = S + s_row_off + offs_n[:, None] * stride_sn + (k0 // 16 + offs_g[None, :])
-    packed = tl.load(w_ptrs)
     raw_scale = tl.load(s_ptrs)
-    if ASM:
-        if SHUFFLED:
-            scale = tl.inline_asm_elementwise(
-                _SCALE_SHUFFLED_ASM, "=r,h", [raw_scale], dtype=tl.bfloat16, is_pure=True, pack=2
-            )
-        elif ASM == 2:
+    if ASM and SHUFFLED:
+        lo, hi = _shuffled_word_tile(W, w_row_off, k0, stride_wn, offs_n, raw_scale, BLOCK_K, KPERM)
+    elif ASM:
+        packed = tl.load(W + w_row_off + offs_n[:, None] * stride_wn + (k0 // 2 + offs_b[None, :]))
+        if ASM == 2:
             scale = tl.inline_asm_elementwise(_E4M3_ASM, "=r,h", [raw_scale], dtype=tl.bfloat16, is_pure=True, pack=2)
         else:
             scale = _e4m3_times_2pow119(raw_scale).to(tl.bfloat16)
-        unpack: tl.constexpr = _E2M1_SHUFFLED_ASM if SHUFFLED else _E2M1_ASM
         if KPERM:  # [BN, c, lh, ll, h, b] (byte 16c + 8lh + 4ll + 2h + b) -> [BN, c, h, lh, ll, b] (column j)
             C: tl.constexpr = BLOCK_K // 32
             packed = tl.permute(tl.reshape(packed, [BN, C, 2, 2, 2, 2]), [0, 1, 4, 2, 3, 5])
@@ -214,9 +228,10 @@ def _fp4_tile(
             packed = tl.reshape(packed, [BN, G, 8])
             scale = tl.broadcast_to(scale[:, :, None], (BN, G, 8))
         lo, hi = tl.inline_asm_elementwise(
-            unpack, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+            _E2M1_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
         )
     else:
+        packed = tl.load(W + w_row_off + offs_n[:, None] * stride_wn + (k0 // 2 + offs_b[None, :]))
         if SHUFFLED:
             lo, hi = _shuffled_codes(packed)
             scale = _shuffled_scale_times_2pow14(raw_scale)

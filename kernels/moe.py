@@ -32,6 +32,8 @@ Split-K of the gate/up kernel (a handful of pairs, to put more warps on the SMs)
 and the last slice of a tile to finish (an atomic count) adds them in slice order and runs the SwiGLU epilogue,
 so the sum does not depend on the arrival order.
 The stages are public (``moe_routing``, ``moe_w13``, ``moe_w2``, ``moe_sum``) for bench_moe to time each alone.
+``shuffled=True``: the NVFP4 stacks in ``shuffle_nvfp4``'s layout (re-laid once at load; the same values, ~25% fewer
+unpack instructions per weight), on every tile whose K tiles are at least ``SHUFFLED_MIN_BLOCK_K`` wide.
 Excluded from this slice: fp8 activations, fusing the slot sum / shared experts into the w2 epilogue.
 """
 
@@ -83,9 +85,14 @@ BF16_WIDE_MIN_PAIRS = 24576  # bf16 weights from here on (T = 4096, 96 pairs per
 # (144 registers: 7 per SM) stay within one wave of the 132 SMs
 SPLIT_K13_MAX_PAIRS = 8
 NARROW_WARPS_MAX_PAIRS = 767  # sorted decode below T = 128 at k = 6: 2-warp tiles (32 weight rows per warp)
+SHUFFLED_NARROW_WARPS_MAX_PAIRS = 1536  # the shuffled layout: 2-warp tiles up to T = 256 (the largest size measured)
+# The shuffled layout's K tiles are at least this wide (32 columns per MMA): on its word-unpacked weights Triton 3.6
+# gives the mma.sync operands kWidth 8, 8 consecutive K columns per thread, which a dot of 16 columns (K tiles of
+# 32, the tiny checkpoint's I = 32) cannot hold: wrong sums (Triton 3.9 bounds kWidth by K; decisions 2026-12-02)
+SHUFFLED_MIN_BLOCK_K = 64
 
 
-def default_config(n_pairs: int, fp4: bool = True) -> MoeConfig:
+def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> MoeConfig:
     """Measured choice (H200, H=4096, I=2048, E=256, k=6; ``bench_moe --sweep``, each kernel alone, 2026-12-01):
 
     * below ``sorted_min_pairs`` (identity routing, one block per pair): 32-row tiles of 2 warps, so a batch-1 call
@@ -100,6 +107,8 @@ def default_config(n_pairs: int, fp4: bool = True) -> MoeConfig:
       tiles of 8 warps (T=1024/2048/4096: gate/up 1575/1743/3517 us against 1972 (decode tiles)/2113/4070, down
       789/815/1561 against 976/1017/2006); bf16 weights: the 64-row tiles as before up to ``BF16_WIDE_MIN_PAIRS``,
       then 128-row blocks of 8 warps (T=4096: gate/up 2502 us against 3464, down 1831 against 1796).
+    * ``shuffled`` (``shuffle_nvfp4``'s layout, the model's): the same, but 2-warp sorted tiles up to
+      ``SHUFFLED_NARROW_WARPS_MAX_PAIRS`` (T=256: gate/up 771 us against 822 with 4 warps, down 398 against 468).
 
     Measured and not taken: 16-row blocks (T=256: gate/up 968-1568 us against 858; the 16-wide MMA operand costs
     more than the 15% of blocks it saves), 4-row blocks, 128-row tiles of 8 warps, 128-wide K tiles, 2 or 4
@@ -114,14 +123,14 @@ def default_config(n_pairs: int, fp4: bool = True) -> MoeConfig:
             return MoeConfig(block_m=64, block_k13=128, block_k2=128, block_n2=128, num_warps2=8, kperm=True)
         wide = {"block_m": 128, "num_warps13": 8, "num_warps2": 8} if n_pairs >= BF16_WIDE_MIN_PAIRS else {}
         return MoeConfig(**{"block_m": 64, "swap_ab": False, "block_k13": 128, "block_k2": 128, **wide})
-    if n_pairs <= NARROW_WARPS_MAX_PAIRS:
+    if n_pairs <= (SHUFFLED_NARROW_WARPS_MAX_PAIRS if fp4 and shuffled else NARROW_WARPS_MAX_PAIRS):
         return replace(base, num_warps13=2, num_warps2=2)
     return base
 
 
 # The shuffled layout's bit sources: code bits 0..3 of the 8 codes of a canonical 4-byte word (lo(b0), lo(b1),
 # lo(b2), lo(b3), hi(b0), ..., hi(b3)) go to these bits of the stored word (``_triton_moe._shuffled_codes`` reads
-# them back; ``_E2M1_SHUFFLED_ASM`` rotates each pair of codes onto the bf16 bits 6..8 and 15 of its halves).
+# them back; ``_E2M1_SHUFFLED_WORD_ASM`` rotates each pair of codes onto the bf16 bits 6..8 and 15 of its halves).
 SHUFFLE_BITS = (
     (6, 7, 8, 15), (22, 23, 24, 31), (2, 3, 4, 11), (18, 19, 20, 27),
     (28, 29, 30, 5), (12, 13, 14, 21), (0, 1, 10, 9), (16, 17, 26, 25),
@@ -141,8 +150,8 @@ def _shuffle_tables(device: torch.device) -> torch.Tensor:
 
 
 def shuffle_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An NVFP4 layout for the MoE decode tiles (``shuffled=True``; not used by the model yet: the prefill tiles'
-    wgmma operand does not take it, ``_check_shuffled``), made once where the weights would be loaded.
+    """The MoE kernels' NVFP4 layout (``shuffled=True``: every tile, decode and prefill), made once where the weights
+    are loaded (``NVFP4Experts`` under the fast ops); the kernels read each 4-byte word whole.
 
     ``packed`` uint8 ``[..., R, C/2]`` and ``scale`` float8_e4m3fn ``[..., R, C/16]`` as in ``common.nvfp4``;
     returns (weights, scales) of the same shapes and dtypes (scales as uint8) and the same dequantised values:
@@ -158,14 +167,26 @@ def shuffle_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tens
     if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (*packed.shape[:-1], packed.shape[-1] // 8):
         raise ValueError(f"scale must be float8_e4m3fn {(*packed.shape[:-1], packed.shape[-1] // 8)}, got "
                          f"{scale.dtype} {tuple(scale.shape)}")  # fmt: skip
-    s = scale.float()
-    if torch.isnan(s).any():
+    if torch.isnan(scale.float()).any():
         raise ValueError("NaN block scales")
-    blocks = packed.unflatten(-1, (-1, 8))  # [..., R, C/16, 8]: the bytes of one scale
+    rows_w, rows_s = packed.reshape(-1, packed.shape[-1]), scale.reshape(-1, scale.shape[-1])
+    out_w, out_s = torch.empty_like(rows_w), torch.empty(rows_s.shape, dtype=torch.uint8, device=scale.device)
+    tables = _shuffle_tables(packed.device)
+    for r in range(0, rows_w.shape[0], _SHUFFLE_ROWS):  # bounded int64 temporaries for whole expert stacks
+        out_w[r : r + _SHUFFLE_ROWS], out_s[r : r + _SHUFFLE_ROWS] = _shuffle_rows(
+            rows_w[r : r + _SHUFFLE_ROWS], rows_s[r : r + _SHUFFLE_ROWS].float(), tables
+        )
+    return out_w.view(packed.shape), out_s.view(scale.shape)
+
+
+_SHUFFLE_ROWS = 4096
+
+
+def _shuffle_rows(packed: torch.Tensor, s: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = packed.unflatten(-1, (-1, 8))  # [N, C/16, 8]: the bytes of one scale
     flip = torch.where(s < 0, 0x88, 0).to(torch.uint8)[..., None]
     keep = torch.where(s == 0, 0, 0xFF).to(torch.uint8)[..., None]
-    words = ((blocks ^ flip) & keep).flatten(-2).unflatten(-1, (-1, 4)).long()  # [..., R, C/8, 4]
-    tables = _shuffle_tables(packed.device)
+    words = ((blocks ^ flip) & keep).flatten(-2).unflatten(-1, (-1, 4)).long()  # [N, C/8, 4]
     stored = tables[0][words[..., 0]] | tables[1][words[..., 1]] | tables[2][words[..., 2]] | tables[3][words[..., 3]]
     shifts = torch.arange(0, 32, 8, device=packed.device)
     shuffled = ((stored[..., None] >> shifts) & 0xFF).to(torch.uint8).flatten(-2)
@@ -335,6 +356,22 @@ def _check(x, topk_ids, topk_weights, w13, w2, fp4, scales):
     return e, i
 
 
+def _check_shuffled_tile(name: str, block_k: int) -> None:
+    if block_k < SHUFFLED_MIN_BLOCK_K:
+        raise ValueError(f"the shuffled NVFP4 layout needs {name} >= {SHUFFLED_MIN_BLOCK_K} (SHUFFLED_MIN_BLOCK_K), "
+                         f"got {block_k}")  # fmt: skip
+
+
+def _check_words(w13: torch.Tensor, w2: torch.Tensor, scales) -> None:
+    """The shuffled layout's kernels read the packed weights as whole 4-byte words: word-aligned rows and uint8
+    block scales (``shuffle_nvfp4``'s)."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.data_ptr() % 4 or w.stride(0) % 4 or w.stride(1) % 4:
+            raise ValueError(f"shuffled {name} needs 4-byte aligned rows, got strides {w.stride()}")
+    if scales[0].dtype != torch.uint8 or scales[2].dtype != torch.uint8:
+        raise ValueError(f"shuffled block scales are uint8 (shuffle_nvfp4), got {scales[0].dtype}, {scales[2].dtype}")
+
+
 @dataclass(frozen=True)
 class MoeRouting:
     """Row blocks of one MoE call (``moe_routing``): ``identity`` blocks are one pair each (``ids``' order),
@@ -364,7 +401,7 @@ def moe_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts:
 
 
 def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: MoeConfig | None, shuffled=False):
-    cfg = config or default_config(topk_ids.numel(), fp4)
+    cfg = config or default_config(topk_ids.numel(), fp4, shuffled)
     e, i = _check(x, topk_ids, topk_weights, w13, w2, fp4, scales)
     if not fp4 and x.element_size() > 2:  # fp32 weight tiles: keep the pipeline within shared memory
         cfg = replace(cfg, block_k13=min(cfg.block_k13, 128), block_k2=min(cfg.block_k2, 128))
@@ -377,6 +414,8 @@ def _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: Mo
     ):
         if dim % blk:
             raise ValueError(f"{name}={dim} is not a multiple of the tile {blk}")
+    if fp4 and shuffled:
+        _check_words(w13, w2, scales)
     if fp4 and cfg.kperm and not (cfg.presplit and cfg.block_k13 % 32 == 0 and cfg.block_k2 % 32 == 0):
         raise ValueError(f"kperm needs presplit and K tiles that are multiples of 32, got {cfg}")
     if topk_ids.numel() == 0:
@@ -398,14 +437,6 @@ def _fp4_args(w: torch.Tensor, scales, act_dtype: torch.dtype):
     s, s2 = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in scales)
     asm = _SCALE_ASM if act_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1" else 0
     return s, s2, True, asm
-
-
-def _check_shuffled(shuffled: bool, asm: int, cfg: MoeConfig, block_m: int, num_warps: int) -> None:
-    """The shuffled layout's inline-PTX unpack needs each 4 packed bytes it is given to be one word of memory: so
-    on mma.sync operands (H200 round 1: exact at T=1..256 with the decode tiles), not on the wgmma register operand
-    of the kperm / 16-row 4-warp tiles, whose 4-byte groups span two rows (wrong results, measured)."""
-    if shuffled and asm and (cfg.kperm or (block_m >= 16 and num_warps >= 4)):
-        raise ValueError(f"the shuffled NVFP4 layout runs on the decode tiles only (no kperm, no wgmma), got {cfg}")
 
 
 def _grid(n_fast: bool, n_blocks: int, n_tiles: int, *rest: int) -> tuple[tuple[int, ...], bool]:
@@ -474,7 +505,8 @@ def moe_w13(
     r = routing
     i = w13.shape[1] // 2
     kperm = fp4 and cfg.kperm
-    _check_shuffled(fp4 and shuffled, asm, cfg, r.block_m, cfg.num_warps13)
+    if fp4 and shuffled:
+        _check_shuffled_tile("block_k13", cfg.block_k13)
     if kperm:
         x = kperm_x(x, cfg.block_k13)
     inter = torch.empty((r.ids.numel(), i), dtype=x.dtype, device=x.device)
@@ -505,9 +537,10 @@ def moe_w2(
     from kernels import _triton_moe as tk
 
     s2, s2b, fp4, asm = _fp4_args(w2, scales, inter.dtype)
+    if fp4 and shuffled:
+        _check_shuffled_tile("block_k2", cfg.block_k2)
     r = routing
     h = w2.shape[1]
-    _check_shuffled(fp4 and shuffled, asm, cfg, r.block_m, cfg.num_warps2)
     part = torch.empty((r.ids.numel(), h), dtype=torch.float32, device=inter.device)
     grid, n_fast = _grid(cfg.n_fast2, r.n_blocks, h // cfg.block_n2)
     tk.moe_w2_kernel[grid](

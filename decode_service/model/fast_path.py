@@ -5,10 +5,10 @@ cuBLAS (`skinny_gemm.preferred`: one row), i.e. the projections, the dense MLP a
 the shared experts with their SwiGLU, scale, gammas and the add of the routed experts in the epilogue (for more
 rows cuBLAS, the SwiGLU in one pass of `kernels.swiglu`, the add in cuBLAS's epilogue), and the
 lm_head with its muP division and fp32 logits (the MTP drafter's FP8 copy of it on `fp8_head`, any rows);
-`rms_norm`, `route` (the MoE gate in two launches), the routed experts (`nvfp4_moe` on the packed weights as
-loaded, or `bf16_moe`, tiles shrunk to divide H and I; layers whose widths no tile divides keep the reference,
-decided when the layer is built), the shared experts as two GEMMs over the stacked experts, and
-`attention_kernels`, which gives the attention backends their kernels (`packed.py`: prefill /
+`rms_norm`, `route` (the MoE gate in two launches), the routed experts (`nvfp4_moe` on the packed weights
+re-laid at load by `kernels.moe.shuffle_nvfp4`, or `bf16_moe`, tiles shrunk to divide H and I; layers whose widths
+no tile divides keep the reference, decided when the layer is built), the shared experts as two GEMMs over the
+stacked experts, and `attention_kernels`, which gives the attention backends their kernels (`packed.py`: prefill /
 one-token-per-sequence attention over each `LayerCache`'s visible keys; `paged.py`: the decode step over the
 engine's pools, which the engine captures in CUDA graphs).
 
@@ -53,12 +53,12 @@ def _fit(tile: int, dim: int) -> int | None:
 
 
 @functools.cache
-def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False, fp4: bool = True):
-    """The kernels' measured default tiles for this many (token, slot) pairs, shrunk to divide H and I; fp32
-    activations get two pipeline stages (three overflow the H200's shared memory at Inkling-Small widths)."""
+def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False, fp4: bool = True, shuffled: bool = False):
+    """The kernels' measured default tiles for this many (token, slot) pairs (and layout), shrunk to divide H and I;
+    fp32 activations get two pipeline stages (three overflow the H200's shared memory at Inkling-Small widths)."""
     from kernels.moe import MoeConfig, default_config
 
-    base = default_config(n_pairs, fp4)
+    base = default_config(n_pairs, fp4, shuffled)
     tiles = {
         "num_stages": min(base.num_stages, 2) if fp32 else base.num_stages,
         "block_n13": _fit(base.block_n13, width),
@@ -101,11 +101,12 @@ def _bf16_moe(
 def _nvfp4_moe(x, ids, weights, w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2) -> torch.Tensor:
     from kernels.moe import nvfp4_moe
 
-    config = _moe_config(ids.numel(), x.shape[1], 2 * w2.shape[-1], x.dtype == torch.float32)
+    shuffled = w13_scale.dtype == torch.uint8
+    config = _moe_config(ids.numel(), x.shape[1], 2 * w2.shape[-1], x.dtype == torch.float32, shuffled=shuffled)
     return nvfp4_moe(
         x, ids, weights.float(),
         w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2,
-        config=config,
+        config=config, shuffled=shuffled,
     )  # fmt: skip
 
 
@@ -196,6 +197,14 @@ class TritonOps(Ops):
 
     def nvfp4_experts(self, hidden: int, width: int) -> RoutedExperts:
         return _nvfp4_moe if self.moe_kernels(hidden, width) else super().nvfp4_experts(hidden, width)
+
+    def nvfp4_shuffled(self, hidden: int, width: int) -> bool:
+        """The kernels' layout wherever they run the experts on K tiles it takes (~25% fewer instructions per weight
+        than the checkpoint's; decisions 2026-12-01, issue 17): every default K tile (128 or 256) shrinks to
+        `SHUFFLED_MIN_BLOCK_K` or more exactly when H and I are multiples of it."""
+        from kernels.moe import SHUFFLED_MIN_BLOCK_K
+
+        return self.moe_kernels(hidden, width) and hidden % SHUFFLED_MIN_BLOCK_K == width % SHUFFLED_MIN_BLOCK_K == 0
 
     def shared_experts(self, x, gammas, w13, w2, routed=None):
         """Two GEMMs: every expert's [gate; up] rows stacked along N, then the gamma-scaled activations against the

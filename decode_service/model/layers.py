@@ -209,7 +209,9 @@ class Bf16Experts(nn.Module):
 
 class NVFP4Experts(nn.Module):
     """Routed SwiGLU experts as the checkpoint stores them in NVFP4 (`common/nvfp4.py`): per stack the packed codes
-    (uint8 `[E, R, C/2]`), e4m3 block scales `[E, R, C/16]` and an fp32 scale per expert `[E]`."""
+    (uint8 `[E, R, C/2]`), e4m3 block scales `[E, R, C/16]` and an fp32 scale per expert `[E]`. Where the ops ask
+    for it (`Ops.nvfp4_shuffled`), the stacks are re-laid in `kernels.moe.shuffle_nvfp4`'s layout when loaded (the
+    same values; uint8 block scales say so): adopted tensors in the checkpoint's layout are replaced by new ones."""
 
     def __init__(self, config: TextConfig, ops: Ops = REFERENCE, tp: TPGroup = SINGLE):
         super().__init__()
@@ -219,6 +221,20 @@ class NVFP4Experts(nn.Module):
             self.register_buffer(f"{name}_scale", torch.zeros(e, rows, cols // 16, dtype=torch.float8_e4m3fn))
             self.register_buffer(f"{name}_scale2", torch.zeros(e, dtype=torch.float32))
         self.moe = ops.nvfp4_experts(h, i)
+        self.shuffled = ops.nvfp4_shuffled(h, i)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if not self.shuffled:
+            return
+        from kernels.moe import shuffle_nvfp4
+
+        for stack in ("w13_weight", "w2_weight"):
+            packed, scale = getattr(self, stack), getattr(self, f"{stack}_scale")
+            if scale.dtype == torch.float8_e4m3fn and not packed.is_meta and not scale.is_meta:
+                packed, scale = shuffle_nvfp4(packed, scale)
+                setattr(self, stack, packed)
+                setattr(self, f"{stack}_scale", scale)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x `[T, H]`, ids / weights `[T, k]` -> `[T, H]`."""

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from common.nvfp4 import dequant_nvfp4
 from kernels.fp8_head import fp8_logits_reference
-from kernels.moe import MASKED_ROUTE
+from kernels.moe import MASKED_ROUTE, unshuffle_nvfp4
 from kernels.rms_norm import rms_norm_reference
 from kernels.router import route_reference
 from kernels.skinny_gemm import skinny_linear_reference, skinny_swiglu_reference
@@ -120,6 +120,11 @@ class Ops:
         """The routed-expert op for NVFP4 stacks (packed, scale, scale2 for w13 and w2) of these widths."""
         return nvfp4_experts_reference
 
+    def nvfp4_shuffled(self, hidden: int, width: int) -> bool:
+        """Whether `NVFP4Experts` of these widths keep their stacks in `kernels.moe.shuffle_nvfp4`'s layout (the
+        kernels'; every NVFP4 op also takes it, told by its uint8 block scales)."""
+        return False
+
     def shared_experts(
         self,
         x: torch.Tensor,
@@ -164,6 +169,11 @@ def bf16_experts_reference(
     return _experts_loop(x, ids, weights, lambda e: (w13[e], w2[e]))
 
 
+def _canonical(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's stack in the checkpoint's layout (a shuffled one, uint8 scales, read back)."""
+    return unshuffle_nvfp4(packed, scale) if scale.dtype == torch.uint8 else (packed, scale)
+
+
 def nvfp4_experts_reference(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -178,8 +188,8 @@ def nvfp4_experts_reference(
     """Each used expert dequantised (`common.nvfp4`) to x's dtype, then the bf16 math."""
 
     def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g13 = dequant_nvfp4(w13[e], w13_scale[e], w13_scale2[e])
-        g2 = dequant_nvfp4(w2[e], w2_scale[e], w2_scale2[e])
+        g13 = dequant_nvfp4(*_canonical(w13[e], w13_scale[e]), w13_scale2[e])
+        g2 = dequant_nvfp4(*_canonical(w2[e], w2_scale[e]), w2_scale2[e])
         return g13.to(x.dtype), g2.to(x.dtype)
 
     return _experts_loop(x, ids, weights, expert)

@@ -16,12 +16,16 @@ from kernels.moe import (
     moe_align_grid,
     moe_align_reference,
     moe_reference,
+    moe_routing,
+    moe_w2,
+    moe_w13,
     nvfp4_moe,
     shuffle_nvfp4,
     unshuffle_nvfp4,
 )
 
 SMALL = MoeConfig(block_m=16, block_n13=16, block_k13=32, block_n2=16, block_k2=32)
+SHUFFLED_SMALL = replace(SMALL, block_k13=64, block_k2=64)  # the shuffled layout's narrowest K tiles
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -48,6 +52,26 @@ def odd_scales(stack, gen):
 
 def shuffled(stack):
     return (*shuffle_nvfp4(stack[0], stack[1]), stack[2])
+
+
+def exact_stack(e, rows, cols, gen, device):
+    """NVFP4 stacks whose products with ``exact_rows`` sum exactly in fp32 in any order: block scales m * 2^p with
+    m in {1, 1.5}, p in -8..-5 (1.5 * 2^-8 and 2^-8, 2^-7 e4m3-subnormal), random signs, some zero. Every product
+    is a multiple of 2^-2 (rows) * 2^-1 (e2m1) * 2^-9 (scales) = 2^-12 and at most 2 * 6 * 1.5 * 2^-5 = 0.5625, so
+    any partial sum of up to 4096 of them is a multiple of 2^-12 below 2^12: exact in fp32's 24 bits (also after the
+    kernels' exact power-of-two rescaling of the weights)."""
+    shape = (e, rows, cols // 16)
+    mant = 1 + 0.5 * torch.randint(0, 2, shape, generator=gen)
+    sign = torch.where(torch.rand(shape, generator=gen) < 0.25, -1.0, 1.0)
+    scale = sign * mant * torch.exp2(torch.randint(-8, -4, shape, generator=gen).float())
+    scale = torch.where(torch.rand(shape, generator=gen) < 0.05, 0.0, scale).to(torch.float8_e4m3fn)
+    packed = torch.randint(0, 256, (e, rows, cols // 2), dtype=torch.uint8, generator=gen)
+    return packed.to(device), scale.to(device), (torch.rand(e, generator=gen) + 0.5).to(device)
+
+
+def exact_rows(n, cols, gen, device):
+    """bf16 rows of multiples of 2^-2 in [-2, 2] (``exact_stack``)."""
+    return (torch.randint(-8, 9, (n, cols), generator=gen) / 4).to(torch.bfloat16).to(device)
 
 
 def routing(t, e, k, gen, device="cpu"):
@@ -277,16 +301,39 @@ def test_shuffled_nvfp4_moe_matches_reference(cpu_interpreter, variant, sorted_m
     """The kernels on ``shuffle_nvfp4``'s layout (portable path) give the reference result of the canonical weights,
     and the same result as on the canonical layout."""
     gen = torch.Generator().manual_seed(12)
-    e, h, i, t, k = 8, 64, 32, 6, 3
+    e, h, i, t, k = 8, 128, 64, 6, 3
     w13 = odd_scales(nvfp4_stack(e, 2 * i, h, gen), gen)
     w2 = odd_scales(nvfp4_stack(e, h, i, gen), gen)
     x = torch.randn(t, h, generator=gen)
     ids, wts = routing(t, e, k, gen)
     ids[1] = ids[0]
-    cfg = MoeConfig(**{**SMALL.__dict__, "sorted_min_pairs": sorted_min_pairs, **variant})
+    cfg = MoeConfig(**{**SHUFFLED_SMALL.__dict__, "sorted_min_pairs": sorted_min_pairs, **variant})
     out = nvfp4_moe(x, ids, wts, *shuffled(w13), *shuffled(w2), config=cfg, shuffled=True)
     assert rel_err(out, moe_reference(x, ids, wts, *w13, *w2)) < 1e-5
     assert torch.equal(out, nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg))
+
+
+def test_shuffled_nvfp4_moe_checks_its_layout(cpu_interpreter):
+    """Canonical (e4m3) block scales, packed rows off 4-byte words or K tiles below ``SHUFFLED_MIN_BLOCK_K`` (which
+    the compiled kernels sum wrongly) are refused, not misread."""
+    gen = torch.Generator().manual_seed(13)
+    e, h, i, t, k = 4, 64, 32, 2, 2
+    w13, w2 = nvfp4_stack(e, 2 * i, h, gen), nvfp4_stack(e, h, i, gen)
+    x = torch.randn(t, h, generator=gen)
+    ids, wts = routing(t, e, k, gen)
+    with pytest.raises(ValueError, match="uint8"):
+        nvfp4_moe(x, ids, wts, *w13, *w2, config=SMALL, shuffled=True)
+    packed, scale, scale2 = shuffled(w13)
+    offset = torch.empty(packed.numel() + 2, dtype=torch.uint8)[2:].view(packed.shape)
+    offset.copy_(packed)
+    with pytest.raises(ValueError, match="aligned"):
+        nvfp4_moe(x, ids, wts, offset, scale, scale2, *shuffled(w2), config=SMALL, shuffled=True)
+    for tiles in ({"block_k13": 32}, {"block_k2": 32}):
+        w2_64 = nvfp4_stack(e, h, 64, gen)
+        w13_64 = nvfp4_stack(e, 128, h, gen)
+        with pytest.raises(ValueError, match="SHUFFLED_MIN_BLOCK_K"):
+            nvfp4_moe(x, ids, wts, *shuffled(w13_64), *shuffled(w2_64), config=replace(SHUFFLED_SMALL, **tiles),
+                      shuffled=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("sorted_min_pairs", [1, 64])
@@ -340,8 +387,8 @@ def test_split_k_counters_are_zero_again_after_each_call(cpu_interpreter):
 
 def test_default_config_tiles_fit_inkling_small():
     h, i, k = 4096, 2048, 6
-    for t, fp4 in itertools.product((1, 8, 10, 11, 64, 256, 1024, 2048, 4096), (True, False)):
-        cfg = default_config(t * k, fp4)
+    for t, fp4, shuffled_layout in itertools.product((1, 8, 10, 11, 64, 256, 1024, 2048, 4096), (True, False), (0, 1)):
+        cfg = default_config(t * k, fp4, bool(shuffled_layout))
         assert (t * k >= cfg.sorted_min_pairs) == (t >= 11)
         assert i % cfg.block_n13 == 0 and h % cfg.block_n2 == 0 and i % cfg.block_k2 == 0
         assert h % (cfg.block_k13 * cfg.split_k13) == 0
@@ -421,33 +468,24 @@ def test_nvfp4_moe_gpu_code_paths(cuda_device, t, variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 8, 64, 256])
 def test_shuffled_nvfp4_moe_gpu(cuda_device, t):
-    """Full widths, ``default_config``'s decode tiles: the inline-PTX unpack of the shuffled layout gives the
-    reference result and exactly the canonical layout's result."""
+    """Full widths, ``default_config``'s tiles for the shuffled layout: the reference result, and each kernel bit for
+    bit the canonical layout's on inputs whose fp32 sums are exact in any order (``exact_stack``). Exactness is what
+    makes them comparable: on mma.sync the operands take K in another order from int32 words than from bytes
+    (``kWidth`` 8 against 4), so each MMA adds other products and general inputs round differently."""
     gen = torch.Generator().manual_seed(t + 3)
     e, h, i, k = 16, 4096, 2048, 6
-    w13 = odd_scales(nvfp4_stack(e, 2 * i, h, gen, cuda_device), gen)
-    w2 = odd_scales(nvfp4_stack(e, h, i, gen, cuda_device), gen)
-    w13, w2 = (w13[0], w13[1], w13[2] * 1e-3), (w2[0], w2[1], w2[2] * 1e-3)
-    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
+    w13, w2 = exact_stack(e, 2 * i, h, gen, cuda_device), exact_stack(e, h, i, gen, cuda_device)
+    x = exact_rows(t, h, gen, cuda_device)
     ids, wts = routing(t, e, k, gen, cuda_device)
-    out = nvfp4_moe(x, ids, wts, *shuffled(w13), *shuffled(w2), shuffled=True)
-    err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
-    same = torch.equal(out, nvfp4_moe(x, ids, wts, *w13, *w2))
-    print(f"shuffled nvfp4_moe T={t}: rel {err:.2e}, equal to the canonical layout's: {same}")
-    assert err < 1e-2 and same
-
-
-@pytest.mark.gpu
-def test_shuffled_layout_is_refused_on_the_prefill_tiles(cuda_device):
-    """The wgmma operand of the prefill tiles gives the unpack 4-byte groups of two rows: refused, not wrong."""
-    gen = torch.Generator().manual_seed(4)
-    e, h, i, k, t = 8, 256, 128, 2, 4
-    w13, w2 = nvfp4_stack(e, 2 * i, h, gen, cuda_device), nvfp4_stack(e, h, i, gen, cuda_device)
-    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
-    ids, wts = routing(t, e, k, gen, cuda_device)
-    cfg = replace(default_config(moe_module.PREFILL_MIN_PAIRS), sorted_min_pairs=1, block_k2=128, block_n2=128)
-    with pytest.raises(ValueError, match="shuffled"):
-        nvfp4_moe(x, ids, wts, *shuffled(w13), *shuffled(w2), config=cfg, shuffled=True)
+    cfg = default_config(t * k, shuffled=True)
+    sh13, sh2 = shuffled(w13), shuffled(w2)
+    err = rel_err(nvfp4_moe(x, ids, wts, *sh13, *sh2, config=cfg, shuffled=True), moe_reference(x, ids, wts, *w13, *w2))
+    r = moe_routing(ids, wts, e, cfg)
+    same13 = torch.equal(moe_w13(x, r, sh13[0], sh13[1:], cfg, True), moe_w13(x, r, w13[0], w13[1:], cfg))
+    inter = exact_rows(t * k, i, gen, cuda_device)
+    same2 = torch.equal(moe_w2(inter, r, sh2[0], sh2[1:], cfg, True), moe_w2(inter, r, w2[0], w2[1:], cfg))
+    print(f"shuffled nvfp4_moe T={t}: rel {err:.2e}; gate/up equal to canonical {same13}, down {same2}")
+    assert err < 1e-2 and same13 and same2
 
 
 @pytest.mark.gpu
@@ -480,6 +518,33 @@ def test_nvfp4_moe_gpu_prefill_tiles(cuda_device, variant):
     err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
     print(f"nvfp4_moe prefill tiles {variant}: rel {err:.2e}")
     assert err < 1e-2
+
+
+SHUFFLED_WGMMA_TILES = [  # tiles whose MMA takes the weights as a wgmma register operand: prefill, 16-row decode
+    {},
+    {"block_m": 128, "block_n2": 64, "num_warps2": 4},
+    {"block_m": 16, "kperm": False, "block_k13": 256, "block_k2": 256, "block_n2": 64, "num_warps2": 4},
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", SHUFFLED_WGMMA_TILES)
+def test_shuffled_nvfp4_moe_gpu_wgmma_tiles(cuda_device, variant):
+    """Full widths, ~96 pairs per expert: on the tiles whose wgmma register operand holds 4-byte groups of two rows,
+    the whole-word unpack of the shuffled layout gives the reference result and exactly the canonical layout's."""
+    gen = torch.Generator().manual_seed(19)
+    e, h, i, k, t = 16, 4096, 2048, 6, 256
+    w13 = odd_scales(nvfp4_stack(e, 2 * i, h, gen, cuda_device), gen)
+    w2 = odd_scales(nvfp4_stack(e, h, i, gen, cuda_device), gen)
+    w13, w2 = (w13[0], w13[1], w13[2] * 1e-3), (w2[0], w2[1], w2[2] * 1e-3)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
+    ids, wts = routing(t, e, k, gen, cuda_device)
+    cfg = replace(default_config(moe_module.PREFILL_MIN_PAIRS), **variant)
+    out = nvfp4_moe(x, ids, wts, *shuffled(w13), *shuffled(w2), config=cfg, shuffled=True)
+    err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
+    same = torch.equal(out, nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg))
+    print(f"shuffled nvfp4_moe wgmma tiles {variant}: rel {err:.2e}, equal to the canonical layout's: {same}")
+    assert err < 1e-2 and same
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.config import parse_model_config
-from common.nvfp4 import pack_nvfp4
+from common.nvfp4 import dequant_nvfp4, pack_nvfp4
 from decode_service.model import packed
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.collectives import SINGLE
@@ -21,6 +21,7 @@ from decode_service.model.inkling import InklingDecoder
 from decode_service.model.layers import Bf16Experts, NVFP4Experts, SharedExperts
 from decode_service.model.ops import REFERENCE, bf16_experts_reference, nvfp4_experts_reference
 from kernels import skinny_gemm
+from kernels.moe import unshuffle_nvfp4
 from kernels.skinny_gemm import MAX_ROWS
 
 # Window 8 and rel_extent 12 below the decoded lengths, tau active (n_floor 6), d_rel 4 (zero-padded to 16 for the
@@ -55,8 +56,8 @@ TINY = {
 NVFP4_LAYERS = frozenset({2, 3})
 
 
-def tiny_model(seed: int = 0) -> InklingDecoder:
-    config = parse_model_config(dict(TINY)).text
+def tiny_model(seed: int = 0, **overrides) -> InklingDecoder:
+    config = parse_model_config({**TINY, **overrides}).text
     gen = torch.Generator().manual_seed(seed)
     model = InklingDecoder(config, NVFP4_LAYERS)
     with torch.no_grad():
@@ -125,7 +126,40 @@ def test_ops_are_chosen_at_build():
     assert fast.ops is FAST and supports_batched_decode(fast)
     assert all(layer.attn_norm.ops is FAST for layer in fast.layers)
     assert fast.embed.weight.data_ptr() == model.embed.weight.data_ptr()  # the same tensors, not a copy
-    assert fast.layers[2].mlp.experts.w13_weight.data_ptr() == model.layers[2].mlp.experts.w13_weight.data_ptr()
+
+
+def test_fast_ops_keep_nvfp4_experts_in_the_kernels_layout():
+    """Re-laid once when adopted (uint8 block scales), the same dequantised values; a reference model built from
+    the fast one reads that layout as it is. I = 64: K tiles of 64, the narrowest the layout takes."""
+    model = tiny_model(intermediate_size=64)
+    fast = model.with_ops("fast")
+    for layer in NVFP4_LAYERS:
+        mine, theirs = model.layers[layer].mlp.experts, fast.layers[layer].mlp.experts
+        assert theirs.shuffled and not mine.shuffled
+        for stack in ("w13_weight", "w2_weight"):
+            assert getattr(theirs, f"{stack}_scale").dtype == torch.uint8
+            back = unshuffle_nvfp4(getattr(theirs, stack), getattr(theirs, f"{stack}_scale"))
+            scale2 = getattr(mine, f"{stack}_scale2")
+            want = dequant_nvfp4(getattr(mine, stack), getattr(mine, f"{stack}_scale"), scale2)
+            assert torch.equal(dequant_nvfp4(*back, scale2), want)
+    again = fast.with_ops("reference")
+    assert again.layers[2].mlp.experts.w13_weight.data_ptr() == fast.layers[2].mlp.experts.w13_weight.data_ptr()
+    x = torch.randn(3, model.config.hidden_size)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    wts = torch.rand(3, 2)
+    assert torch.equal(again.layers[2].mlp.experts(x, ids, wts), model.layers[2].mlp.experts(x, ids, wts))
+
+
+def test_fast_ops_keep_the_checkpoint_layout_below_the_shuffled_k_tiles():
+    """I = 32 (the tiny checkpoint's): the down kernel's K tile shrinks to 32, which the shuffled layout does not
+    take (`SHUFFLED_MIN_BLOCK_K`), so the fast model keeps the e4m3 stacks it adopted and runs the canonical kernels."""
+    model = tiny_model()
+    fast = model.with_ops("fast")
+    for layer in NVFP4_LAYERS:
+        experts = fast.layers[layer].mlp.experts
+        assert not experts.shuffled and experts.moe is not nvfp4_experts_reference
+        assert experts.w13_weight_scale.dtype == experts.w2_weight_scale.dtype == torch.float8_e4m3fn
+        assert experts.w13_weight.data_ptr() == model.layers[layer].mlp.experts.w13_weight.data_ptr()
 
 
 def test_shapes_the_kernels_do_not_take_keep_the_reference_at_build():
@@ -244,8 +278,9 @@ def test_skinny_kernel_crossover():
     assert not skinny_gemm.preferred(MAX_ROWS + 1, 200058)
 
 
-def test_fast_path_matches_reference_in_the_interpreter(cpu_interpreter):
-    model = tiny_model()
+@pytest.mark.parametrize("width", [32, 64])  # routed experts in the checkpoint's layout / in the shuffled one
+def test_fast_path_matches_reference_in_the_interpreter(cpu_interpreter, width):
+    model = tiny_model(intermediate_size=width)
     prompts = [[5, 9, 11, 20, 7, 33, 2, 41, 8, 17], [12, 30, 4]]  # past window 8 / rel_extent 12 / n_floor 6
     ref, _ = run(model, prompts, steps=4, ops="reference")
     fast, _ = run(model, prompts, steps=4, ops="fast")
@@ -311,6 +346,29 @@ def tiny_checkpoint(tmp_path, dtype: torch.dtype):
         torch.randint(10, 20000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 23, 40, 70)
     ]
     return InklingDecoder.from_weights(config.text, weights, dtype, "cuda"), config, prompts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shuffled_experts_match_reference_on_the_gpu(cuda_device, dtype):
+    """I = 64, where the fast model re-lays its NVFP4 stacks (the tiny checkpoint's I = 32 keeps them as loaded):
+    its routed experts against the reference's reading of the same tensors, one (token, slot) pair per row block
+    and pairs sorted by expert; bounds as for the tiny checkpoint's modules (bf16) and its fp32 run (TF32)."""
+    model = tiny_model(intermediate_size=64)
+    model = InklingDecoder.from_weights(model.config, model.state_dict(), dtype, "cuda", ops="reference")
+    built = {ops: model.with_ops(ops) for ops in ("reference", "fast")}
+    gen = torch.Generator().manual_seed(1)
+    errors = {}
+    with torch.inference_mode():
+        for layer in sorted(NVFP4_LAYERS):
+            assert built["fast"].layers[layer].mlp.experts.w13_weight_scale.dtype == torch.uint8
+            for t in (2, 200):
+                x = torch.randn(t, model.config.hidden_size, generator=gen).to("cuda", dtype)
+                ids, weights, _ = model.layers[layer].mlp.gate(x)
+                outs = [m.layers[layer].mlp.experts(x, ids, weights) for m in built.values()]
+                errors[f"moe{layer}/T{t}"] = rel_err(outs[1], outs[0])
+    print(f"shuffled experts {dtype}:", {k: f"{v:.1e}" for k, v in errors.items()})
+    assert max(errors.values()) < (2e-2 if dtype == torch.bfloat16 else 1e-2)
 
 
 @pytest.mark.gpu
