@@ -20,6 +20,7 @@ each kind the engine ran, next to the step's byte floor at the copy bandwidth me
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
 
@@ -81,6 +82,43 @@ class Stopwatch:
                 self.seconds += time.perf_counter() - start
 
         return timed
+
+
+# The parts of a step's host time `--gpu` prints (column, owner of the method as a path from the engine, method);
+# nested parts are inside their owner's time ("prepare" and "graph step" inside the runner's, "fill" and "upload"
+# inside "graph step"). Methods a tree lacks are skipped, so the same table runs on older engines.
+HOST_PARTS = (
+    ("schedule", "scheduler", "schedule"),
+    ("prepare", "runner", "_prepare"),
+    ("graph step", "runner.decode_graphs", "_step"),
+    ("fill", "runner.decode_graphs", "_fill"),
+    ("upload", "runner.decode_graphs", "_upload"),
+    ("commit", "scheduler", "commit"),
+    ("emit", "", "_emit"),
+)
+
+
+def time_host_parts(engine: Engine) -> dict[str, Stopwatch]:
+    """Wrap each of `HOST_PARTS` the engine has, and Python's garbage collections ("gc"), in a stopwatch."""
+    watches = {}
+    for column, path, name in HOST_PARTS:
+        owner = engine
+        for attr in filter(None, path.split(".")):
+            owner = getattr(owner, attr, None)
+        if owner is not None and hasattr(owner, name):
+            watches[column] = Stopwatch()
+            setattr(owner, name, watches[column].wrap(getattr(owner, name)))
+    watches["gc"] = collections = Stopwatch()
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            collections.seconds += time.perf_counter() - started[0]
+
+    gc.callbacks.append(on_gc)
+    return watches
 
 
 def scheduling_overhead(config, running: int, steps: int) -> tuple[float, float]:
@@ -168,6 +206,8 @@ def engine_throughput(running_counts: list[int], steps: int, modes: list[str], l
     for name in ("collect", "_greedy_samples"):
         if hasattr(runner, name):
             setattr(runner, name, blocked.wrap(getattr(runner, name)))
+    parts = time_host_parts(engine)
+    breakdown = []
     gen = torch.Generator().manual_seed(0)
     sampling = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     print("| running | mode | tokens/s | step ms | host ms/step | floor ms (ctx) | step/floor | steps sync/async |")
@@ -194,6 +234,8 @@ def engine_throughput(running_counts: list[int], steps: int, modes: list[str], l
             counts = dict(getattr(engine, "num_steps", {}))
             torch.cuda.synchronize()
             blocked.seconds, tokens = 0.0, 0
+            for watch in parts.values():
+                watch.seconds = 0.0
             start = time.perf_counter()
             for _ in range(steps):
                 tokens += sum(len(o.new_token_ids) for o in engine.step())
@@ -204,10 +246,16 @@ def engine_throughput(running_counts: list[int], steps: int, modes: list[str], l
             step_ms, host_ms = wall / steps * 1e3, (wall - blocked.seconds) / steps * 1e3
             print(f"| {running} | {mode} | {tokens / wall:.0f} | {step_ms:.3f} | {host_ms:.3f} | {floor:.3f} ({ctx}) | "
                   f"{step_ms / floor:.2f} | {kinds} |", flush=True)  # fmt: skip
+            breakdown.append((running, mode, host_ms, {k: w.seconds / steps * 1e3 for k, w in parts.items()}))
         for rid in ids:
             engine.abort(rid)
         while engine.has_unfinished:
             engine.step()
+    print(f"\nhost ms/step by part (nested: {', '.join(c for c, _, _ in HOST_PARTS[1:5])} in the runner's time)")
+    print("| running | mode | host | " + " | ".join(breakdown[0][3]) + " |")
+    print("|---|---|---|" + "---|" * len(breakdown[0][3]))
+    for running, mode, host_ms, by_part in breakdown:
+        print(f"| {running} | {mode} | {host_ms:.3f} | " + " | ".join(f"{ms:.3f}" for ms in by_part.values()) + " |")
 
 
 def main() -> None:
