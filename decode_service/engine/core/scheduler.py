@@ -107,7 +107,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._chunk_size(request, budget)
-            drafts = self._drafts(request, n, budget)
+            drafts = self._drafts(request, n, budget) if request.draft_token_ids else ()
             if drafts and not self._make_room(
                 request.handle.pages_needed(request.num_computed_tokens + n + len(drafts))
             ):
@@ -213,7 +213,9 @@ class Scheduler:
                     step.saves.append(save)
         is_new = seq.is_new
         sliding, global_ = seq.take_updates()
-        tokens = tuple(request.token_slice(start, end)) + drafts
+        tokens = tuple(request.token_slice(start, end))
+        if drafts:
+            tokens += drafts
         return ScheduledChunk(
             request.request_id,
             seq.slot,
@@ -235,7 +237,10 @@ class Scheduler:
     def _reserve(self, request: Request, n: int, step: _Step) -> bool:
         """Pages for `request`'s next `n` tokens, preempting the tail of `running` while they do not fit."""
         total = request.num_computed_tokens + n
-        while not self._make_room(request.handle.pages_needed(total)):
+        need = request.handle.pages_needed(total)
+        if need == (0, 0):  # most decode steps: the last page has room
+            return True
+        while not self._make_room(need):
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
                 self.finish(request, FinishReason.ERROR, f"KV cache capacity exceeded at {total} tokens")

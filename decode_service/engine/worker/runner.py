@@ -185,7 +185,9 @@ class ModelRunner:
             if c.num_tokens != 1 or c.num_drafts or not c.needs_logits or c.new_sequence:
                 return False
             request = self.requests[c.request_id]
-            if not samples_on_device(request) or any(i.start < c.end and c.start < i.end for i in request.mm_items):
+            if not samples_on_device(request):
+                return False
+            if request.mm_items and any(i.start < c.end and c.start < i.end for i in request.mm_items):
                 return False
         return True
 
