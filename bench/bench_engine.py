@@ -13,7 +13,8 @@ tokens the prefix cache served.
 `--gpu-running` count of greedy decoding requests (32-token prompts, context ~100), the same engine and requests in
 each of `--modes` (sync, async: `EngineSettings.async_scheduling`), twice in alternation: decode tokens/s, wall ms
 per step, host ms per step (the step's wall time less the time it blocks reading sampled tokens), the steps of
-each kind the engine ran, next to the step's byte floor at the copy bandwidth measured in the same run.
+each kind the engine ran, next to the step's byte floor at the copy bandwidth measured in the same run; under each
+row, the ms per step spent in each of `HOST_PARTS` and in Python's garbage collections.
 `--modes sync` runs on engines without async scheduling (a same-run baseline from another tree).
 """
 
@@ -84,17 +85,22 @@ class Stopwatch:
         return timed
 
 
-# The parts of a step's host time `--gpu` prints (column, owner of the method as a path from the engine, method);
-# nested parts are inside their owner's time ("prepare" and "graph step" inside the runner's, "fill" and "upload"
-# inside "graph step"). Methods a tree lacks are skipped, so the same table runs on older engines.
+# The parts of a step's wall time `--gpu` prints (column, owner of the method as a path from the engine, method):
+# the runner's synchronous step ("execute", which holds the sync read of the tokens) or its launch and the read of
+# the step in flight ("resolve": the read, stop checks and the tokens' bookkeeping), then nested parts: "prepare"
+# and "graph step" inside the runner's, "fill" and "upload" inside "graph step". Methods a tree lacks are skipped,
+# so the same table runs on older engines.
 HOST_PARTS = (
     ("schedule", "scheduler", "schedule"),
+    ("execute", "runner", "execute"),
+    ("launch", "runner", "launch"),
+    ("resolve", "", "_resolve"),
+    ("commit", "scheduler", "commit"),
+    ("emit", "", "_emit"),
     ("prepare", "runner", "_prepare"),
     ("graph step", "runner.decode_graphs", "_step"),
     ("fill", "runner.decode_graphs", "_fill"),
     ("upload", "runner.decode_graphs", "_upload"),
-    ("commit", "scheduler", "commit"),
-    ("emit", "", "_emit"),
 )
 
 
@@ -207,7 +213,6 @@ def engine_throughput(running_counts: list[int], steps: int, modes: list[str], l
         if hasattr(runner, name):
             setattr(runner, name, blocked.wrap(getattr(runner, name)))
     parts = time_host_parts(engine)
-    breakdown = []
     gen = torch.Generator().manual_seed(0)
     sampling = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     print("| running | mode | tokens/s | step ms | host ms/step | floor ms (ctx) | step/floor | steps sync/async |")
@@ -246,16 +251,12 @@ def engine_throughput(running_counts: list[int], steps: int, modes: list[str], l
             step_ms, host_ms = wall / steps * 1e3, (wall - blocked.seconds) / steps * 1e3
             print(f"| {running} | {mode} | {tokens / wall:.0f} | {step_ms:.3f} | {host_ms:.3f} | {floor:.3f} ({ctx}) | "
                   f"{step_ms / floor:.2f} | {kinds} |", flush=True)  # fmt: skip
-            breakdown.append((running, mode, host_ms, {k: w.seconds / steps * 1e3 for k, w in parts.items()}))
+            by_part = ", ".join(f"{k} {w.seconds / steps * 1e3:.3f}" for k, w in parts.items())
+            print(f"#   ms/step by part: read {blocked.seconds / steps * 1e3:.3f}, {by_part}", flush=True)
         for rid in ids:
             engine.abort(rid)
         while engine.has_unfinished:
             engine.step()
-    print(f"\nhost ms/step by part (nested: {', '.join(c for c, _, _ in HOST_PARTS[1:5])} in the runner's time)")
-    print("| running | mode | host | " + " | ".join(breakdown[0][3]) + " |")
-    print("|---|---|---|" + "---|" * len(breakdown[0][3]))
-    for running, mode, host_ms, by_part in breakdown:
-        print(f"| {running} | {mode} | {host_ms:.3f} | " + " | ".join(f"{ms:.3f}" for ms in by_part.values()) + " |")
 
 
 def main() -> None:
