@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 
 from decode_service.engine.core.outputs import (
     DROP,
@@ -58,6 +59,7 @@ class _Step:
 
 
 _NO_TIER_IO = PrefixTierPlan()
+_SORT_KEY = attrgetter("sort_key")
 
 
 class Scheduler:
@@ -102,7 +104,7 @@ class Scheduler:
         step = _Step()
         self._apply_aborts(step)
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=lambda r: r.sort_key)
+        self.running.sort(key=_SORT_KEY)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -268,7 +270,7 @@ class Scheduler:
         request.num_computed_tokens = 0
 
     def _admit(self, budget: int, step: _Step) -> None:
-        self.waiting.sort(key=lambda r: r.sort_key)
+        self.waiting.sort(key=_SORT_KEY)
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or not self.cache.num_free_slots:
                 return
