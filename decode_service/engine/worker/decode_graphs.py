@@ -147,7 +147,6 @@ class DecodeGraphs:
         self._meta[_ACCEPTED, :size].copy_(self._host[_ACCEPTED, :size], non_blocking=self.capture)
         if self.capture:
             self._uploaded.record()
-        if self.capture:
             self._commits[size, width].replay()  # captured with the verify graph
         else:
             self._commit(size, width)
