@@ -14,7 +14,8 @@ tokens the prefix cache served.
 each of `--modes` (sync, async: `EngineSettings.async_scheduling`), twice in alternation: decode tokens/s, wall ms
 per step, host ms per step (the step's wall time less the time it blocks reading sampled tokens), the steps of
 each kind the engine ran, next to the step's byte floor at the copy bandwidth measured in the same run; under each
-row, the ms per step spent in each of `HOST_PARTS` and in Python's garbage collections.
+row, the ms per step spent in each of `HOST_PARTS` and in Python's garbage collections. The engine's startup heap is
+frozen out of the collector as `DecodeService.start` does (`--no-gc-freeze`: as older services left it).
 `--modes sync` runs on engines without async scheduling (a same-run baseline from another tree).
 """
 
@@ -177,7 +178,9 @@ def multi_turn_savings(checkpoint: str, turns: int) -> tuple[int, int]:
     return prompt_total, cached_total
 
 
-def engine_throughput(running_counts: list[int], steps: int, modes: list[str], layers: int = 6) -> None:
+def engine_throughput(
+    running_counts: list[int], steps: int, modes: list[str], gc_freeze: bool = True, layers: int = 6
+) -> None:
     """`--gpu`: decode steps of the whole engine on the proxy, per running count and mode (module docstring)."""
     import dataclasses
 
@@ -205,6 +208,8 @@ def engine_throughput(running_counts: list[int], steps: int, modes: list[str], l
                               device="cuda")  # fmt: skip
     started = time.perf_counter()
     engine = Engine(model, model_config, settings)
+    if gc_freeze:
+        gc.freeze()  # as DecodeService.start does once its engine is up
     print(f"# Small-L{layers} ({layer_mix(config, nvfp4)}): engine up in {time.perf_counter() - started:.1f} s "
           f"(graphs of buckets {engine.runner.decode_graphs.buckets})", flush=True)  # fmt: skip
     blocked = Stopwatch()  # the host waiting for the tokens: the async read, the sync path's .tolist()
@@ -267,9 +272,10 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="the engine on the GPU over the Small-L6 proxy instead")
     parser.add_argument("--gpu-running", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--modes", nargs="+", choices=("sync", "async"), default=["sync", "async"])
+    parser.add_argument("--no-gc-freeze", action="store_true", help="--gpu: leave the startup heap to the collector")
     args = parser.parse_args()
     if args.gpu:
-        engine_throughput(args.gpu_running, args.steps, args.modes)
+        engine_throughput(args.gpu_running, args.steps, args.modes, gc_freeze=not args.no_gc_freeze)
         return
     with tempfile.TemporaryDirectory() as tmp:
         make_tiny_checkpoint(tmp, nvfp4=True, seed=0)
