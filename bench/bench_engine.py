@@ -13,13 +13,16 @@ tokens the prefix cache served.
 `--gpu-running` count of greedy decoding requests (32-token prompts, context ~100), the same engine and requests in
 each of `--modes` (sync, async: `EngineSettings.async_scheduling`), twice in alternation: decode tokens/s, wall ms
 per step, host ms per step (the step's wall time less the time it blocks reading sampled tokens), the steps of
-each kind the engine ran, next to the step's byte floor at the copy bandwidth measured in the same run.
+each kind the engine ran, next to the step's byte floor at the copy bandwidth measured in the same run; under each
+row, the ms per step spent in each of `HOST_PARTS` and in Python's garbage collections. The engine's startup heap is
+frozen out of the collector as `DecodeService.start` does (`--no-gc-freeze`: as older services left it).
 `--modes sync` runs on engines without async scheduling (a same-run baseline from another tree).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
 
@@ -83,6 +86,48 @@ class Stopwatch:
         return timed
 
 
+# The parts of a step's wall time `--gpu` prints (column, owner of the method as a path from the engine, method):
+# the runner's synchronous step ("execute", which holds the sync read of the tokens) or its launch and the read of
+# the step in flight ("resolve": the read, stop checks and the tokens' bookkeeping), then nested parts: "prepare"
+# and "graph step" inside the runner's, "fill" and "upload" inside "graph step". Methods a tree lacks are skipped,
+# so the same table runs on older engines.
+HOST_PARTS = (
+    ("schedule", "scheduler", "schedule"),
+    ("execute", "runner", "execute"),
+    ("launch", "runner", "launch"),
+    ("resolve", "", "_resolve"),
+    ("commit", "scheduler", "commit"),
+    ("emit", "", "_emit"),
+    ("prepare", "runner", "_prepare"),
+    ("graph step", "runner.decode_graphs", "_step"),
+    ("fill", "runner.decode_graphs", "_fill"),
+    ("upload", "runner.decode_graphs", "_upload"),
+)
+
+
+def time_host_parts(engine: Engine) -> dict[str, Stopwatch]:
+    """Wrap each of `HOST_PARTS` the engine has, and Python's garbage collections ("gc"), in a stopwatch."""
+    watches = {}
+    for column, path, name in HOST_PARTS:
+        owner = engine
+        for attr in filter(None, path.split(".")):
+            owner = getattr(owner, attr, None)
+        if owner is not None and hasattr(owner, name):
+            watches[column] = Stopwatch()
+            setattr(owner, name, watches[column].wrap(getattr(owner, name)))
+    watches["gc"] = collections = Stopwatch()
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            collections.seconds += time.perf_counter() - started[0]
+
+    gc.callbacks.append(on_gc)
+    return watches
+
+
 def scheduling_overhead(config, running: int, steps: int) -> tuple[float, float]:
     """(control-plane ms per step, whole step ms): the control plane excludes forward, logits and sampling math,
     which run on the GPU in production (argmax over a 200k vocabulary on this CPU would dominate otherwise)."""
@@ -133,7 +178,9 @@ def multi_turn_savings(checkpoint: str, turns: int) -> tuple[int, int]:
     return prompt_total, cached_total
 
 
-def engine_throughput(running_counts: list[int], steps: int, modes: list[str], layers: int = 6) -> None:
+def engine_throughput(
+    running_counts: list[int], steps: int, modes: list[str], gc_freeze: bool = True, layers: int = 6
+) -> None:
     """`--gpu`: decode steps of the whole engine on the proxy, per running count and mode (module docstring)."""
     import dataclasses
 
@@ -161,6 +208,8 @@ def engine_throughput(running_counts: list[int], steps: int, modes: list[str], l
                               device="cuda")  # fmt: skip
     started = time.perf_counter()
     engine = Engine(model, model_config, settings)
+    if gc_freeze:
+        gc.freeze()  # as DecodeService.start does once its engine is up
     print(f"# Small-L{layers} ({layer_mix(config, nvfp4)}): engine up in {time.perf_counter() - started:.1f} s "
           f"(graphs of buckets {engine.runner.decode_graphs.buckets})", flush=True)  # fmt: skip
     blocked = Stopwatch()  # the host waiting for the tokens: the async read, the sync path's .tolist()
@@ -168,6 +217,7 @@ def engine_throughput(running_counts: list[int], steps: int, modes: list[str], l
     for name in ("collect", "_greedy_samples"):
         if hasattr(runner, name):
             setattr(runner, name, blocked.wrap(getattr(runner, name)))
+    parts = time_host_parts(engine)
     gen = torch.Generator().manual_seed(0)
     sampling = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     print("| running | mode | tokens/s | step ms | host ms/step | floor ms (ctx) | step/floor | steps sync/async |")
@@ -194,6 +244,8 @@ def engine_throughput(running_counts: list[int], steps: int, modes: list[str], l
             counts = dict(getattr(engine, "num_steps", {}))
             torch.cuda.synchronize()
             blocked.seconds, tokens = 0.0, 0
+            for watch in parts.values():
+                watch.seconds = 0.0
             start = time.perf_counter()
             for _ in range(steps):
                 tokens += sum(len(o.new_token_ids) for o in engine.step())
@@ -204,6 +256,8 @@ def engine_throughput(running_counts: list[int], steps: int, modes: list[str], l
             step_ms, host_ms = wall / steps * 1e3, (wall - blocked.seconds) / steps * 1e3
             print(f"| {running} | {mode} | {tokens / wall:.0f} | {step_ms:.3f} | {host_ms:.3f} | {floor:.3f} ({ctx}) | "
                   f"{step_ms / floor:.2f} | {kinds} |", flush=True)  # fmt: skip
+            by_part = ", ".join(f"{k} {w.seconds / steps * 1e3:.3f}" for k, w in parts.items())
+            print(f"#   ms/step by part: read {blocked.seconds / steps * 1e3:.3f}, {by_part}", flush=True)
         for rid in ids:
             engine.abort(rid)
         while engine.has_unfinished:
@@ -218,9 +272,10 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="the engine on the GPU over the Small-L6 proxy instead")
     parser.add_argument("--gpu-running", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--modes", nargs="+", choices=("sync", "async"), default=["sync", "async"])
+    parser.add_argument("--no-gc-freeze", action="store_true", help="--gpu: leave the startup heap to the collector")
     args = parser.parse_args()
     if args.gpu:
-        engine_throughput(args.gpu_running, args.steps, args.modes)
+        engine_throughput(args.gpu_running, args.steps, args.modes, gc_freeze=not args.no_gc_freeze)
         return
     with tempfile.TemporaryDirectory() as tmp:
         make_tiny_checkpoint(tmp, nvfp4=True, seed=0)

@@ -11,12 +11,18 @@ and timings (`streaming.py`).
 
 Closing a `generate` iterator early (client cancel) aborts the engine request at once, which frees its KV pages
 and conv slot. `load`, `speculation` and `model_info` are what health, routing and metrics read.
+
+Once started, the objects alive then (weights, compiled kernels, CUDA graphs, the engine's pools) are frozen out of
+Python's garbage collector (`gc.freeze`, until the last service of the process closes): a full collection then
+walks only what serving allocated, where it walked the whole startup heap (138 ms once every ~400 steps at 256
+running on a CPU probe, a pause of the engine thread; docs/decisions.md, issue 17).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import time
 import uuid
@@ -50,6 +56,7 @@ from decode_service.validation import check_encoded, check_media, check_prompt, 
 from encoder_service.codebook import AudioCodebook
 
 log = logging.getLogger(__name__)
+_started_services = 0  # started and not closed, in this process: the collector stays frozen while any is
 
 
 class DecodeService:
@@ -69,6 +76,7 @@ class DecodeService:
         self.config = engine.config
         self.dtype: torch.dtype = getattr(engine.runner.model, "dtype", torch.float32)
         self._serving = False
+        self._counted = False  # in `_started_services`
         self._live: dict[str, bool] = {}  # event loop only: request id -> aborted
         self._prompt_tokens_seen = 0
         self._cached_tokens_seen = 0
@@ -96,10 +104,20 @@ class DecodeService:
             async for _ in self._generate(warm):
                 pass
             self._prompt_tokens_seen = self._cached_tokens_seen = 0
+        global _started_services
+        _started_services += 1
+        self._counted = True
+        gc.freeze()  # the startup heap out of the collector's walks (module docstring)
         self._serving = True
         log.info("decode service ready (context %d tokens)", self.engine.max_model_len)
 
     async def close(self) -> None:
+        global _started_services
+        if self._counted:
+            self._counted = False
+            _started_services -= 1
+            if not _started_services:
+                gc.unfreeze()  # the engine's objects are collectable again (a test process builds many)
         self._serving = False
         self._engine_thread.stop()
         await asyncio.to_thread(self._engine_thread.join, 10.0)

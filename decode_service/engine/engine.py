@@ -415,7 +415,7 @@ class Engine:
                     request.finish_reason_text,
                     request.num_prompt_tokens,
                     request.num_cached_tokens,
-                    sum(item.length for item in request.mm_items),
+                    sum(item.length for item in request.mm_items) if request.mm_items else 0,
                     new_logprobs,
                     request.num_cached_tokens - redis_tokens,
                     redis_tokens,

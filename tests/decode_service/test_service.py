@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import time
 
 import pytest
@@ -339,6 +340,17 @@ async def test_audio_codes_without_an_audio_tower_are_unavailable(engine, local_
             await collect(svc, inp)
     finally:
         await svc.close()
+
+
+async def test_a_started_service_freezes_the_collector_until_it_closes(engine, local_encoder):
+    """The startup heap leaves the garbage collector's walks while a service of the process runs."""
+    assert gc.get_freeze_count() == 0
+    svc = DecodeService(engine, local_encoder)
+    await svc.start(warm_up=False)
+    assert gc.get_freeze_count() > 0
+    await svc.close()
+    await svc.close()  # twice: counted once
+    assert gc.get_freeze_count() == 0
 
 
 async def test_not_ready_is_unavailable(engine):

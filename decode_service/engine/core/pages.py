@@ -12,7 +12,6 @@ Only ids live here; the tensors they index are the data plane's (`worker/kv_cach
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -131,7 +130,7 @@ class SequencePages:
 
     def pages_needed(self, total_tokens: int) -> tuple[int, int]:
         """(sliding, global) pages to allocate so positions `< total_tokens` have a page."""
-        allocator, n = self.allocator, math.ceil(total_tokens / self.allocator.page_size)
+        allocator, n = self.allocator, -(-total_tokens // self.allocator.page_size)  # pages, rounded up
         sliding = max(0, n - len(self.tables[True])) if allocator.has_sliding else 0
         return sliding, max(0, n - len(self.tables[False])) if allocator.has_global else 0
 

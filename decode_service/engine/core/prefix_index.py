@@ -179,6 +179,8 @@ class PrefixCache:
         does not track one. True when the entry took the snapshot (else the caller drops it)."""
         size = self.page_size
         first, last = handle.num_tokens // size, num_tokens // size
+        if first == last:  # no block completed (most decode steps), so no boundary reached either
+            return False
         hashes = self.block_hashes(request, last)
         window_start = num_tokens - (self.cache.window - 1)
         for i in range(first, last):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 
 from decode_service.engine.core.outputs import (
     DROP,
@@ -58,6 +59,7 @@ class _Step:
 
 
 _NO_TIER_IO = PrefixTierPlan()
+_SORT_KEY = attrgetter("sort_key")
 
 
 class Scheduler:
@@ -102,12 +104,12 @@ class Scheduler:
         step = _Step()
         self._apply_aborts(step)
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=lambda r: r.sort_key)
+        self.running.sort(key=_SORT_KEY)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._chunk_size(request, budget)
-            drafts = self._drafts(request, n, budget)
+            drafts = self._drafts(request, n, budget) if request.draft_token_ids else ()
             if drafts and not self._make_room(
                 request.handle.pages_needed(request.num_computed_tokens + n + len(drafts))
             ):
@@ -213,7 +215,9 @@ class Scheduler:
                     step.saves.append(save)
         is_new = seq.is_new
         sliding, global_ = seq.take_updates()
-        tokens = tuple(request.token_slice(start, end)) + drafts
+        tokens = tuple(request.token_slice(start, end))
+        if drafts:
+            tokens += drafts
         return ScheduledChunk(
             request.request_id,
             seq.slot,
@@ -235,7 +239,10 @@ class Scheduler:
     def _reserve(self, request: Request, n: int, step: _Step) -> bool:
         """Pages for `request`'s next `n` tokens, preempting the tail of `running` while they do not fit."""
         total = request.num_computed_tokens + n
-        while not self._make_room(request.handle.pages_needed(total)):
+        need = request.handle.pages_needed(total)
+        if need == (0, 0):  # most decode steps: the last page has room
+            return True
+        while not self._make_room(need):
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
                 self.finish(request, FinishReason.ERROR, f"KV cache capacity exceeded at {total} tokens")
@@ -263,7 +270,7 @@ class Scheduler:
         request.num_computed_tokens = 0
 
     def _admit(self, budget: int, step: _Step) -> None:
-        self.waiting.sort(key=lambda r: r.sort_key)
+        self.waiting.sort(key=_SORT_KEY)
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or not self.cache.num_free_slots:
                 return

@@ -23,11 +23,13 @@ skinny GEMV, whose argmax is fused).
 Graphs are captured once per bucket and width (the buckets up to `max_num_seqs`, which is the last one), after an
 eager warm-up run on padding rows (Triton compiles there), and share one memory pool. Without CUDA (CPU tests of
 this path under the kernels' interpreter), or with graphs off, the same buffers and padding run eagerly. The pinned
-host metadata buffer is copied asynchronously; the next step waits for that copy (an event) before it rewrites
-the buffer, since under async scheduling the engine fills step N+1 before it reads step N's tokens.
+host metadata buffer is filled through a numpy view and sent whole (one contiguous copy from pinned memory: a
+slice of it would go through pageable and device temporaries); the next step waits for that copy (an event) before
+it rewrites the buffer, since under async scheduling the engine fills step N+1 before it reads step N's tokens.
 
 Async scheduling (`run(..., pending=...)`): token ids the host does not know yet (the previous step's samples, still
-on the device) are gathered on the device into the uploaded ids, so step N+1 launches without a host round trip.
+on the device) are gathered on the device into the uploaded ids, so step N+1 launches without a host round trip;
+where each comes from travels in the same metadata copy.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from decode_service.model.batch import ForwardBatch, PagedDecode
 from decode_service.model.inkling import InklingDecoder
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Rows of the metadata buffer: per row of the step (B*W) the first four, per sequence (B) the last two.
-_IDS, _SEQ_LENS, _ROWS_SLIDING, _ROWS_GLOBAL, _SLOTS, _ACCEPTED = range(6)
+# Rows of the metadata buffer: per row of the step (B*W) the first four, per sequence (B) the last four (the last
+# two: `DeviceTokens`' rows and indices).
+_IDS, _SEQ_LENS, _ROWS_SLIDING, _ROWS_GLOBAL, _SLOTS, _ACCEPTED, _PENDING_ROWS, _PENDING_INDEX = range(8)
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,8 @@ class DeviceTokens:
     """Token ids of a step that are still on the device: row `rows[i]` of the step takes `tokens[index[i]]`."""
 
     tokens: torch.Tensor  # [N] int64, the previous step's samples
-    index: torch.Tensor  # [M] int64 on the device
-    rows: torch.Tensor  # [M] int64 on the device
+    index: list[int]
+    rows: list[int]
 
 
 class DecodeGraphs:
@@ -75,8 +78,9 @@ class DecodeGraphs:
         device = torch.device(cache.spec.device)
         self.capture = use_graphs and device.type == "cuda"  # else the same static-buffer step runs eagerly
         rows = self.buckets[-1] * self.widths[-1]
-        self._host = torch.empty((6, rows), dtype=torch.int64, pin_memory=self.capture)
-        self._meta = torch.empty((6, rows), dtype=torch.int64, device=device)
+        self._host = torch.zeros((_PENDING_INDEX + 1, rows), dtype=torch.int64, pin_memory=self.capture)
+        self._host_np = self._host.numpy()  # the same memory: list writes cost a fraction of torch.tensor's
+        self._meta = torch.zeros((_PENDING_INDEX + 1, rows), dtype=torch.int64, device=device)
         # Per conv pool [max_num_seqs, K-1+W_max, C]: the verify steps' windows (a W-wide step uses [:B, :K-1+W]).
         k1 = cache.config.conv_kernel_size - 1
         self._windows = [
@@ -90,7 +94,7 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._last: tuple[int, int] | None = None  # (bucket, width) of the verify awaiting its commit
         self._stepped: tuple[int, int] | None = None  # (bucket, width) of the last step, for `greedy_tokens`
-        self._uploaded: torch.cuda.Event | None = None  # the last metadata copy out of `_host`
+        self._uploaded = torch.cuda.Event() if self.capture else None  # recorded after each copy out of `_host`
 
     def bucket(self, batch: int) -> int:
         """The bucket a batch of this size replays in (the scheduler never runs more than max_num_seqs)."""
@@ -139,9 +143,10 @@ class DecodeGraphs:
         size, width = self._last
         self._last = None
         assert all(1 <= n <= width for n in accepted), f"accepted rows {accepted} outside 1..{width}"
-        self._host[_ACCEPTED, :size] = torch.tensor(accepted + [1] * (size - len(accepted)), dtype=torch.int64)
+        self._host_np[_ACCEPTED, :size] = accepted + [1] * (size - len(accepted))
         self._meta[_ACCEPTED, :size].copy_(self._host[_ACCEPTED, :size], non_blocking=self.capture)
         if self.capture:
+            self._uploaded.record()
             self._commits[size, width].replay()  # captured with the verify graph
         else:
             self._commit(size, width)
@@ -170,17 +175,18 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         batch = len(token_ids)
         size = self.bucket(batch)
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # the previous step's metadata has left the pinned buffer
         if self.capture:
+            self._uploaded.synchronize()  # the previous step's metadata has left the pinned buffer
             self._ensure_graphs(size, width)  # before the fill: a capture runs on padding metadata
         self._fill(token_ids, views, size, width)
-        self._upload(size, width)
         if pending is not None:
-            self._meta[_IDS].index_copy_(0, pending.rows, pending.tokens.index_select(0, pending.index))
-        if self.capture:
-            self._uploaded = torch.cuda.Event()
-            self._uploaded.record()
+            m = len(pending.rows)
+            self._host_np[_PENDING_ROWS, :m] = pending.rows
+            self._host_np[_PENDING_INDEX, :m] = pending.index
+        self._upload()
+        if pending is not None:
+            rows, index = self._meta[_PENDING_ROWS, :m], self._meta[_PENDING_INDEX, :m]
+            self._meta[_IDS].index_copy_(0, rows, pending.tokens.index_select(0, index))
         self._stepped = (size, width)
         if not self.capture:
             return self._forward(size, width)[: batch * width]
@@ -188,23 +194,49 @@ class DecodeGraphs:
         graph.replay()
         return hidden[: batch * width]
 
-    def _upload(self, size: int, width: int) -> None:
+    def _upload(self) -> None:
+        """The block-table entries written since the last step, and the whole metadata buffer (module docstring)."""
         self.tables.upload()
-        self._meta[:, : size * width].copy_(self._host[:, : size * width], non_blocking=self.capture)
+        self._meta.copy_(self._host, non_blocking=self.capture)
+        if self.capture:
+            self._uploaded.record()
 
     def _fill(self, token_ids: Sequence[Sequence[int]], views: list[SequenceView], size: int, width: int) -> None:
         """Metadata rows for the real sequences (a chunk shorter than the width padded with rows that write the
         scratch pages and see only the chunk's first position), then padding sequences on the scratch slot."""
+        page, scratch, host = self.cache.page_size, self.cache.scratch_page, self._host_np
+        batch = len(views)
+        if width == 1:  # a decode step: one token per sequence, as lists over the batch
+            starts = [view.num_tokens for view in views]  # everything before start is committed
+            assert not starts or max(starts) < self.max_model_len, f"tokens up to {max(starts) + 1} > max_model_len"
+            host[_IDS, :batch] = [tokens[0] for tokens in token_ids]
+            host[_SEQ_LENS, :batch] = [start + 1 for start in starts]
+            for sliding, row in ((True, _ROWS_SLIDING), (False, _ROWS_GLOBAL)):
+                first = scratch[sliding] * page  # no table: no layer of this kind
+                host[row, :batch] = [
+                    (table[p // page] * page if (table := view.tables[sliding]) else first) + p % page
+                    for view, p in zip(views, starts, strict=True)
+                ]
+        else:
+            self._fill_rows(token_ids, views, width)
+        host[_SLOTS, :batch] = [view.slot for view in views]
+        rows = batch * width
+        host[_IDS, rows : size * width] = 0
+        host[_SEQ_LENS, rows : size * width] = 1
+        host[_ROWS_SLIDING, rows : size * width] = scratch[True] * page
+        host[_ROWS_GLOBAL, rows : size * width] = scratch[False] * page
+        host[_SLOTS, batch:size] = self.cache.scratch_slot
+
+    def _fill_rows(self, token_ids: Sequence[Sequence[int]], views: list[SequenceView], width: int) -> None:
+        """`_fill`'s rows of the real sequences of a verify step (each chunk padded to the width)."""
         page, scratch = self.cache.page_size, self.cache.scratch_page
         ids: list[int] = []
         seq_lens: list[int] = []
-        slots: list[int] = []
         kv_rows: dict[bool, list[int]] = {True: [], False: []}
         for tokens, view in zip(token_ids, views, strict=True):
             start, n = view.num_tokens, len(tokens)  # everything before start is committed
             assert start + n <= self.max_model_len, f"tokens up to {start + n} > max_model_len"
             pad = width - n
-            slots.append(view.slot)
             ids.extend(tokens)
             seq_lens.extend(range(start + 1, start + n + 1))
             if pad:
@@ -216,15 +248,8 @@ class DecodeGraphs:
                     rows.append((table[p // page] if table else scratch[sliding]) * page + p % page)
                 if pad:
                     rows.extend([scratch[sliding] * page + start % page] * pad)
-        padding = (size - len(token_ids)) * width
-        slots.extend([self.cache.scratch_slot] * (size - len(token_ids)))
-        ids.extend([0] * padding)
-        seq_lens.extend([1] * padding)
-        for sliding, rows in kv_rows.items():
-            rows.extend([scratch[sliding] * page] * padding)
-        rows_of_step = torch.tensor([ids, seq_lens, kv_rows[True], kv_rows[False]], dtype=torch.int64)
-        self._host[: _ROWS_GLOBAL + 1, : size * width] = rows_of_step
-        self._host[_SLOTS, :size] = torch.tensor(slots, dtype=torch.int64)
+        if ids:
+            self._host_np[: _ROWS_GLOBAL + 1, : len(ids)] = (ids, seq_lens, kv_rows[True], kv_rows[False])
 
     def _windows_of(self, size: int, width: int) -> dict[tuple[int, int], torch.Tensor]:
         k1 = self.cache.config.conv_kernel_size - 1
@@ -261,7 +286,7 @@ class DecodeGraphs:
     def warm_up(self, size: int, width: int = 1) -> None:
         """One step of `size` padding sequences: compiles the kernels, touches only the scratch slot and pages."""
         self._fill([], [], size, width)
-        self._upload(size, width)
+        self._upload()
         self._forward(size, width)
 
     def _capture(self, size: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -287,7 +312,7 @@ class DecodeGraphs:
 
     def _capture_commit(self, size: int, width: int) -> torch.cuda.CUDAGraph:
         self._fill([], [], size, width)
-        self._upload(size, width)
+        self._upload()
         self._meta[_ACCEPTED, :size].fill_(1)
         self._commit(size, width)  # warm-up on the scratch slot (compiles the commit kernel)
         torch.cuda.synchronize()

@@ -160,6 +160,7 @@ class ModelRunner:
         self.snapshots = SnapshotStore(cache)
         self.requests: dict[str, WorkerRequest] = {}
         self.views: dict[str, SequenceView] = {}
+        self._host_tokens: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # `launch`'s two, used in turn
 
     def add_request(self, request: WorkerRequest) -> None:
         self.requests[request.request_id] = request
@@ -184,7 +185,9 @@ class ModelRunner:
             if c.num_tokens != 1 or c.num_drafts or not c.needs_logits or c.new_sequence:
                 return False
             request = self.requests[c.request_id]
-            if not samples_on_device(request) or any(i.start < c.end and c.start < i.end for i in request.mm_items):
+            if not samples_on_device(request):
+                return False
+            if request.mm_items and any(i.start < c.end and c.start < i.end for i in request.mm_items):
                 return False
         return True
 
@@ -211,11 +214,22 @@ class ModelRunner:
                 self.prefix_tier.discard_staged()
         if tokens.device.type != "cuda":
             return PendingStep(chunks, requests, tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host, ready = self._next_host_tokens(tokens.dtype)
+        host = host[: tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
         ready.record()
         return PendingStep(chunks, requests, tokens, host, ready)
+
+    def _next_host_tokens(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A pinned buffer of max_num_seqs tokens and its event, two in turn: when a step launches, only the step
+        before it may be unread (the engine reads it next), so the one before that has left its buffer."""
+        if not self._host_tokens:
+            n = self.decode_graphs.buckets[-1]
+            self._host_tokens = [(torch.empty(n, dtype=dtype, pin_memory=True), torch.cuda.Event()) for _ in range(2)]
+        self._host_tokens.reverse()
+        host, ready = self._host_tokens[0]
+        assert host.dtype == dtype, f"sampled tokens of {dtype}, buffers of {host.dtype}"
+        return host, ready
 
     def collect(self, step: PendingStep) -> RunnerOutput:
         """Wait for a launched step's tokens and record them (the step's one sync)."""
@@ -236,9 +250,7 @@ class ModelRunner:
             return None
         assert previous is not None, "a pending token without a step in flight"
         at = {c.request_id: i for i, c in enumerate(previous.chunks)}
-        index = [at[chunks[i].request_id] for i in rows]
-        device = previous.tokens.device
-        return DeviceTokens(previous.tokens, to_device(index, device), to_device(rows, device))
+        return DeviceTokens(previous.tokens, [at[chunks[i].request_id] for i in rows], rows)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
