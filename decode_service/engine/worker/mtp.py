@@ -24,7 +24,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, overload
+from typing import NamedTuple, Protocol, overload
 
 import numpy as np
 import torch
@@ -43,15 +43,18 @@ _MAX_LAG = 64  # rows a depth past the round's drafts may queue before it catche
 
 class Tokens(Sequence[int]):
     """A request's known tokens, `head + tail` (its prompt and its output) read in place: a round reads a few of
-    the last tokens, so the runner hands its two lists over without concatenating the whole history."""
+    the last tokens, so the runner hands its two lists over without concatenating the whole history. A view of the
+    lists as they are when it is made (they must not shrink while it is read)."""
 
-    __slots__ = ("head", "tail")
+    __slots__ = ("head", "tail", "_split", "_len")
 
     def __init__(self, head: list[int], tail: list[int]):
         self.head, self.tail = head, tail
+        self._split = len(head)
+        self._len = self._split + len(tail)
 
     def __len__(self) -> int:
-        return len(self.head) + len(self.tail)
+        return self._len
 
     @overload
     def __getitem__(self, index: int) -> int: ...
@@ -60,13 +63,15 @@ class Tokens(Sequence[int]):
     def __getitem__(self, index: slice) -> list[int]: ...
 
     def __getitem__(self, index: int | slice) -> int | list[int]:
-        n = len(self.head)
+        n, k = self._split, self._len
         if not isinstance(index, slice):
-            index = index + len(self) if index < 0 else index
+            if not -k <= index < k:
+                raise IndexError(f"token {index} of {k}")
+            index = index + k if index < 0 else index
             return self.head[index] if index < n else self.tail[index - n]
-        start, stop, step = index.indices(len(self))
+        start, stop, step = index.indices(k)
         if step != 1:
-            return list(self)[index]
+            return [self[i] for i in range(start, stop, step)]
         stop = max(start, stop)
         if start >= n:
             return self.tail[start - n : stop - n]
@@ -75,9 +80,8 @@ class Tokens(Sequence[int]):
         return self.head[start:] + self.tail[: stop - n]
 
 
-@dataclass(frozen=True)
-class DraftInput:
-    """One request's trunk rows of this step, as the drafter consumes them."""
+class DraftInput(NamedTuple):
+    """One request's trunk rows of this step, as the drafter consumes them (a tuple: built per request and round)."""
 
     request_id: str
     first_row: int  # absolute position of hidden[0]

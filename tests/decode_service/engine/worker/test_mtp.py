@@ -26,11 +26,12 @@ def test_tokens_read_like_the_concatenated_list(head, tail) -> None:
         tokens[len(joined)]
 
 
-def test_tokens_see_the_lists_as_they_are_now() -> None:
+def test_tokens_are_the_lists_as_they_were_made() -> None:
     head, tail = [1, 2], [3]
     tokens = Tokens(head, tail)
     tail.append(4)
-    assert len(tokens) == 4 and tokens[-2:] == [3, 4]
+    assert len(tokens) == 3 and tokens[-2:] == [2, 3] and list(tokens) == [1, 2, 3]
+    assert len(Tokens(head, tail)) == 4
 
 
 def test_remember_writes_every_sequences_rows_at_their_pages() -> None:
