@@ -614,18 +614,22 @@ def _plan_arrays(work: list, depth: int, n: int, width: int, r: int, max_first: 
     b, w = len(work), max_first + 1
     known, start, queued, arriving, tail, sources = [], [], [], [], [], []
     for item, st in work:
-        tokens, pending = item.token_ids, st.pending
-        known.append(len(tokens))  # K
+        tokens, pending, hidden = item.token_ids, st.pending[:depth], item.hidden
+        k = len(tokens)
+        known.append(k)  # K
         start += st.committed[:depth]
-        queued += [0 if q is None else q.shape[0] for q in pending[:depth]]
-        arriving.append(item.hidden.shape[0])
-        tail += _last(tokens, w)
+        arriving.append(hidden.shape[0])
+        tail += tokens[k - w :] if k >= w else _last(tokens, w)
         # The host rows: depth 0's (its queue, then the trunk's), then each depth's queue, into `inputs[j, m, i]`
         # (`m < shift`), request-major.
-        if pending[0] is not None:
-            sources.append(pending[0])
-        sources.append(item.hidden)
-        sources += [q for q in pending[1:depth] if q is not None]
+        for d, q in enumerate(pending):
+            if q is None:
+                queued.append(0)
+            else:
+                queued.append(q.shape[0])
+                sources.append(q)
+            if not d:
+                sources.append(hidden)
     known = np.array(known, dtype=np.int64)
     start = np.array(start, dtype=np.int64).reshape(b, depth)
     queued = np.array(queued, dtype=np.int64).reshape(b, depth)
