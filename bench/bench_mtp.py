@@ -70,7 +70,7 @@ from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.engine.worker.draft_graphs import DepthPools, DraftGraphs
 from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
-from decode_service.engine.worker.mtp import DraftInput, PagedMTPSpeculator
+from decode_service.engine.worker.mtp import DraftInput, PagedMTPSpeculator, Tokens
 from decode_service.model import fast_path
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
@@ -245,8 +245,9 @@ class GraphedChain:
     prefilled with `ctx` rows; `step(depth, rows)` times one round as the engine runs it: `rows` verified trunk rows
     per sequence through every depth with the provisional rows and the D drafts, replayed from the chain's CUDA
     graph for (B's bucket, D, rows). The inputs arrive as the runner hands them over: each sequence's rows a slice
-    of one trunk output for the batch, its tokens a host list (drawn before the timed calls), so the figure is the
-    speculator's cost alone. The sequences grow by the timed rows (`growth`)."""
+    of one trunk output for the batch, its tokens its prompt and output lists as `Tokens` (the appended tokens
+    drawn before the timed calls), so the figure is the speculator's cost alone. The sequences grow by the timed
+    rows (`growth`)."""
 
     def __init__(self, drafter: MTPDrafter, batch: int, ctx: int, growth: int):
         config, device = drafter.config, drafter.embed.weight.device
@@ -259,6 +260,7 @@ class GraphedChain:
         self.speculator = PagedMTPSpeculator(drafter, drafter.num_depths, pools, graphs, lambda _: self.depth)
         self.device, self.dtype = device, drafter.embed.weight.dtype
         self.tokens = {f"s{i}": torch.randint(0, self.vocab, (ctx + 1,)).tolist() for i in range(batch)}
+        self.output: dict[str, list[int]] = {rid: [] for rid in self.tokens}  # the tokens the rounds appended
         self.rows = dict.fromkeys(self.tokens, ctx)
         self.new_tokens = torch.randint(0, self.vocab, (growth + 1,)).tolist()  # the tokens the rounds append
         with torch.inference_mode():
@@ -275,11 +277,12 @@ class GraphedChain:
         def run() -> None:
             self.depth = depth
             inputs = []
-            for i, (rid, tokens) in enumerate(self.tokens.items()):
-                at = len(tokens) % (len(self.new_tokens) - rows)
-                tokens += self.new_tokens[at : at + rows]
+            for i, (rid, prompt) in enumerate(self.tokens.items()):
+                output = self.output[rid]
+                at = len(output) % (len(self.new_tokens) - rows)
+                output += self.new_tokens[at : at + rows]
                 hidden = trunk[i * rows : (i + 1) * rows]
-                inputs.append(DraftInput(rid, self.rows[rid], hidden, list(tokens), True))
+                inputs.append(DraftInput(rid, self.rows[rid], hidden, Tokens(prompt, output), True))
                 self.rows[rid] += rows
             with torch.inference_mode():
                 self.speculator.extend(inputs)

@@ -116,6 +116,7 @@ class EngineThread:
                     self._fail_all(EngineFailure(f"engine step failed: {type(exc).__name__}: {exc}"))
                     continue
                 self._note_scheduled(step_started)
+                self._update_load()  # before the outputs: a client that has its last token sees its step's stats
                 for out in outputs:
                     sink = self._sinks.get(out.request_id)
                     if sink is None:
@@ -123,7 +124,8 @@ class EngineThread:
                     if out.finished:
                         del self._sinks[out.request_id]
                     sink.put(out)
-            self._update_load()
+            else:
+                self._update_load()
         self._fail_all(UnavailableError("decode service is shutting down"))
 
     def _lost(self, failure: RankFailure) -> None:

@@ -175,6 +175,16 @@ class TritonOps(Ops):
             return skinny_argmax(hidden, weight[:vocab], divisor=divisor)
         return argmax_rows(self.unembed(hidden, weight, divisor, tp, vocab))
 
+    def argmax_rows(self, values):
+        """One reduction over each row in place (`kernels.argmax.argmax_rows`: torch.argmax's ties and NaN order,
+        no copy of a strided view such as the product's unpadded columns)."""
+        from kernels.argmax import argmax_rows
+
+        if values.dim() == 2 and values.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            if values.stride(-1) == 1 and values.shape[1]:
+                return argmax_rows(values)
+        return super().argmax_rows(values)
+
     def fp8_logits(self, hidden, weight, scale, divisor, tp, vocab):
         """One launch for any number of rows (`kernels.fp8_head`: the division fused, fp32 logits)."""
         from kernels.fp8_head import fp8_logits

@@ -180,12 +180,13 @@ class MTPDrafter(nn.Module):
         return self._product(hidden).float()
 
     def argmax_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`logits(hidden).argmax(-1)` as int64 `[N]` (the greedy drafts): on the bf16 head the argmax of the same
-        bf16 product without its fp32 copy (the cast is exact: the same values, ties and first index), on the FP8
-        head its logits' argmax."""
+        """`logits(hidden).argmax(-1)` as int64 `[N]` (the greedy drafts), through the ops' row argmax (exactly
+        torch's: the first of equal values): on the bf16 head of the same bf16 product without its fp32 copy (the
+        cast is exact: the same values, ties and first index), on the FP8 head of its logits. Not the ops' fused
+        `argmax_logits`: at one row that is the skinny GEMV's product, not this head's cuBLAS one (decisions.md)."""
         if self._fp8(hidden):
-            return self.logits(hidden).argmax(-1)
-        return self._product(hidden).argmax(-1)
+            return self.ops.argmax_rows(self.logits(hidden))
+        return self.ops.argmax_rows(self._product(hidden))
 
     def _product(self, hidden: torch.Tensor) -> torch.Tensor:
         z = hidden / self.config.mup_multiplier  # a true division, as the trunk's (spec 9.8)

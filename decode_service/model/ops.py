@@ -82,6 +82,10 @@ class Ops:
         is exact, so the values, their ties and the first index among them are the same)."""
         return self.unembed(hidden, weight, divisor, tp, vocab).argmax(-1)
 
+    def argmax_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """`[N, V]` -> int64 `[N]`, `values.argmax(-1)` (the first of equal values, NaN above everything)."""
+        return values.argmax(-1)
+
     def fp8_logits(
         self,
         hidden: torch.Tensor,

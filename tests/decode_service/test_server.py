@@ -468,7 +468,7 @@ class KnowsTheAnswer:
     def reset(self, request_id, start, token_ids, pages) -> None:
         pass
 
-    def remember(self, pages, start, hidden) -> None:
+    def remember(self, hidden, rows) -> None:
         pass
 
     def forget(self, pages) -> None:

@@ -24,7 +24,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol, overload
 
 import numpy as np
 import torch
@@ -41,14 +41,53 @@ logger = logging.getLogger(__name__)
 _MAX_LAG = 64  # rows a depth past the round's drafts may queue before it catches up (PagedMTPSpeculator)
 
 
-@dataclass(frozen=True)
-class DraftInput:
-    """One request's trunk rows of this step, as the drafter consumes them."""
+class Tokens(Sequence[int]):
+    """A request's known tokens, `head + tail` (its prompt and its output) read in place: a round reads a few of
+    the last tokens, so the runner hands its two lists over without concatenating the whole history. A view of the
+    lists as they are when it is made (they must not shrink while it is read)."""
+
+    __slots__ = ("head", "tail", "_split", "_len")
+
+    def __init__(self, head: list[int], tail: list[int]):
+        self.head, self.tail = head, tail
+        self._split = len(head)
+        self._len = self._split + len(tail)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        n, k = self._split, self._len
+        if not isinstance(index, slice):
+            if not -k <= index < k:
+                raise IndexError(f"token {index} of {k}")
+            index = index + k if index < 0 else index
+            return self.head[index] if index < n else self.tail[index - n]
+        start, stop, step = index.indices(k)
+        if step != 1:
+            return [self[i] for i in range(start, stop, step)]
+        stop = max(start, stop)
+        if start >= n:
+            return self.tail[start - n : stop - n]
+        if stop <= n:
+            return self.head[start:stop]
+        return self.head[start:] + self.tail[: stop - n]
+
+
+class DraftInput(NamedTuple):
+    """One request's trunk rows of this step, as the drafter consumes them (a tuple: built per request and round)."""
 
     request_id: str
     first_row: int  # absolute position of hidden[0]
     hidden: torch.Tensor  # [m, H] the trunk's final-normed rows first_row .. first_row + m - 1 (committed rows only)
-    token_ids: list[int]  # every known token (prompt + output, including the one sampled this step)
+    token_ids: Sequence[int]  # every known token (prompt + output, including the one sampled this step): a list
+    # or `Tokens`, read, never kept
     draft: bool  # the trunk sampled a token this step: propose the next drafts
     temperature: float = 0.0  # > 0: drafts are sampled from the depth's softmax(logits / temperature), kept as `q`
     generator: torch.Generator | None = None  # draws those drafts (a seeded request's own; None: the drafter's)
@@ -68,8 +107,9 @@ class DraftModel(Protocol):
         `pages`: its global block table (where the trunk rows of a cached prefix were remembered)."""
         ...
 
-    def remember(self, pages: list[int | None], start: int, hidden: torch.Tensor) -> None:
-        """The trunk's rows `hidden` for positions `start..` of the sequence with global block table `pages`."""
+    def remember(self, hidden: torch.Tensor, rows: list[tuple[list[int | None], int, int, int]]) -> None:
+        """The trunk's rows of a step: for each (global block table, start, first, n), `hidden[first : first + n]`
+        are the rows of positions `start ..` of the sequence with that block table."""
         ...
 
     def forget(self, pages: tuple[int, ...]) -> None:
@@ -151,11 +191,19 @@ class MTPSpeculator:
         flat = table[positions // self.page_size - start // self.page_size] * self.page_size
         return (flat + positions % self.page_size).to(self.rows.device)
 
-    def remember(self, pages: list[int | None], start: int, hidden: torch.Tensor) -> None:
-        if self.rows is None or not hidden.shape[0]:
+    def remember(self, hidden: torch.Tensor, rows: list[tuple[list[int | None], int, int, int]]) -> None:
+        """One write for the step's rows (one index upload, one gather and one scatter, whatever the batch)."""
+        if self.rows is None:
             return
-        flat = self._flat(pages, start, hidden.shape[0])
-        self.rows.index_copy_(0, flat, hidden.to(self.rows.dtype))
+        page, source, target = self.page_size, [], []
+        for pages, start, first, n in rows:
+            source.extend(range(first, first + n))
+            target.extend(pages[p // page] * page + p % page for p in range(start, start + n))
+        if not source:
+            return
+        index = to_device(source + target, self.rows.device)
+        flat = index[len(source) :]
+        self.rows.index_copy_(0, flat, hidden.index_select(0, index[: len(source)]).to(self.rows.dtype))
         self.valid[flat] = True
 
     def forget(self, pages: tuple[int, ...]) -> None:
@@ -208,7 +256,7 @@ class MTPSpeculator:
                 if st.saved[d] is not None:
                     _restore(st.state.layers[d], st.saved[d])
                 rows, start, reach, end = _depth_rows(item, st, incoming, d)
-                tokens = item.token_ids + drafts.get(item.request_id, [])
+                tokens = list(item.token_ids) + drafts.get(item.request_id, [])
                 committed_part.append((item, st, start, end, rows[: end - start], tokens))
                 if item.draft and d < depth and end < reach:
                     provisional_part.append((item, st, end, reach, rows[end - start :], tokens))
@@ -333,35 +381,39 @@ class PagedMTPSpeculator(MTPSpeculator):
             seq.release()
 
     def extend(self, inputs: list[DraftInput]) -> dict[str, tuple[int, ...]]:
-        work = []
+        work, num_drafting, lagging = [], 0, False
+        states, paged, probs = self.states, self.paged, self.probs
         for item in inputs:
-            if item.request_id in self.stopped:
+            rid = item.request_id
+            if rid in self.stopped:
                 continue
-            st = self.states[item.request_id]
-            assert item.first_row == _rows_seen(st), (
-                f"request {item.request_id}: trunk rows from {item.first_row}, depth 0 has {_rows_seen(st)}"
-            )
-            last = item.first_row + item.hidden.shape[0]  # one past the trunk's last row
+            st = states[rid]
+            seen = _rows_seen(st)
+            assert item.first_row == seen, f"request {rid}: trunk rows from {item.first_row}, depth 0 has {seen}"
+            last = seen + item.hidden.shape[0]  # one past the trunk's last row
             assert item.draft <= (last == len(item.token_ids) - 1), "drafting needs the token after the last row"
-            seq = self.paged[item.request_id]
+            seq = paged[rid]
             if not seq.fits(last):
-                logger.warning("request %s: MTP depth pages exhausted; it runs without speculation", item.request_id)
-                self.remove(item.request_id)
-                self.stopped.add(item.request_id)
+                logger.warning("request %s: MTP depth pages exhausted; it runs without speculation", rid)
+                self.remove(rid)
+                self.stopped.add(rid)
                 continue
-            seq.grow(last, min(st.committed))
-            self.probs.pop(item.request_id, None)
+            committed = st.committed
+            seq.grow(last, min(committed))
+            if probs:
+                probs.pop(rid, None)
             work.append((item, st))
-        drafting = [(item, st) for item, st in work if item.draft]
-        depth = min(self.depth_for(len(drafting)), self.num_depths) if drafting else 0
-        # Depths past the round's drafts only queue the rows of the depth before them, up to _MAX_LAG rows (so a
-        # sliding depth's pages stay bounded); rounds without drafts (prefill) run every depth.
-        lagging = any(_rows_seen(st) - st.committed[-1] > _MAX_LAG for _, st in work)
-        needed = depth if drafting and not lagging else self.num_depths
-        if depth and not lagging and len(drafting) == len(work):  # a verify round: one graph for all of it
+            num_drafting += item.draft
+            # Depths past the round's drafts only queue the rows of the depth before them, up to _MAX_LAG rows (so
+            # a sliding depth's pages stay bounded); rounds without drafts (prefill) run every depth.
+            lagging = lagging or seen - committed[-1] > _MAX_LAG
+        depth = min(self.depth_for(num_drafting), self.num_depths) if num_drafting else 0
+        needed = depth if num_drafting and not lagging else self.num_depths
+        if depth and not lagging and num_drafting == len(work):  # a verify round: one graph for all of it
             drafts = self._graphed_round(depth, work)
             if drafts is not None:
                 return drafts
+        drafting = [(item, st) for item, st in work if item.draft]
         heads = self._packed_catch_up(needed, work)
         if not depth:
             return {item.request_id: () for item, _ in drafting}
@@ -488,7 +540,7 @@ def _depth_rows(item, st: _DrafterState, incoming: dict[str, torch.Tensor], d: i
     return rows, start, reach, end
 
 
-def _known_tokens(token_ids: list[int], start: list[int]) -> list[list[int]]:
+def _known_tokens(token_ids: Sequence[int], start: list[int]) -> list[list[int]]:
     """Per depth j, the token of each of its rows `start[j] .. K-2`: the one at position p + j + 1 when known
     (< K), else 0 (a draft of this round, filled in on the device)."""
     k = len(token_ids)
@@ -558,56 +610,67 @@ def _plan_lists(work: list, depth: int, n: int, width: int, r: int, max_first: i
 
 
 def _plan_arrays(work: list, depth: int, n: int, width: int, r: int, max_first: int) -> _Plan | None:
-    """`_Plan` of a round as arrays over the batch: per request only its lists are read."""
+    """`_Plan` of a round as arrays over the batch: per request only its lists are read, in one pass."""
     b, w = len(work), max_first + 1
-    known = np.array([len(item.token_ids) for item, _ in work], dtype=np.int64)  # K
-    start = np.array([st.committed[:depth] for _, st in work], dtype=np.int64).reshape(b, depth)
-    queued = np.array([[0 if p is None else p.shape[0] for p in st.pending[:depth]] for _, st in work])
-    arriving = np.array([item.hidden.shape[0] for item, _ in work])
+    known, start, queued, arriving, tail, sources = [], [], [], [], [], []
+    for item, st in work:
+        tokens, pending, hidden = item.token_ids, st.pending[:depth], item.hidden
+        k = len(tokens)
+        known.append(k)  # K
+        start += st.committed[:depth]
+        arriving.append(hidden.shape[0])
+        tail += tokens[k - w :] if k >= w else _last(tokens, w)
+        # The host rows: depth 0's (its queue, then the trunk's), then each depth's queue, into `inputs[j, m, i]`
+        # (`m < shift`), request-major.
+        for d, q in enumerate(pending):
+            if q is None:
+                queued.append(0)
+            else:
+                queued.append(q.shape[0])
+                sources.append(q)
+            if not d:
+                sources.append(hidden)
+    known = np.array(known, dtype=np.int64)
+    start = np.array(start, dtype=np.int64).reshape(b, depth)
+    queued = np.array(queued, dtype=np.int64).reshape(b, depth)
     total = known[:, None] - 1 - start  # [B, D] every depth's rows reach K-2
     assert (total[:, 0] == queued[:, 0] + arriving).all() and (total[:, 1:] == total[:, :-1] + queued[:, 1:]).all()
     j = np.arange(depth)
+    count = np.maximum(0, total - j)  # rows whose token is known: positions < K-1-j
     first = int((total - j).max())
     if first > max_first:
         return None
-    count = np.maximum(0, total - j)  # rows whose token is known: positions < K-1-j
-    shift = np.concatenate([total[:, :1], queued[:, 1:]], 1)
+    shift = queued.copy()
+    shift[:, 0] = total[:, 0]
     # Tokens: row m of depth j is position start + m, its token the one at position start + m + j + 1 when
     # known (< K); every such position is among the last `w` (a graphed round starts no depth earlier).
-    tail = np.array([_last(item.token_ids, w) for item, _ in work], dtype=np.int64)  # [B, w]
     m = np.arange(r)
-    p = start[:, :, None] + j[None, :, None] + 1 + m  # [B, D, R]
+    p = (start + j)[:, :, None] + (m + 1)  # [B, D, R]
     at = np.minimum(p - known[:, None, None] + w, w - 1).reshape(b, -1)  # >= 1: total - j <= first < w
-    tokens = np.take_along_axis(tail, at, 1).reshape(b, depth, r)
+    tokens = np.array(tail, dtype=np.int64).reshape(b, w)[np.arange(b)[:, None], at].reshape(b, depth, r)
     tokens[(p >= known[:, None, None]) | (m >= total[:, :, None])] = 0
-    # The host rows, per request: depth 0's (its queue, then the trunk's), then each depth's queue, into
-    # `inputs[j, m, i]` (`m < shift`).
-    sources = []
-    for item, st in work:
-        sources.extend(st.pending[:1] if st.pending[0] is not None else ())
-        sources.append(item.hidden)
-        sources.extend(p for p in st.pending[1:depth] if p is not None)
     i, d, row = np.nonzero(m < shift[:, :, None])  # request-major, as the sources
     targets = (d * r + row) * width + i
     # The rows each depth d >= 1 keeps (`pending`), per request: depth d's input rows count .. (depth d-1's new
     # committed end) - 1 (queued rows, still in `inputs`, then depth d-1's outputs of this round); the depth past
     # the drafts keeps its queue and depth d-1's committed rows (`lo` = `s` = 0, `hi` = the count).
-    lo, s = count[:, 1:], shift[:, 1:]
-    hi = start[:, :-1] + count[:, :-1] - start[:, 1:]
+    lo, s, hi = (np.zeros((b, min(depth, n - 1)), dtype=np.int64) for _ in range(3))
+    lo[:, : depth - 1], s[:, : depth - 1] = count[:, 1:], shift[:, 1:]
+    hi[:, : depth - 1] = start[:, :-1] + count[:, :-1] - start[:, 1:]
     if depth < n:
-        zero = np.zeros((b, 1), dtype=np.int64)
-        lo, s, hi = np.hstack([lo, zero]), np.hstack([s, zero]), np.hstack([hi, count[:, -1:]])
+        hi[:, -1] = count[:, -1]
     i, c, row = np.nonzero((m >= lo[:, :, None]) & (m < hi[:, :, None]))
-    queued = row < s[i, c]
-    picks = np.where(queued, (c + 1) * r + row, n * r + c * r + row - s[i, c]) * width + i
+    s = s[i, c]
+    picks = np.where(row < s, (c + 1) * r + row, n * r + c * r + row - s) * width + i
     kept = np.maximum(0, hi - lo).tolist()
     rows = RoundRows(known, start, count, total, shift, tokens)
     return _Plan(rows, first, sources, np.concatenate([targets, picks]), len(targets), kept)
 
 
-def _last(token_ids: list[int], w: int) -> list[int]:
+def _last(token_ids: Sequence[int], w: int) -> list[int]:
     """The last `w` tokens, zeros before a shorter sequence's first."""
-    return [0] * (w - len(token_ids)) + token_ids if len(token_ids) < w else token_ids[-w:]
+    k = len(token_ids)
+    return [0] * (w - k) + token_ids[:] if k < w else token_ids[k - w :]
 
 
 def _rows_seen(st: _DrafterState) -> int:

@@ -16,7 +16,7 @@ from decode_service.engine.core.outputs import BEFORE_FORWARD, ScheduledChunk, S
 from decode_service.engine.request import PENDING_TOKEN, MultimodalItem, Request, SamplingParams
 from decode_service.engine.worker.decode_graphs import DecodeGraphs, DeviceTokens
 from decode_service.engine.worker.kv_cache import KVCache, SequenceView
-from decode_service.engine.worker.mtp import DraftInput, DraftModel
+from decode_service.engine.worker.mtp import DraftInput, DraftModel, Tokens
 from decode_service.engine.worker.rejection import verify_draft
 from decode_service.engine.worker.sampler import Sampler, SampleResult, argmax_only, samples_on_device, to_device
 from decode_service.engine.worker.snapshots import SnapshotStore
@@ -479,12 +479,12 @@ class ModelRunner:
         first_rows: list[int],
         samples: dict[str, list[SampleResult]],
     ) -> dict[str, tuple[int, ...]]:
-        inputs = []
+        inputs, remembered = [], []
         for c, first in zip(chunks, first_rows, strict=True):
             request = self.requests[c.request_id]
             emitted = samples.get(c.request_id)
             n = len(emitted) if c.num_drafts else c.num_tokens  # the rows this step commits
-            self.drafter.remember(self.views[c.request_id].tables[False], c.start, hidden[first : first + n])
+            remembered.append((self.views[c.request_id].tables[False], c.start, first, n))
             if not request.speculative:
                 continue
             rows = hidden[first : first + n]
@@ -493,5 +493,7 @@ class ModelRunner:
             # A seeded request's drafts come from its own generator; the others' from the chain's (one draw a round).
             seeded = emitted and t > 0 and request.sampling.seed is not None
             generator = self.sampler.generator(request, hidden.device) if seeded else None
-            inputs.append(DraftInput(c.request_id, c.start, rows, request.all_token_ids, bool(emitted), t, generator))
+            tokens = Tokens(request.prompt_token_ids, request.output_token_ids)  # read in the call, not copied
+            inputs.append(DraftInput(c.request_id, c.start, rows, tokens, bool(emitted), t, generator))
+        self.drafter.remember(hidden, remembered)
         return self.drafter.extend(inputs) if inputs else {}

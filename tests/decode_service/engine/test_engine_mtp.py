@@ -78,7 +78,7 @@ class Oracle:
     def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
         self.rows[request_id] = start
 
-    def remember(self, pages: list[int | None], start: int, hidden: torch.Tensor) -> None:
+    def remember(self, hidden: torch.Tensor, rows: list) -> None:
         pass
 
     def forget(self, pages: tuple[int, ...]) -> None:
@@ -290,7 +290,7 @@ class SampledDrafter:
     def reset(self, request_id: str, start: int, token_ids: list[int], pages: list[int | None]) -> None:
         pass
 
-    def remember(self, pages: list[int | None], start: int, hidden: torch.Tensor) -> None:
+    def remember(self, hidden: torch.Tensor, rows: list) -> None:
         pass
 
     def forget(self, pages: tuple[int, ...]) -> None:

@@ -487,3 +487,19 @@ def test_argmax_logits_are_the_logits_argmax(cpu_interpreter, rows):
         assert torch.equal(tokens, ops.logits(x, weight, 16.0, SINGLE, 90).argmax(-1))
         assert tokens[0] == 11
     assert skinny_gemm.preferred(rows, 96) == (rows == 1)  # one row took the fused argmax, three the reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torchs_argmax(cpu_interpreter, dtype):
+    """The row argmax of a strided view (a product's unpadded columns) is torch.argmax's: the first of equal
+    values, NaN above +inf."""
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(4, 5000, generator=gen).to(dtype)
+    values[0, [7, 4100]] = 9.0  # a tie across the kernel's column chunks: the first wins
+    values[1, 3000] = float("inf")
+    values[2, [10, 2500]] = float("nan")
+    view = values[:, :4500]
+    for ops in (FAST, REFERENCE):
+        tokens = ops.argmax_rows(view)
+        assert tokens.dtype == torch.int64 and torch.equal(tokens, view.argmax(-1))
+    assert FAST.argmax_rows(view)[:3].tolist() == [7, 3000, 10]

@@ -7,8 +7,6 @@ eagerly on its static buffers (no CUDA here)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -89,7 +87,7 @@ def twin(item: DraftInput) -> DraftInput:
     if item.generator is None:
         return item
     generator = torch.Generator(item.generator.device).manual_seed(item.generator.initial_seed())
-    return dataclasses.replace(item, generator=generator)
+    return item._replace(generator=generator)
 
 
 def compare(
