@@ -12,9 +12,14 @@ BLOCK = 4096  # columns per program
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_float_rows(x: torch.Tensor) -> None:
+def is_float_rows(x: torch.Tensor) -> bool:
     """What the row kernels here and in kernels/argmax.py take: ``[M, N]`` fp32/fp16/bf16, unit last stride."""
-    if x.dim() != 2 or x.dtype not in _FLOATS or x.stride(-1) != 1:
+    return x.dim() == 2 and x.dtype in _FLOATS and x.stride(-1) == 1
+
+
+def check_float_rows(x: torch.Tensor) -> None:
+    """``is_float_rows`` or a ValueError naming what came."""
+    if not is_float_rows(x):
         raise ValueError(f"[M, N] fp32/fp16/bf16 rows with a unit last stride expected, got {x.dtype} "
                          f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
 

@@ -179,10 +179,10 @@ class TritonOps(Ops):
         """One reduction over each row in place (`kernels.argmax.argmax_rows`: torch.argmax's ties and NaN order,
         no copy of a strided view such as the product's unpadded columns)."""
         from kernels.argmax import argmax_rows
+        from kernels.float_rows import is_float_rows
 
-        if values.dim() == 2 and values.dtype in (torch.float32, torch.float16, torch.bfloat16):
-            if values.stride(-1) == 1 and values.shape[1]:
-                return argmax_rows(values)
+        if is_float_rows(values) and values.shape[1]:
+            return argmax_rows(values)
         return super().argmax_rows(values)
 
     def fp8_logits(self, hidden, weight, scale, divisor, tp, vocab):
