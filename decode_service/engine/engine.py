@@ -73,7 +73,7 @@ class EngineSettings:
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
-    token_ids: list[int]  # every generated token so far
+    num_tokens: int  # tokens generated so far (`token_ids`)
     finished: bool
     finish_reason: str | None  # stop, length, abort, error:<msg>
     num_prompt_tokens: int
@@ -84,6 +84,13 @@ class RequestOutput:
     num_cached_tokens_redis: int = 0  # prompt tokens fetched from the shared Redis prefix tier
     num_draft_tokens: int = 0  # MTP drafts verified for this request so far
     num_accepted_draft_tokens: int = 0  # of which accepted
+    generated: list[int] = field(default_factory=list, repr=False)  # the request's own list (append-only)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token generated up to this output, copied when asked: a step's outputs do not copy each request's
+        whole history (4.7 ms a step at 256 requests of 2000 tokens on a CPU core)."""
+        return self.generated[: self.num_tokens]
 
 
 @dataclass
@@ -410,7 +417,7 @@ class Engine:
                 RequestOutput(
                     request.request_id,
                     new_ids,
-                    list(request.output_token_ids),
+                    len(request.output_token_ids),
                     request.is_finished,
                     request.finish_reason_text,
                     request.num_prompt_tokens,
@@ -421,6 +428,7 @@ class Engine:
                     redis_tokens,
                     request.num_draft_tokens,
                     request.num_accepted_draft_tokens,
+                    request.output_token_ids,
                 )
             )
         return outputs

@@ -49,9 +49,10 @@ def mixed_requests() -> dict[int, list[Request]]:
 def drive(engine: Engine, arrivals: dict[int, list[Request]], aborts: dict[int, str]) -> tuple[dict[str, tuple], int]:
     """Steps until every request ended: per request (tokens, finish reason, cached prompt tokens), and the number
     of preemptions. Checks that the deltas add up to the tokens and that each request finishes exactly once and
-    reports nothing after."""
+    reports nothing after, and that an output's tokens stay those of its step once later steps have run."""
     streams: dict[str, list[int]] = {}
     finals: dict[str, tuple] = {}
+    seen = []  # (output, its tokens when it came out)
     step = 0
     while engine.has_unfinished or step <= max(arrivals):
         for request in arrivals.get(step, []):
@@ -63,10 +64,12 @@ def drive(engine: Engine, arrivals: dict[int, list[Request]], aborts: dict[int, 
             assert out.request_id not in finals, f"{out.request_id} reported after it finished"
             streams[out.request_id] += out.new_token_ids
             assert out.token_ids == streams[out.request_id]
+            seen.append((out, list(streams[out.request_id])))
             if out.finished:
                 finals[out.request_id] = (out.token_ids, out.finish_reason, out.num_cached_tokens)
         step += 1
     assert finals.keys() == streams.keys(), "a request was lost"
+    assert all(out.token_ids == tokens for out, tokens in seen), "an output's tokens moved after its step"
     assert not engine.requests and not engine.runner.requests
     assert engine.cache.num_free_slots == engine.cache.spec.num_conv_slots
     if engine.prefix_cache is not None:
