@@ -15,10 +15,13 @@ step and GPU time by kernel come from the same batched step run eagerly. The tab
 1k/8k/32k unless `--batches`/`--contexts` say otherwise, each row with its own cache sized for it. Floor = bytes
 that must move / copy bandwidth measured in the same run, bytes = every non-routed weight once (attention, dense
 MLP, shared experts, router, lm_head; B embedding rows) + the routed experts this step's routing touches (packed
-codes + block scales for NVFP4) + every visible K/V + conv states read and written + fp32 logits written.
-Kernel launches are counted with the torch profiler (kernels, plus memcpy/memset, per step). A second line per row
-times a greedy step with its tokens read on the host: the graphs step then an eager lm_head + argmax (the least the
-runner's host sampling does), or the decode graphs' in-graph argmax (`DecodeGraphs.greedy_tokens`, B ints read).
+codes + block scales for NVFP4) + every visible K/V + conv states read and written + fp32 logits written. The
+roofline column (`bench.proxy.step_roofline_us`) takes per op the larger of its bytes and its FLOPs at the bf16
+peak measured in the same run: at large B the lm_head and dense GEMMs are compute-bound, so the byte floor alone
+understates what a step can cost. Kernel launches are counted with the torch profiler (kernels, plus memcpy/memset,
+per step). A second line per row times a greedy step with its tokens read on the host: the graphs step then an
+eager lm_head + argmax (the least the runner's host sampling does), or the decode graphs' in-graph argmax
+(`DecodeGraphs.greedy_tokens`, B ints read).
 
 `--hf` then times transformers' Inkling at the same (B, ctx) grid (`bench.hf_decode`: bf16, sdpa, its own random
 init) with each of its experts backends (grouped_mm, batched_mm, eager; `--hf-experts`): the table shows the
@@ -63,6 +66,7 @@ from bench.proxy import (
     proxy_shapes,
     random_proxy,
     step_bytes,
+    step_roofline_us,
     touched_experts,
 )
 from common.config import parse_model_config
@@ -250,6 +254,7 @@ class Row:
     kernels: int
     copies: int
     busy_ms: float
+    roofline_ms: float = 0.0  # per op the larger of bytes / copy bandwidth and FLOPs / bf16 peak (0: not computed)
 
     @property
     def ratio(self) -> float:
@@ -281,6 +286,7 @@ def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx
 
     touched = touched_experts(model, fb)
     floor = ceil.floor_us(step_bytes(model, batch, ctx, touched)) / 1e3
+    roofline = step_roofline_us(model, batch, ctx, touched, ceil) / 1e3
     fast = time_eager_ms(packed, reps=3, warmup=1)
     graphed = time_eager_ms(batched, reps=30, warmup=3)  # the first run captures B's graph
     host, in_graph = time_eager_ms(sampled_on_host, reps=30), time_eager_ms(argmax_in_graph, reps=30)
@@ -290,14 +296,14 @@ def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx
     if batch <= ref_max_batch:
         ref = f"{time_eager_ms(partial(packed, built=reference), reps=3, warmup=1):.2f}"
     row = Row(ctx, batch, "/".join(str(touched[i]) for i in sorted(touched)), floor, ref, fast, graphed,
-              kernels, copies, busy)  # fmt: skip
+              kernels, copies, busy, roofline)  # fmt: skip
     if breakdown:
         by_kernel = "; ".join(f"{name[:60]} x{n} {us:.0f}" for name, n, us in top[:14])
         print(f"# ctx={ctx} B={batch} GPU time by kernel (launches, us): {by_kernel}", flush=True)
     print(
-        f"# ctx={ctx} B={batch}: experts {row.experts}, floor {floor:.2f} ms, reference {ref} ms, packed fast "
-        f"{fast:.2f} ms, graphs {graphed:.2f} ms ({row.ratio:.2f}x floor), kernels {kernels} + {copies} copies per "
-        f"step, GPU busy {busy:.2f} ms",
+        f"# ctx={ctx} B={batch}: experts {row.experts}, floor {floor:.2f} ms (roofline {roofline:.2f}), reference "
+        f"{ref} ms, packed fast {fast:.2f} ms, graphs {graphed:.2f} ms ({row.ratio:.2f}x floor), kernels {kernels} + "
+        f"{copies} copies per step, GPU busy {busy:.2f} ms",
         flush=True,
     )
     print(
@@ -334,18 +340,19 @@ def print_table(rows: list[Row], hf: dict[tuple[int, int], HFResult], layers: in
     print()
     print(ceil.line())
     print(
-        "| ctx | B | experts touched per MoE layer | floor ms | reference ms | packed fast ms | graphs ms |"
-        " graphs / floor | kernels + copies / step (per layer) | GPU busy ms | transformers ms | speedup |"
+        "| ctx | B | experts touched per MoE layer | floor ms | roofline ms | reference ms | packed fast ms |"
+        " graphs ms | graphs / floor | graphs / roofline | kernels + copies / step (per layer) | GPU busy ms |"
+        " transformers ms | speedup |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         theirs = hf.get((r.ctx, r.batch))
         hf_cell = theirs.cell() if theirs is not None else "not run (no --hf)"
         speedup = f"{theirs.ms / r.graphs_ms:.1f}x" if theirs is not None and theirs.ms is not None else "-"
         print(
-            f"| {r.ctx} | {r.batch} | {r.experts} | {r.floor_ms:.2f} | {r.reference} | {r.fast_ms:.2f} | "
-            f"{r.graphs_ms:.2f} | {r.ratio:.2f}x | {r.kernels} + {r.copies} ({r.kernels / layers:.0f}) | "
-            f"{r.busy_ms:.2f} | {hf_cell} | {speedup} |"
+            f"| {r.ctx} | {r.batch} | {r.experts} | {r.floor_ms:.2f} | {r.roofline_ms:.2f} | {r.reference} | "
+            f"{r.fast_ms:.2f} | {r.graphs_ms:.2f} | {r.ratio:.2f}x | {r.graphs_ms / r.roofline_ms:.2f}x | "
+            f"{r.kernels} + {r.copies} ({r.kernels / layers:.0f}) | {r.busy_ms:.2f} | {hf_cell} | {speedup} |"
         )
 
 

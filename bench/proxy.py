@@ -1,6 +1,7 @@
 """The decode benchmarks' shared pieces: the "Small-L6" proxy (exact Inkling-Small layer shapes over 6 layers,
 random weights generated on the device, NVFP4 stacks in their packed form) and its deeper cousins, paged decode
-batches over the engine's pools, and the bytes a decode step must move (the floor). Used by `bench_decode`,
+batches over the engine's pools, the bytes a decode step must move (the floor) and its roofline (bytes or FLOPs,
+per op). Used by `bench_decode`,
 `bench_decode_tp` and `bench_mtp`."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import math
 
 import torch
 
+from bench.floors import Ceilings
 from common.config import TextConfig, parse_model_config
 from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
@@ -185,3 +187,42 @@ def step_bytes(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, i
         total += batch * 2 * (config.conv_kernel_size - 1) * (2 * geo.kv_width + 2 * h) * 2  # conv in + out
     total += batch * min(config.unpadded_vocab_size, config.vocab_size) * 4  # fp32 logits (this rank's vocab shard)
     return total
+
+
+def step_roofline_us(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int], ceil: Ceilings) -> float:
+    """The step's roofline floor: per op the larger of its bytes over the copy bandwidth and its FLOPs over the
+    bf16 matmul peak, summed (what `step_bytes` alone understates once the GEMMs of B rows turn compute-bound:
+    the lm_head at B=256 does 420 GFLOP, 0.55 ms at 761 TFLOP/s against 0.39 ms of bytes). GEMMs: every weight
+    matrix with B rows (the lm_head over its unpadded rows), the routed experts with B x top_k pairs,
+    attention's scores and values over the visible keys; everything else (embedding rows, norms, convs,
+    logits written) is bytes only."""
+    config = model.config
+    h, i = config.hidden_size, config.moe_intermediate_size
+    peak = ceil.bf16_tflops * 1e12 / 1e6  # FLOP per us
+
+    def op(n_bytes: float, flops: float) -> float:
+        return max(ceil.floor_us(n_bytes), flops / peak)
+
+    total, rest = 0.0, 0
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        n_bytes = t.numel() * t.element_size()
+        if name == "embed.weight":
+            rest += batch * h * t.element_size()
+        elif ".mlp.experts." in name:
+            continue
+        elif t.dim() >= 2 and "sconv" not in name and "rel_logits" not in name:
+            rows = config.unpadded_vocab_size if name == "unembed.weight" else t.shape[0]
+            total += op(n_bytes, 2 * batch * t.numel() * min(rows, t.shape[0]) / t.shape[0])
+        else:
+            rest += n_bytes
+    for layer, n in touched.items():
+        nvfp4 = isinstance(model.layers[layer].mlp.experts, NVFP4Experts)
+        per_expert = 3 * h * i // 2 + 3 * h * i // 16 + 2 * 4 if nvfp4 else 3 * h * i * 2
+        total += op(n * per_expert, 2 * batch * config.num_experts_per_tok * 3 * h * i)
+    for layer in range(config.num_layers):
+        geo = config.layer_geometry(layer)
+        visible = min(ctx + 1, geo.window) if geo.window else ctx + 1
+        total += op(batch * visible * 2 * geo.kv_width * 2, 4 * batch * geo.num_heads * visible * geo.head_dim)
+        rest += batch * 2 * (config.conv_kernel_size - 1) * (2 * geo.kv_width + 2 * h) * 2
+    rest += batch * min(config.unpadded_vocab_size, config.vocab_size) * 4
+    return total + ceil.floor_us(rest)
