@@ -10,8 +10,10 @@ in their packed form.
 A step is what the runner does for B decoding sequences: the decoder forward (one new token each, at context
 `ctx`, through the engine's paged KV cache holding random history) and the lm_head of the B rows, timed three ways:
 the packed reference path (B <= `--ref-max-batch` only), the packed path with the fast kernels, and the engine's
-batched step replayed from its CUDA graph (`DecodeGraphs`, wall time including the metadata fill); kernels per
-step and GPU time by kernel come from the same batched step run eagerly. The table covers B 1/8/64/256 x ctx
+batched step replayed from its CUDA graph (`DecodeGraphs`, wall time including the metadata fill), alone and
+back to back (`BACK_TO_BACK` steps queued without a sync between them: each step's host fill overlaps the GPU's
+previous step, the async engine's steady state; the time per step); kernels per step and GPU time by kernel come
+from the same batched step run eagerly. The table covers B 1/8/64/256 x ctx
 1k/8k/32k unless `--batches`/`--contexts` say otherwise, each row with its own cache sized for it. Floor = bytes
 that must move / copy bandwidth measured in the same run, bytes = every non-routed weight once (attention, dense
 MLP, shared experts, router, lm_head; B embedding rows) + the routed experts this step's routing touches (packed
@@ -242,6 +244,9 @@ def prefill_chunk(model: InklingDecoder, tokens: int) -> None:
         model(ForwardBatch(ids, [SequenceSlice(0, tokens, state.layers)]))
 
 
+BACK_TO_BACK = 8  # steps per back-to-back timing
+
+
 @dataclass(frozen=True)
 class Row:
     ctx: int
@@ -255,6 +260,7 @@ class Row:
     copies: int
     busy_ms: float
     roofline_ms: float = 0.0  # per op the larger of bytes / copy bandwidth and FLOPs / bf16 peak (0: not computed)
+    back_to_back_ms: float = 0.0  # graphs step time with BACK_TO_BACK steps queued (0: not timed)
 
     @property
     def ratio(self) -> float:
@@ -289,6 +295,7 @@ def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx
     roofline = step_roofline_us(model, batch, ctx, touched, ceil) / 1e3
     fast = time_eager_ms(packed, reps=3, warmup=1)
     graphed = time_eager_ms(batched, reps=30, warmup=3)  # the first run captures B's graph
+    pipelined = time_eager_ms(lambda: [batched() for _ in range(BACK_TO_BACK)], reps=5, warmup=1) / BACK_TO_BACK
     host, in_graph = time_eager_ms(sampled_on_host, reps=30), time_eager_ms(argmax_in_graph, reps=30)
     same = sampled_on_host() == argmax_in_graph()  # one step's inputs: the head graph must give the host's tokens
     kernels, copies, busy, top = count_launches(partial(batched, runner=eager))
@@ -296,13 +303,14 @@ def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx
     if batch <= ref_max_batch:
         ref = f"{time_eager_ms(partial(packed, built=reference), reps=3, warmup=1):.2f}"
     row = Row(ctx, batch, "/".join(str(touched[i]) for i in sorted(touched)), floor, ref, fast, graphed,
-              kernels, copies, busy, roofline)  # fmt: skip
+              kernels, copies, busy, roofline, pipelined)  # fmt: skip
     if breakdown:
         by_kernel = "; ".join(f"{name[:60]} x{n} {us:.0f}" for name, n, us in top[:14])
         print(f"# ctx={ctx} B={batch} GPU time by kernel (launches, us): {by_kernel}", flush=True)
     print(
         f"# ctx={ctx} B={batch}: experts {row.experts}, floor {floor:.2f} ms (roofline {roofline:.2f}), reference "
-        f"{ref} ms, packed fast {fast:.2f} ms, graphs {graphed:.2f} ms ({row.ratio:.2f}x floor), kernels {kernels} + "
+        f"{ref} ms, packed fast {fast:.2f} ms, graphs {graphed:.2f} ms ({row.ratio:.2f}x floor; back to back "
+        f"{pipelined:.2f} ms, {pipelined / floor:.2f}x), kernels {kernels} + "
         f"{copies} copies per step, GPU busy {busy:.2f} ms",
         flush=True,
     )
@@ -341,10 +349,10 @@ def print_table(rows: list[Row], hf: dict[tuple[int, int], HFResult], layers: in
     print(ceil.line())
     print(
         "| ctx | B | experts touched per MoE layer | floor ms | roofline ms | reference ms | packed fast ms |"
-        " graphs ms | graphs / floor | graphs / roofline | kernels + copies / step (per layer) | GPU busy ms |"
-        " transformers ms | speedup |"
+        " graphs ms | graphs / floor | graphs / roofline | back to back ms (/ floor) |"
+        " kernels + copies / step (per layer) | GPU busy ms | transformers ms | speedup |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         theirs = hf.get((r.ctx, r.batch))
         hf_cell = theirs.cell() if theirs is not None else "not run (no --hf)"
@@ -352,6 +360,7 @@ def print_table(rows: list[Row], hf: dict[tuple[int, int], HFResult], layers: in
         print(
             f"| {r.ctx} | {r.batch} | {r.experts} | {r.floor_ms:.2f} | {r.roofline_ms:.2f} | {r.reference} | "
             f"{r.fast_ms:.2f} | {r.graphs_ms:.2f} | {r.ratio:.2f}x | {r.graphs_ms / r.roofline_ms:.2f}x | "
+            f"{r.back_to_back_ms:.2f} ({r.back_to_back_ms / r.floor_ms:.2f}x) | "
             f"{r.kernels} + {r.copies} ({r.kernels / layers:.0f}) | {r.busy_ms:.2f} | {hf_cell} | {speedup} |"
         )
 
