@@ -491,9 +491,10 @@ def moe_w2_kernel(
 
 
 @triton.jit
-def moe_sum_kernel(Part, TopkIds, Out, N, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def moe_sum_kernel(Part, TopkIds, Out, Plus, N, TOPK: tl.constexpr, BLOCK: tl.constexpr, HAS_PLUS: tl.constexpr):
     """``Out[t, :] = sum_i Part[t * TOPK + i, :]`` over the slots whose id is not masked (< 0: no expert wrote
-    their rows), an fp32 sum with one rounding to Out's dtype."""
+    their rows), an fp32 sum with one rounding to Out's dtype; with HAS_PLUS, ``+ Plus[t, :]`` after that rounding
+    (torch's add of two tensors of Out's dtype: an fp32 sum, rounded)."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -501,7 +502,11 @@ def moe_sum_kernel(Part, TopkIds, Out, N, TOPK: tl.constexpr, BLOCK: tl.constexp
     for i in range(TOPK):
         routed = (offs * 0 + tl.load(TopkIds + t * TOPK + i)) >= 0
         acc += tl.load(Part + (t * TOPK + i).to(tl.int64) * N + offs, mask=mask & routed, other=0.0)
-    tl.store(Out + t.to(tl.int64) * N + offs, acc.to(Out.dtype.element_ty), mask=mask)
+    out = acc.to(Out.dtype.element_ty)
+    if HAS_PLUS:
+        plus = tl.load(Plus + t.to(tl.int64) * N + offs, mask=mask, other=0.0)
+        out = (out.to(tl.float32) + plus.to(tl.float32)).to(Out.dtype.element_ty)
+    tl.store(Out + t.to(tl.int64) * N + offs, out, mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_pairs", "n_slots", "n_blocks"])

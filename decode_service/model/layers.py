@@ -16,7 +16,7 @@ from torch import nn
 from common.config import TextConfig
 from decode_service.model.backend import PreparedBatch
 from decode_service.model.collectives import SINGLE, TPGroup
-from decode_service.model.ops import REFERENCE, Ops
+from decode_service.model.ops import REFERENCE, Beside, Ops
 from decode_service.model.state import ATTN_CONV, K_CONV, MLP_CONV, V_CONV, LayerCache
 
 
@@ -202,9 +202,9 @@ class Bf16Experts(nn.Module):
         self.w2_weight = nn.Parameter(torch.zeros(e, h, i))
         self.moe = ops.bf16_experts(h, i)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x `[T, H]`, ids / weights `[T, k]` -> `[T, H]`."""
-        return self.moe(x, ids, weights, self.w13_weight, self.w2_weight)
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, plus: Beside | None = None):
+        """x `[T, H]`, ids / weights `[T, k]` -> `[T, H]` (`+ plus` when given)."""
+        return self.moe(x, ids, weights, self.w13_weight, self.w2_weight, plus=plus)
 
 
 class NVFP4Experts(nn.Module):
@@ -236,12 +236,13 @@ class NVFP4Experts(nn.Module):
                 setattr(self, stack, packed)
                 setattr(self, f"{stack}_scale", scale)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x `[T, H]`, ids / weights `[T, k]` -> `[T, H]`."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, plus: Beside | None = None):
+        """x `[T, H]`, ids / weights `[T, k]` -> `[T, H]` (`+ plus` when given)."""
         return self.moe(
             x, ids, weights,
             self.w13_weight, self.w13_weight_scale, self.w13_weight_scale2,
             self.w2_weight, self.w2_weight_scale, self.w2_weight_scale2,
+            plus=plus,
         )  # fmt: skip
 
 
@@ -256,9 +257,9 @@ class SharedExperts(nn.Module):
         self.shared_w2_weight = nn.Parameter(torch.zeros(h, s, i).permute(1, 0, 2))  # [S, H, I]
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, gammas: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
-        """x `[T, H]`, gammas `[T, S]` -> `[T, H]` (`routed + ` it when given: the fast ops fuse the add)."""
-        return self.ops.shared_experts(x, gammas, self.shared_w13_weight, self.shared_w2_weight, routed)
+    def forward(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+        """x `[T, H]`, gammas `[T, S]` -> `[T, H]`."""
+        return self.ops.shared_experts(x, gammas, self.shared_w13_weight, self.shared_w2_weight)
 
 
 class MoE(nn.Module):
@@ -267,12 +268,13 @@ class MoE(nn.Module):
         self.gate = Router(config, ops)
         self.experts = NVFP4Experts(config, ops, tp) if nvfp4 else Bf16Experts(config, ops, tp)
         self.shared_experts = SharedExperts(config, ops)
-        self.tp = tp
+        self.tp, self.ops = tp, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights, gammas = self.gate(x)  # [T, k], [T, k], [T, S]
         ids, weights = self.tp.local_routes(ids, weights)  # expert parallel: other ranks' experts masked
-        return self.shared_experts(x, gammas, routed=self.experts(x, ids, weights))  # routed + shared
+        shared = self.ops.beside(self.shared_experts, x, gammas)  # [T, H], overlapping the routed experts
+        return self.experts(x, ids, weights, plus=shared)  # routed + shared
 
 
 class DecoderLayer(nn.Module):

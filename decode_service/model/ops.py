@@ -12,7 +12,7 @@ Attention and the short convs run through an attention backend instead (`backend
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,29 @@ from kernels.skinny_gemm import skinny_linear_reference, skinny_swiglu_reference
 if TYPE_CHECKING:
     from decode_service.model.collectives import TPGroup
 
-# x [T, H], ids [T, k], weights [T, k], then the expert stacks -> [T, H] in x's dtype; a route of id MASKED_ROUTE
-# (expert parallelism: another rank's expert) reaches no expert and adds nothing
+# x [T, H], ids [T, k], weights [T, k], then the expert stacks (and `plus=`, a `Beside` or None) -> [T, H] in x's
+# dtype, `+ plus` when given; a route of id MASKED_ROUTE (expert parallelism: another rank's expert) reaches no
+# expert and adds nothing
 RoutedExperts = Callable[..., torch.Tensor]
+
+
+class Beside(NamedTuple):
+    """An op's output and the CUDA event after which it is written (None: it already is on the current stream),
+    from `Ops.beside`."""
+
+    value: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+    def wait(self) -> torch.Tensor:
+        """The value, once the current stream has waited for it."""
+        if self.ready is not None:
+            torch.cuda.current_stream(self.value.device).wait_event(self.ready)
+        return self.value
+
+
+def add_plus(routed: torch.Tensor, plus: Beside | None) -> torch.Tensor:
+    """`routed + plus` (torch's add: an fp32 sum of the two, rounded), or routed alone."""
+    return routed if plus is None else routed + plus.wait()
 
 
 class Ops:
@@ -41,6 +61,10 @@ class Ops:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`w * round(x * rsqrt(mean(x^2) + eps))` over the last axis: normalise in fp32, round to x's dtype."""
         return rms_norm_reference(x, weight, eps)
+
+    def beside(self, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> Beside:
+        """`fn(*args)`, run where it may overlap the ops that follow until its value is waited for (here: now)."""
+        return Beside(fn(*args))
 
     def linear(
         self,
@@ -135,15 +159,14 @@ class Ops:
         gammas: torch.Tensor,
         w13: torch.Tensor,
         w2: torch.Tensor,
-        routed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x `[T, H]`, gammas `[T, S]`, w13 `[S, 2I, H]`, w2 `[S, H, I]` -> `[T, H]`: the S SwiGLU experts weighted
-        by their gammas, summed in fp32 (spec 5.3); `routed + ` that when the routed experts' output is given."""
+        by their gammas, summed in fp32 (spec 5.3); the routed experts add it (`plus`)."""
         width = w2.shape[-1]
         gate, up = (x[None] @ w13.transpose(1, 2)).split(width, dim=-1)  # [S, T, I] x2
         act = F.silu(gate) * up * gammas.to(x.dtype).T[:, :, None]
         shared = (act @ w2.transpose(1, 2)).float().sum(0).to(x.dtype)  # [T, H]
-        return shared if routed is None else routed + shared
+        return shared
 
 
 def _experts_loop(
@@ -168,9 +191,14 @@ def _experts_loop(
 
 
 def bf16_experts_reference(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    plus: Beside | None = None,
 ) -> torch.Tensor:
-    return _experts_loop(x, ids, weights, lambda e: (w13[e], w2[e]))
+    return add_plus(_experts_loop(x, ids, weights, lambda e: (w13[e], w2[e])), plus)
 
 
 def _canonical(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,6 +216,7 @@ def nvfp4_experts_reference(
     w2: torch.Tensor,
     w2_scale: torch.Tensor,
     w2_scale2: torch.Tensor,
+    plus: Beside | None = None,
 ) -> torch.Tensor:
     """Each used expert dequantised (`common.nvfp4`) to x's dtype, then the bf16 math."""
 
@@ -196,7 +225,7 @@ def nvfp4_experts_reference(
         g2 = dequant_nvfp4(*_canonical(w2[e], w2_scale[e]), w2_scale2[e])
         return g13.to(x.dtype), g2.to(x.dtype)
 
-    return _experts_loop(x, ids, weights, expert)
+    return add_plus(_experts_loop(x, ids, weights, expert), plus)
 
 
 REFERENCE = Ops()

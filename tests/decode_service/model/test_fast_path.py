@@ -227,9 +227,6 @@ def test_linearised_shared_experts_match_the_per_expert_sum(cpu_interpreter):
     ref = REFERENCE.shared_experts(x, gammas, w13, w2)
     assert rel_err(FAST.shared_experts(x, gammas, w13, w2), ref) < 1e-6
     assert torch.equal(shared(x, gammas), ref)
-    routed = torch.randn(5, 64, generator=gen)  # the routed experts' output: added in the down GEMM's epilogue
-    assert torch.equal(REFERENCE.shared_experts(x, gammas, w13, w2, routed), routed + ref)
-    assert rel_err(FAST.shared_experts(x, gammas, w13, w2, routed), routed + ref) < 1e-6
     with pytest.raises(ValueError, match="shared_w2_weight"):
         FAST.shared_experts(x, gammas, w13, w2.contiguous())  # [S, H, I] storage: not the linearised layout
 
