@@ -40,7 +40,10 @@ the plain and the verify rows, the rest of each trunk step is scaled by 42 / 6 a
 Acceptance itself is not measured (random weights), only assumed.
 
     python3 -m bench.bench_mtp [--device cuda|cpu] [--batches 1 8 64] [--ctx 1024] [--depths 1 2 ... 8]
-        [--draft-head bf16|fp8] [--skip-eager-chain]
+        [--draft-head bf16|fp8] [--skip-eager-chain] [--host-only]
+
+`--host-only` times only the host side of a chain round (`host_only`: the drafter's forward and the round's
+device work stubbed out, the make-tiny drafter, on either device) for each batch and depth, and nothing else.
 """
 
 from __future__ import annotations
@@ -249,14 +252,15 @@ class GraphedChain:
     drawn before the timed calls), so the figure is the speculator's cost alone. The sequences grow by the timed
     rows (`growth`)."""
 
-    def __init__(self, drafter: MTPDrafter, batch: int, ctx: int, growth: int):
+    def __init__(self, drafter: MTPDrafter, batch: int, ctx: int, growth: int, use_graphs: bool = True):
         config, device = drafter.config, drafter.embed.weight.device
         self.hidden, self.vocab = config.hidden_size, config.unpadded_vocab_size
         pages = batch * math.ceil((ctx + growth) / PAGE)
         spec = CacheSpec(PAGE, pages, pages, batch, drafter.embed.weight.dtype, str(device))
         pools = DepthPools(drafter, spec, ctx + growth)
         self.depth = drafter.num_depths  # the prefill runs every depth
-        graphs = DraftGraphs(drafter, pools, batch, ctx + growth)
+        graphs = DraftGraphs(drafter, pools, batch, ctx + growth, use_graphs)
+        self.graphs = graphs
         self.speculator = PagedMTPSpeculator(drafter, drafter.num_depths, pools, graphs, lambda _: self.depth)
         self.device, self.dtype = device, drafter.embed.weight.dtype
         self.tokens = {f"s{i}": torch.randint(0, self.vocab, (ctx + 1,)).tolist() for i in range(batch)}
@@ -311,6 +315,32 @@ def host_before_replay_ms(fn: Callable[[], None], reps: int) -> float:
     finally:
         torch.cuda.CUDAGraph.replay = replay
     return statistics.median(times)
+
+
+def host_only(device: str, batches: Sequence[int], ctx: int, depths: Sequence[int], reps: int) -> dict:
+    """`--host-only`: the host time of one chain round (the inputs as the runner hands them over, then `extend`) with
+    the drafter's forward and the round's device work stubbed out (the drafter returns its input rows, the round's
+    step leaves the drafts as they are), eagerly on the static buffers: what the speculator's Python and
+    numpy cost per round, without a GPU (`--device cpu`) or beside one. The make-tiny drafter (the host work does
+    not depend on the layer shapes). -> {(B, D): median ms}."""
+    if min(depths) < 1 or ctx < 1 or min(batches) < 1:
+        raise ValueError(f"--host-only: expected depths, ctx and batches >= 1, got {depths}, {ctx}, {batches}")
+    mtp_block = dict(INKLING_MTP, num_nextn_predict_layers=max(depths))
+    mtp_block["local_layer_ids"] = [i for i in INKLING_MTP["local_layer_ids"] if i < max(depths)]
+    parsed = parse_model_config(raw_config(mtp_config=mtp_block))
+    assert parsed.mtp is not None
+    drafter = random_drafter(parsed.mtp, random_proxy(parsed.text, frozenset(), device))
+    drafter.forward = lambda depth, hidden, batch: hidden  # rows in, rows out: only the host work is left
+    results = {}
+    for b in batches:
+        growth = 4 * (reps + 4) * sum(1 + round(expected_accepted(d)) for d in depths)
+        chain = GraphedChain(drafter, b, ctx, growth, use_graphs=False)
+        chain.graphs._forward = lambda *args: None
+        for d in depths:
+            rows = 1 + round(expected_accepted(d))
+            results[b, d] = ms = time_host_ms(chain.step(d, rows), reps=reps, warmup=3)
+            print(f"# host only: B={b} D={d} ({rows} rows/seq) {ms:.3f} ms per round (inputs + extend)", flush=True)
+    return results
 
 
 def plain_graph_ms(model: InklingDecoder, batch: int, ctx: int, reps: int) -> float:
@@ -490,7 +520,13 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument(
         "--skip-eager-chain", action="store_true", help="time the chain only as the engine runs it (CUDA graphs)"
     )
+    parser.add_argument(
+        "--host-only", action="store_true", help="time only the chain round's host work (forward stubbed), then exit"
+    )
     args = parser.parse_args(argv)
+    if args.host_only:
+        host_only(args.device, args.batches, args.ctx, args.depths, args.reps)
+        return []
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device (use --device cpu for the tiny shapes)")
     if args.skip_eager_chain and args.device != "cuda":

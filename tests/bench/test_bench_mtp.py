@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.bench_mtp import VLLM_RATES, expected_accepted, main, simulate_accepted
+from bench.bench_mtp import VLLM_RATES, expected_accepted, host_only, main, simulate_accepted
 
 
 def test_tiny_cpu_run_reports_every_batch_and_depth(capsys) -> None:
@@ -24,6 +24,15 @@ def test_tiny_cpu_run_reports_every_batch_and_depth(capsys) -> None:
         assert r.full_depth_speedup(1.0) == pytest.approx(r.speedup)  # no scaling: the measured figure
         assert f"# B={r.batch} D={r.depth}: verify" in out
     assert "one-token byte floor" in out and "# B=3: best D=" in out and "at 42 layers" in out
+
+
+def test_host_only_times_a_round_per_batch_and_depth(capsys) -> None:
+    figures = host_only("cpu", [1, 3], 20, [3, 1], reps=3)
+    out = capsys.readouterr().out
+    assert set(figures) == {(1, 3), (1, 1), (3, 3), (3, 1)} and all(ms > 0 for ms in figures.values())
+    assert "# host only: B=3 D=1 (2 rows/seq)" in out
+    with pytest.raises(ValueError, match="--host-only"):
+        host_only("cpu", [1], 0, [1], reps=1)
 
 
 def test_synthetic_acceptor_follows_the_published_cumulative_rates() -> None:

@@ -116,16 +116,17 @@ class DepthSequence:
     def slot(self) -> int:
         return self.view.slot
 
-    def fits(self, num_tokens: int) -> bool:
-        return num_tokens <= self._paged or self.pools.allocator.fits(self.pages.pages_needed(num_tokens))
-
-    def grow(self, num_tokens: int, committed: int) -> None:
-        """Pages for positions `< num_tokens`; sliding pages no row from `committed` on can see are released."""
+    def grow(self, num_tokens: int, committed: int) -> bool:
+        """Pages for positions `< num_tokens`; sliding pages no row from `committed` on can see are released.
+        False, and nothing changed, when the pools cannot give the pages."""
         pages = self.pages
         committed = max(committed, pages.num_tokens)
-        if num_tokens <= self._paged and committed < self._release_at:  # nothing to allocate or release
-            pages.num_tokens = committed
-            return
+        if num_tokens <= self._paged:
+            if committed < self._release_at:  # nothing to allocate or release
+                pages.num_tokens = committed
+                return True
+        elif not self.pools.allocator.fits(pages.pages_needed(num_tokens)):
+            return False
         pages.grow(num_tokens)
         pages.commit(committed)
         for sliding, update in zip((True, False), pages.take_updates(), strict=True):
@@ -137,6 +138,7 @@ class DepthSequence:
         # `commit` releases the sliding pages before (committed - (window - 1)) // page: the next one at this count.
         released = max(0, committed - (allocator.window - 1)) // page
         self._release_at = (released + 1) * page + allocator.window - 1 if allocator.has_sliding else 1 << 62
+        return True
 
     def release(self) -> None:
         self.pages.release()

@@ -388,18 +388,16 @@ class PagedMTPSpeculator(MTPSpeculator):
             if rid in self.stopped:
                 continue
             st = states[rid]
-            seen = _rows_seen(st)
+            committed, queue = st.committed, st.pending[0]
+            seen = committed[0] if queue is None else committed[0] + queue.shape[0]  # depth 0's, committed and queued
             assert item.first_row == seen, f"request {rid}: trunk rows from {item.first_row}, depth 0 has {seen}"
             last = seen + item.hidden.shape[0]  # one past the trunk's last row
             assert item.draft <= (last == len(item.token_ids) - 1), "drafting needs the token after the last row"
-            seq = paged[rid]
-            if not seq.fits(last):
+            if not paged[rid].grow(last, min(committed)):
                 logger.warning("request %s: MTP depth pages exhausted; it runs without speculation", rid)
                 self.remove(rid)
                 self.stopped.add(rid)
                 continue
-            committed = st.committed
-            seq.grow(last, min(committed))
             if probs:
                 probs.pop(rid, None)
             work.append((item, st))
@@ -460,18 +458,19 @@ class PagedMTPSpeculator(MTPSpeculator):
         graphs.inputs.view(-1, h).index_copy_(0, index[:targets], torch.cat(plan.sources).to(graphs.inputs.dtype))
         drafts, q = self._launch_round(depth, plan.first, work, plan.rows)
         # While the round runs: the rows kept (gathered after it), the depths' new state.
-        gathered = graphs.flat.index_select(0, index[targets:])
+        kept = graphs.flat.index_select(0, index[targets:]).split([k for counts in plan.kept for k in counts])
         ends, at = (plan.rows.start + plan.rows.count).tolist(), 0
         lagging = []  # (state, old queue, its new rows) of the depth past the drafts
         for (_, st), end, counts in zip(work, ends, plan.kept, strict=True):
-            st.pending[0] = None
+            pending = st.pending
+            pending[0] = None
             st.committed[:depth] = end
             for d, k in enumerate(counts, 1):
-                rows_kept, at = gathered[at : at + k], at + k
                 if d == depth:
-                    lagging.append((st, st.pending[d], rows_kept))
+                    lagging.append((st, pending[d], kept[at]))
                 else:
-                    st.pending[d] = rows_kept if k else None
+                    pending[d] = kept[at] if k else None
+                at += 1
         if any(old is not None for _, old, _ in lagging):  # old rows first: one copy for all the queues
             pieces = [p for _, old, new in lagging for p in ((old, new) if old is not None else (new,))]
             queue, at = torch.cat(pieces), 0
@@ -671,8 +670,3 @@ def _last(token_ids: Sequence[int], w: int) -> list[int]:
     """The last `w` tokens, zeros before a shorter sequence's first."""
     k = len(token_ids)
     return [0] * (w - k) + token_ids[:] if k < w else token_ids[k - w :]
-
-
-def _rows_seen(st: _DrafterState) -> int:
-    """Trunk rows the drafter has been given: depth 0's committed rows and the ones queued before it."""
-    return st.committed[0] + (st.pending[0].shape[0] if st.pending[0] is not None else 0)
