@@ -401,8 +401,7 @@ def moe_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts:
 
 
 def _fused_moe(
-    x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: MoeConfig | None, shuffled=False, plus=None,
-    plus_ready=None,
+    x, topk_ids, topk_weights, w13, w2, scales, fp4: bool, config: MoeConfig | None, shuffled=False, plus=None
 ):  # fmt: skip
     cfg = config or default_config(topk_ids.numel(), fp4, shuffled)
     e, i = _check(x, topk_ids, topk_weights, w13, w2, fp4, scales)
@@ -421,19 +420,17 @@ def _fused_moe(
         _check_words(w13, w2, scales)
     if fp4 and cfg.kperm and not (cfg.presplit and cfg.block_k13 % 32 == 0 and cfg.block_k2 % 32 == 0):
         raise ValueError(f"kperm needs presplit and K tiles that are multiples of 32, got {cfg}")
-    _check_plus(x, plus, plus_ready)
+    _check_plus(x, plus)
     if topk_ids.numel() == 0:
         return torch.empty_like(x)
     routing = moe_routing(topk_ids, topk_weights, e, cfg)
     s13, s2 = ((scales[0], scales[1]), (scales[2], scales[3])) if fp4 else ((None, None), (None, None))
     inter = moe_w13(x, routing, w13, s13, cfg, shuffled)
-    return moe_sum(moe_w2(inter, routing, w2, s2, cfg, shuffled), routing, x.dtype, plus, plus_ready)
+    return moe_sum(moe_w2(inter, routing, w2, s2, cfg, shuffled), routing, x.dtype, plus)
 
 
-def _check_plus(x: torch.Tensor, plus: torch.Tensor | None, plus_ready: torch.cuda.Event | None) -> None:
+def _check_plus(x: torch.Tensor, plus: torch.Tensor | None) -> None:
     if plus is None:
-        if plus_ready is not None:
-            raise ValueError("plus_ready without plus")
         return
     if plus.shape != x.shape or plus.dtype != x.dtype or not plus.is_contiguous() or plus.device != x.device:
         raise ValueError(f"plus must be contiguous {tuple(x.shape)} {x.dtype} on {x.device}, got "
@@ -573,12 +570,10 @@ def moe_sum(
     routing: MoeRouting,
     dtype: torch.dtype,
     plus: torch.Tensor | None = None,
-    plus_ready: torch.cuda.Event | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum over its k slots of part`` ``[n_pairs, H]`` -> ``[T, H]`` in ``dtype`` (one rounding);
     masked slots add exactly 0. ``plus`` ``[T, H]`` in ``dtype``: ``out + plus`` instead, rounded like torch's add
-    of the two (the shared experts' output); ``plus_ready``: the event after which ``plus`` is written (on a side
-    stream), waited for here, so the routed GEMMs before the sum run beside that stream's work."""
+    of the two (the shared experts' output)."""
     import triton
 
     from kernels import _triton_moe as tk
@@ -587,8 +582,6 @@ def moe_sum(
     t = n_pairs // routing.topk
     out = torch.empty((t, h), dtype=dtype, device=part.device)
     block = min(1024, triton.next_power_of_2(h))
-    if plus_ready is not None:
-        torch.cuda.current_stream(part.device).wait_event(plus_ready)
     tk.moe_sum_kernel[(t, triton.cdiv(h, block))](
         part, routing.ids, out, plus if plus is not None else out, h, TOPK=routing.topk, BLOCK=block,
         HAS_PLUS=plus is not None, num_warps=4,
@@ -609,12 +602,11 @@ def nvfp4_moe(
     config: MoeConfig | None = None,
     shuffled: bool = False,
     plus: torch.Tensor | None = None,
-    plus_ready: torch.cuda.Event | None = None,
 ) -> torch.Tensor:
     """Routed experts with NVFP4 weights (layout in the module docstring; ``shuffled``: w13/w2 and their block
     scales through ``shuffle_nvfp4``). Returns ``[T, H]`` in x's dtype (``+ plus``: see ``moe_sum``)."""
     scales = (w13_scale, w13_scale2, w2_scale, w2_scale2)
-    return _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, True, config, shuffled, plus, plus_ready)
+    return _fused_moe(x, topk_ids, topk_weights, w13, w2, scales, True, config, shuffled, plus)
 
 
 def bf16_moe(
@@ -625,11 +617,10 @@ def bf16_moe(
     w2: torch.Tensor,
     config: MoeConfig | None = None,
     plus: torch.Tensor | None = None,
-    plus_ready: torch.cuda.Event | None = None,
 ) -> torch.Tensor:
     """Routed experts with plain weights in x's dtype: w13 ``[E, 2I, H]``, w2 ``[E, H, I]`` (``+ plus``: see
     ``moe_sum``)."""
-    return _fused_moe(x, topk_ids, topk_weights, w13, w2, None, False, config, plus=plus, plus_ready=plus_ready)
+    return _fused_moe(x, topk_ids, topk_weights, w13, w2, None, False, config, plus=plus)
 
 
 def moe_reference(

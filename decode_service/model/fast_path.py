@@ -7,10 +7,9 @@ the lm_head with its muP division and fp32 logits (the MTP drafter's FP8 copy of
 `rms_norm`, `route` (the MoE gate in two launches), the routed experts (`nvfp4_moe` on the packed weights re-laid
 at load by `kernels.moe.shuffle_nvfp4`, or `bf16_moe`, tiles shrunk to divide H and I; layers whose widths no tile
 divides keep the reference, decided when the layer is built), the shared experts as two GEMMs over the stacked
-experts on a side stream beside the routed ones (`beside`; the routed sum adds them), and `attention_kernels`,
-which gives the attention backends their kernels (`packed.py`: prefill / one-token-per-sequence attention over
-each `LayerCache`'s visible keys; `paged.py`: the decode step over the engine's pools, which the engine captures
-in CUDA graphs).
+experts (the routed experts' sum adds their output: `plus`), and `attention_kernels`, which gives the attention
+backends their kernels (`packed.py`: prefill / one-token-per-sequence attention over each `LayerCache`'s visible
+keys; `paged.py`: the decode step over the engine's pools, which the engine captures in CUDA graphs).
 
 `resolve_ops` maps a name to a bundle once, at build: "auto" (the default) takes the kernels for a CUDA device when
 Triton is installed, "reference" never does (benchmarks and parity checks on the GPU), "fast" always does (CPU
@@ -26,7 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from decode_service.model.ops import REFERENCE, Beside, Ops, RoutedExperts
+from decode_service.model.ops import REFERENCE, Ops, RoutedExperts
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +94,12 @@ def _bf16_moe(
     weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    plus: Beside | None = None,
+    plus: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from kernels.moe import bf16_moe
 
     config = _moe_config(ids.numel(), x.shape[1], w2.shape[-1], x.dtype == torch.float32, fp4=False)
-    value, ready = plus or (None, None)
-    return bf16_moe(x, ids, weights.float(), w13, w2, config=config, plus=value, plus_ready=ready)
+    return bf16_moe(x, ids, weights.float(), w13, w2, config=config, plus=plus)
 
 
 def _nvfp4_moe(x, ids, weights, w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2, plus=None) -> torch.Tensor:
@@ -109,17 +107,11 @@ def _nvfp4_moe(x, ids, weights, w13, w13_scale, w13_scale2, w2, w2_scale, w2_sca
 
     shuffled = w13_scale.dtype == torch.uint8
     config = _moe_config(ids.numel(), x.shape[1], 2 * w2.shape[-1], x.dtype == torch.float32, shuffled=shuffled)
-    value, ready = plus or (None, None)
     return nvfp4_moe(
         x, ids, weights.float(),
         w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2,
-        config=config, shuffled=shuffled, plus=value, plus_ready=ready,
+        config=config, shuffled=shuffled, plus=plus,
     )  # fmt: skip
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
 
 
 class TritonOps(Ops):
@@ -136,23 +128,6 @@ class TritonOps(Ops):
             return rms_norm(x, weight, eps)
         rows = x.reshape(-1, x.shape[-1])  # [N, C], a view for contiguous rows
         return rms_norm(rows, weight, eps).view(x.shape)
-
-    def beside(self, fn, *args):
-        """On CUDA, `fn(*args)` on a side stream that starts after the work queued so far: the MoE layer's shared
-        experts run beside its routed experts (at one row both are GEMVs of a few microseconds, whose ramps then
-        overlap), joined where the routed sum adds them (`kernels.moe.moe_sum`'s `plus_ready`). Inside a CUDA
-        graph capture the fork and the join become the graph's edges."""
-        device = args[0].device
-        if device.type != "cuda":
-            return super().beside(fn, *args)
-        main, side = torch.cuda.current_stream(device), _side_stream(device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            value = fn(*args)
-            ready = torch.cuda.Event()
-            ready.record(side)
-        value.record_stream(main)  # read on the main stream after the join: not reused before that
-        return Beside(value, ready)
 
     def linear(self, x, weight, scale=None, residual=None):
         """One launch for decode rows (`skinny_linear`, scale and residual fused); cuBLAS for more rows."""

@@ -16,7 +16,7 @@ from torch import nn
 from common.config import TextConfig
 from decode_service.model.backend import PreparedBatch
 from decode_service.model.collectives import SINGLE, TPGroup
-from decode_service.model.ops import REFERENCE, Beside, Ops
+from decode_service.model.ops import REFERENCE, Ops
 from decode_service.model.state import ATTN_CONV, K_CONV, MLP_CONV, V_CONV, LayerCache
 
 
@@ -202,7 +202,7 @@ class Bf16Experts(nn.Module):
         self.w2_weight = nn.Parameter(torch.zeros(e, h, i))
         self.moe = ops.bf16_experts(h, i)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, plus: Beside | None = None):
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, plus: torch.Tensor | None = None):
         """x `[T, H]`, ids / weights `[T, k]` -> `[T, H]` (`+ plus` when given)."""
         return self.moe(x, ids, weights, self.w13_weight, self.w2_weight, plus=plus)
 
@@ -236,7 +236,7 @@ class NVFP4Experts(nn.Module):
                 setattr(self, stack, packed)
                 setattr(self, f"{stack}_scale", scale)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, plus: Beside | None = None):
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, plus: torch.Tensor | None = None):
         """x `[T, H]`, ids / weights `[T, k]` -> `[T, H]` (`+ plus` when given)."""
         return self.moe(
             x, ids, weights,
@@ -268,13 +268,12 @@ class MoE(nn.Module):
         self.gate = Router(config, ops)
         self.experts = NVFP4Experts(config, ops, tp) if nvfp4 else Bf16Experts(config, ops, tp)
         self.shared_experts = SharedExperts(config, ops)
-        self.tp, self.ops = tp, ops
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights, gammas = self.gate(x)  # [T, k], [T, k], [T, S]
         ids, weights = self.tp.local_routes(ids, weights)  # expert parallel: other ranks' experts masked
-        shared = self.ops.beside(self.shared_experts, x, gammas)  # [T, H], overlapping the routed experts
-        return self.experts(x, ids, weights, plus=shared)  # routed + shared
+        return self.experts(x, ids, weights, plus=self.shared_experts(x, gammas))  # routed + shared
 
 
 class DecoderLayer(nn.Module):

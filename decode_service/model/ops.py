@@ -12,7 +12,7 @@ Attention and the short convs run through an attention backend instead (`backend
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,29 +27,15 @@ from kernels.skinny_gemm import skinny_linear_reference, skinny_swiglu_reference
 if TYPE_CHECKING:
     from decode_service.model.collectives import TPGroup
 
-# x [T, H], ids [T, k], weights [T, k], then the expert stacks (and `plus=`, a `Beside` or None) -> [T, H] in x's
+# x [T, H], ids [T, k], weights [T, k], then the expert stacks (and `plus=` [T, H] or None) -> [T, H] in x's
 # dtype, `+ plus` when given; a route of id MASKED_ROUTE (expert parallelism: another rank's expert) reaches no
 # expert and adds nothing
 RoutedExperts = Callable[..., torch.Tensor]
 
 
-class Beside(NamedTuple):
-    """An op's output and the CUDA event after which it is written (None: it already is on the current stream),
-    from `Ops.beside`."""
-
-    value: torch.Tensor
-    ready: torch.cuda.Event | None = None
-
-    def wait(self) -> torch.Tensor:
-        """The value, once the current stream has waited for it."""
-        if self.ready is not None:
-            torch.cuda.current_stream(self.value.device).wait_event(self.ready)
-        return self.value
-
-
-def add_plus(routed: torch.Tensor, plus: Beside | None) -> torch.Tensor:
+def add_plus(routed: torch.Tensor, plus: torch.Tensor | None) -> torch.Tensor:
     """`routed + plus` (torch's add: an fp32 sum of the two, rounded), or routed alone."""
-    return routed if plus is None else routed + plus.wait()
+    return routed if plus is None else routed + plus
 
 
 class Ops:
@@ -61,10 +47,6 @@ class Ops:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`w * round(x * rsqrt(mean(x^2) + eps))` over the last axis: normalise in fp32, round to x's dtype."""
         return rms_norm_reference(x, weight, eps)
-
-    def beside(self, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> Beside:
-        """`fn(*args)`, run where it may overlap the ops that follow until its value is waited for (here: now)."""
-        return Beside(fn(*args))
 
     def linear(
         self,
@@ -196,7 +178,7 @@ def bf16_experts_reference(
     weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    plus: Beside | None = None,
+    plus: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return add_plus(_experts_loop(x, ids, weights, lambda e: (w13[e], w2[e])), plus)
 
@@ -216,7 +198,7 @@ def nvfp4_experts_reference(
     w2: torch.Tensor,
     w2_scale: torch.Tensor,
     w2_scale2: torch.Tensor,
-    plus: Beside | None = None,
+    plus: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each used expert dequantised (`common.nvfp4`) to x's dtype, then the bf16 math."""
 
