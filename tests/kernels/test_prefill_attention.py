@@ -19,6 +19,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def on_grid(t: torch.Tensor, steps: int, bound: float) -> torch.Tensor:
+    """t rounded to multiples of 1/steps within [-bound, bound]."""
+    return (t * steps).round().clamp(-bound * steps, bound * steps) / steps
+
+
 def prefill_inputs(n, m, nh, nkv, hd, d_rel, extent, gen, dtype, device="cpu", stacked=False):
     """q, r, P, keys, values for n queries against m keys. ``stacked``: q and r are views of one ``[n, ...]``
     projection output (as `Attention.project` leaves them) and keys/values views of one ``[2, m, nKV, hd]`` tensor."""
@@ -116,6 +121,10 @@ def test_paged_prefill_attention_packs_sequences_over_one_pool(cpu_interpreter, 
     spans = [(45, 50, 11), (30, 120, 81), (1, 70, 31), (20, 0, 0)]  # (n, q_start, k_first): keys from the window
     inputs = [prefill_inputs(n, q_start + n - k_first, 8, 2, 32, 16, extent, gen, torch.float32)
               for n, q_start, k_first in spans]  # fmt: skip
+    # The bias table is one launch over all sequences' rows, tiled across their boundaries; on the CPU the
+    # interpreter's fp32 dot rounds a row by where it sits in its tile (OpenBLAS' kernels), so r and P lie on grids
+    # whose products and d_rel-term sums are exact in fp32 in any order (multiples of 2^-5 below 2^5).
+    inputs = [(q, on_grid(r, 4, 2.0), on_grid(p, 8, 1.0), k, v) for q, r, p, k, v in inputs]
     rel_proj = inputs[0][2]
     num_pages = sum(k.shape[0] for *_, k, _ in inputs) // page_size + 2 * len(spans) + 3
     pool = torch.full((2, num_pages * page_size, 2, 32), float("nan"))
