@@ -259,8 +259,8 @@ class Row:
     kernels: int
     copies: int
     busy_ms: float
-    roofline_ms: float = 0.0  # per op the larger of bytes / copy bandwidth and FLOPs / bf16 peak (0: not computed)
-    back_to_back_ms: float = 0.0  # graphs step time with BACK_TO_BACK steps queued (0: not timed)
+    roofline_ms: float  # per op the larger of bytes / copy bandwidth and FLOPs / bf16 peak
+    back_to_back_ms: float  # graphs step time with BACK_TO_BACK steps queued
 
     @property
     def ratio(self) -> float:
@@ -295,7 +295,7 @@ def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx
     roofline = step_roofline_us(model, batch, ctx, touched, ceil) / 1e3
     fast = time_eager_ms(packed, reps=3, warmup=1)
     graphed = time_eager_ms(batched, reps=30, warmup=3)  # the first run captures B's graph
-    pipelined = time_eager_ms(lambda: [batched() for _ in range(BACK_TO_BACK)], reps=5, warmup=1) / BACK_TO_BACK
+    back_to_back = time_eager_ms(lambda: [batched() for _ in range(BACK_TO_BACK)], reps=5, warmup=1) / BACK_TO_BACK
     host, in_graph = time_eager_ms(sampled_on_host, reps=30), time_eager_ms(argmax_in_graph, reps=30)
     same = sampled_on_host() == argmax_in_graph()  # one step's inputs: the head graph must give the host's tokens
     kernels, copies, busy, top = count_launches(partial(batched, runner=eager))
@@ -303,14 +303,14 @@ def decode_row(model: InklingDecoder, reference: InklingDecoder, batch: int, ctx
     if batch <= ref_max_batch:
         ref = f"{time_eager_ms(partial(packed, built=reference), reps=3, warmup=1):.2f}"
     row = Row(ctx, batch, "/".join(str(touched[i]) for i in sorted(touched)), floor, ref, fast, graphed,
-              kernels, copies, busy, roofline, pipelined)  # fmt: skip
+              kernels, copies, busy, roofline, back_to_back)  # fmt: skip
     if breakdown:
         by_kernel = "; ".join(f"{name[:60]} x{n} {us:.0f}" for name, n, us in top[:14])
         print(f"# ctx={ctx} B={batch} GPU time by kernel (launches, us): {by_kernel}", flush=True)
     print(
         f"# ctx={ctx} B={batch}: experts {row.experts}, floor {floor:.2f} ms (roofline {roofline:.2f}), reference "
         f"{ref} ms, packed fast {fast:.2f} ms, graphs {graphed:.2f} ms ({row.ratio:.2f}x floor; back to back "
-        f"{pipelined:.2f} ms, {pipelined / floor:.2f}x), kernels {kernels} + "
+        f"{back_to_back:.2f} ms, {back_to_back / floor:.2f}x), kernels {kernels} + "
         f"{copies} copies per step, GPU busy {busy:.2f} ms",
         flush=True,
     )

@@ -165,64 +165,47 @@ def touched_experts(model: InklingDecoder, fb: ForwardBatch) -> dict[int, int]:
     return counts
 
 
-def step_bytes(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int]) -> int:
+def step_ops(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int]) -> list[tuple[int, int]]:
+    """(bytes it must move, FLOPs) per op of a decode step of B rows: each weight matrix against B rows (the lm_head
+    over its unpadded rows), the routed experts this step's routing touches (B x top_k pairs), attention over every
+    visible K/V; FLOPs 0 for the rest (B embedding rows, the other parameters, conv states read and written, fp32
+    logits written)."""
     config = model.config
     h, i = config.hidden_size, config.moe_intermediate_size
-    total = 0
+    ops = []
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         if name == "embed.weight":
-            total += batch * h * t.element_size()
-        elif ".mlp.experts." not in name:
-            total += t.numel() * t.element_size()
+            ops.append((batch * h * t.element_size(), 0))
+        elif ".mlp.experts." in name:
+            continue
+        elif t.dim() >= 2 and "sconv" not in name and "rel_logits" not in name:
+            rows = min(config.unpadded_vocab_size, t.shape[0]) if name == "unembed.weight" else t.shape[0]
+            ops.append((t.numel() * t.element_size(), 2 * batch * rows * (t.numel() // t.shape[0])))
+        else:
+            ops.append((t.numel() * t.element_size(), 0))
     for layer, n in touched.items():
         if isinstance(model.layers[layer].mlp.experts, NVFP4Experts):
             per_expert = 3 * h * i // 2 + 3 * h * i // 16 + 2 * 4  # codes + e4m3 block scales + scale2
         else:
             per_expert = 3 * h * i * 2
-        total += n * per_expert
+        ops.append((n * per_expert, 2 * batch * config.num_experts_per_tok * 3 * h * i))
     for layer in range(config.num_layers):
         geo = config.layer_geometry(layer)
         visible = min(ctx + 1, geo.window) if geo.window else ctx + 1
-        total += batch * visible * 2 * geo.kv_width * 2  # K and V, bf16
-        total += batch * 2 * (config.conv_kernel_size - 1) * (2 * geo.kv_width + 2 * h) * 2  # conv in + out
-    total += batch * min(config.unpadded_vocab_size, config.vocab_size) * 4  # fp32 logits (this rank's vocab shard)
-    return total
+        kv_bytes = batch * visible * 2 * geo.kv_width * 2  # K and V, bf16
+        ops.append((kv_bytes, 4 * batch * geo.num_heads * visible * geo.head_dim))  # scores and values
+        ops.append((batch * 2 * (config.conv_kernel_size - 1) * (2 * geo.kv_width + 2 * h) * 2, 0))  # conv in + out
+    ops.append((batch * min(config.unpadded_vocab_size, config.vocab_size) * 4, 0))  # fp32 logits (this rank's shard)
+    return ops
+
+
+def step_bytes(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int]) -> int:
+    return sum(n_bytes for n_bytes, _ in step_ops(model, batch, ctx, touched))
 
 
 def step_roofline_us(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int], ceil: Ceilings) -> float:
-    """The step's roofline floor: per op the larger of its bytes over the copy bandwidth and its FLOPs over the
-    bf16 matmul peak, summed (what `step_bytes` alone understates once the GEMMs of B rows turn compute-bound:
-    the lm_head at B=256 does 420 GFLOP, 0.55 ms at 761 TFLOP/s against 0.39 ms of bytes). GEMMs: every weight
-    matrix with B rows (the lm_head over its unpadded rows), the routed experts with B x top_k pairs,
-    attention's scores and values over the visible keys; everything else (embedding rows, norms, convs,
-    logits written) is bytes only."""
-    config = model.config
-    h, i = config.hidden_size, config.moe_intermediate_size
+    """The step's roofline floor: per op of `step_ops` the larger of its bytes over the copy bandwidth and its FLOPs
+    over the bf16 matmul peak, summed (what `step_bytes` alone understates once the GEMMs of B rows turn
+    compute-bound: the lm_head at B=256 does 420 GFLOP, 0.55 ms at 761 TFLOP/s against 0.39 ms of bytes)."""
     peak = ceil.bf16_tflops * 1e12 / 1e6  # FLOP per us
-
-    def op(n_bytes: float, flops: float) -> float:
-        return max(ceil.floor_us(n_bytes), flops / peak)
-
-    total, rest = 0.0, 0
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
-        n_bytes = t.numel() * t.element_size()
-        if name == "embed.weight":
-            rest += batch * h * t.element_size()
-        elif ".mlp.experts." in name:
-            continue
-        elif t.dim() >= 2 and "sconv" not in name and "rel_logits" not in name:
-            rows = config.unpadded_vocab_size if name == "unembed.weight" else t.shape[0]
-            total += op(n_bytes, 2 * batch * t.numel() * min(rows, t.shape[0]) / t.shape[0])
-        else:
-            rest += n_bytes
-    for layer, n in touched.items():
-        nvfp4 = isinstance(model.layers[layer].mlp.experts, NVFP4Experts)
-        per_expert = 3 * h * i // 2 + 3 * h * i // 16 + 2 * 4 if nvfp4 else 3 * h * i * 2
-        total += op(n * per_expert, 2 * batch * config.num_experts_per_tok * 3 * h * i)
-    for layer in range(config.num_layers):
-        geo = config.layer_geometry(layer)
-        visible = min(ctx + 1, geo.window) if geo.window else ctx + 1
-        total += op(batch * visible * 2 * geo.kv_width * 2, 4 * batch * geo.num_heads * visible * geo.head_dim)
-        rest += batch * 2 * (config.conv_kernel_size - 1) * (2 * geo.kv_width + 2 * h) * 2
-    rest += batch * min(config.unpadded_vocab_size, config.vocab_size) * 4
-    return total + ceil.floor_us(rest)
+    return sum(max(ceil.floor_us(n_bytes), flops / peak) for n_bytes, flops in step_ops(model, batch, ctx, touched))

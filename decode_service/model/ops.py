@@ -147,8 +147,7 @@ class Ops:
         width = w2.shape[-1]
         gate, up = (x[None] @ w13.transpose(1, 2)).split(width, dim=-1)  # [S, T, I] x2
         act = F.silu(gate) * up * gammas.to(x.dtype).T[:, :, None]
-        shared = (act @ w2.transpose(1, 2)).float().sum(0).to(x.dtype)  # [T, H]
-        return shared
+        return (act @ w2.transpose(1, 2)).float().sum(0).to(x.dtype)  # [T, H]
 
 
 def _experts_loop(
