@@ -71,7 +71,6 @@ class Linear:
     width: int = 0  # SwiGLU: I, with rows = G * 2I
     groups: int = 1
     scale: bool = False  # DenseMLP's global_scale
-    residual: bool = False  # the routed experts' output, added to the shared experts'
     lm_head: float | None = None  # muP divisor; fp32 logits
 
     @property
@@ -104,7 +103,7 @@ def decode_linears(config: TextConfig) -> list[Linear]:
             width = config.moe_intermediate_size
             out.append(Linear(name, rows, k, n, width=width, groups=config.n_shared_experts))
         else:
-            out.append(Linear(name, rows, k, n, scale=name == "dense_w2", residual=name == "shared_w2"))
+            out.append(Linear(name, rows, k, n, scale=name == "dense_w2"))
     out.append(Linear("lm_head", config.unpadded_vocab_size, h, 1, lm_head=config.mup_multiplier))
     return out
 
@@ -186,8 +185,6 @@ def model_ops(lins: list[Linear], rows: list[int], ceil) -> None:
                 kwargs["gammas"] = torch.rand(m, lin.groups, device="cuda") + 0.5
             if lin.scale:
                 kwargs["scale"] = torch.tensor([1.25], dtype=torch.bfloat16, device="cuda")
-            if lin.residual:
-                kwargs["residual"] = torch.randn(m, lin.n, device="cuda").to(torch.bfloat16)
             if lin.lm_head:
                 kwargs |= {"divisor": lin.lm_head, "out_dtype": torch.float32}
             if lin.width:

@@ -9,7 +9,7 @@ into it and summed along K.
 The epilogue rounds to the activation dtype exactly where the torch reference rounds: ``SWIGLU`` computes the gate
 and up rows of each output column (groups of [gate ``I`` rows; up ``I`` rows] in W) and returns
 ``silu(gate) * up`` (times the group's gamma with ``HAS_GAMMA``); ``HAS_SCALE`` multiplies the rounded product by a
-one-element tensor, ``HAS_RESIDUAL`` then adds a tensor of the output's shape; ``DIVIDE_X`` divides x by a scalar
+one-element tensor; ``DIVIDE_X`` divides x by a scalar
 (rounded) before the product, as a multiplication by its exact reciprocal with ``RECIPROCAL`` (a power-of-two
 divisor such as the lm_head's muP 16: the same correctly rounded quotient without a division per element and
 program). ``ARGMAX`` stores, instead of y, one packed int64 key per row of x and program (the largest rounded value
@@ -143,13 +143,12 @@ def _accumulate(
 
 
 # one compile for every batch size and shape (the sizes and output strides only bound masks)
-@triton.jit(do_not_specialize=["M", "N", "K", "width", "stride_om", "stride_rm", "stride_gm"])
+@triton.jit(do_not_specialize=["M", "N", "K", "width", "stride_om", "stride_gm"])
 def skinny_gemm_kernel(
     X,
     W,
     Out,
     Scale,
-    Res,
     Gamma,
     M,
     N,
@@ -159,7 +158,6 @@ def skinny_gemm_kernel(
     stride_xm,
     stride_wn,
     stride_om,
-    stride_rm,
     stride_gm,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -168,7 +166,6 @@ def skinny_gemm_kernel(
     SWIGLU: tl.constexpr,
     HAS_GAMMA: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
     DIVIDE_X: tl.constexpr,
     RECIPROCAL: tl.constexpr,
     ARGMAX: tl.constexpr,
@@ -198,9 +195,6 @@ def skinny_gemm_kernel(
         y = _round(acc, dtype)
         if HAS_SCALE:
             y = _round(y * tl.load(Scale).to(tl.float32), dtype)
-        if HAS_RESIDUAL:
-            res = tl.load(Res + offs_m[None, :] * stride_rm + offs_n[:, None], mask=out_mask, other=0.0)
-            y = _round(res.to(tl.float32) + y, dtype)
     if ARGMAX:  # Out: int64 [M, programs along N]; columns past N hold -inf, after every real one
         keys = argmax_key(tl.where(n_mask[:, None], y, float("-inf")), offs_n[:, None] + offs_m[None, :] * 0)
         tl.store(Out + offs_m * stride_om + pid_n, tl.max(keys, axis=0), mask=offs_m < M)

@@ -2,7 +2,6 @@
 
     skinny_linear(x, W)              y = round(x W^T)                         [M, N]
         scale=s                      y = round(round(x W^T) * s)              (DenseMLP's global_scale)
-        residual=r [M, N]            y = round(r + y)                         (the routed experts' output)
         divisor=d                    y = round(round(x / d) W^T)              (the lm_head's muP division)
         out_dtype=torch.float32      the rounded y stored as fp32             (the model's fp32 logits)
     skinny_argmax(x, W)              argmax(round(x W^T), -1) int64 [M]       (greedy tokens, no logits stored)
@@ -91,7 +90,6 @@ def _launch(
     width: int = 0,
     gammas: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
     divisor: float | None = None,
     argmax: bool = False,
 ) -> torch.Tensor:
@@ -111,7 +109,6 @@ def _launch(
         weight,
         out,
         scale if scale is not None else out,
-        residual if residual is not None else out,
         gammas if gammas is not None else out,
         m,
         n,
@@ -121,7 +118,6 @@ def _launch(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        residual.stride(0) if residual is not None else 0,
         gammas.stride(0) if gammas is not None else 0,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
@@ -130,7 +126,6 @@ def _launch(
         SWIGLU=width > 0,
         HAS_GAMMA=gammas is not None,
         HAS_SCALE=scale is not None,
-        HAS_RESIDUAL=residual is not None,
         DIVIDE_X=divisor is not None,
         RECIPROCAL=exact_reciprocal,
         ARGMAX=argmax,
@@ -147,7 +142,6 @@ def skinny_linear(
     weight: torch.Tensor,
     *,
     scale: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
     divisor: float | None = None,
     out_dtype: torch.dtype | None = None,
     config: SkinnyConfig | None = None,
@@ -156,17 +150,11 @@ def skinny_linear(
     _check(x, weight)
     if scale is not None and (scale.numel() != 1 or scale.dtype != x.dtype or scale.device != x.device):
         raise ValueError(f"scale must be one element of x's dtype {x.dtype}, got {scale.dtype} {tuple(scale.shape)}")
-    shape = (x.shape[0], weight.shape[0])
-    if residual is not None and (
-        residual.shape != shape or residual.dtype != x.dtype or residual.stride(-1) != 1 or residual.device != x.device
-    ):
-        raise ValueError(f"residual must be {list(shape)} of x's dtype with a unit last stride, got "
-                         f"{residual.dtype} {tuple(residual.shape)} strides {residual.stride()}")  # fmt: skip
     if divisor is not None and divisor == 0:
         raise ValueError("divisor must be non-zero")
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    return _launch(x, weight, out, config or default_config(m, n, k), scale=scale, residual=residual, divisor=divisor)
+    return _launch(x, weight, out, config or default_config(m, n, k), scale=scale, divisor=divisor)
 
 
 def skinny_argmax(
@@ -217,7 +205,6 @@ def skinny_linear_reference(
     weight: torch.Tensor,
     *,
     scale: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
     divisor: float | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
@@ -227,8 +214,6 @@ def skinny_linear_reference(
     y = F.linear(x, weight)
     if scale is not None:
         y = y * scale
-    if residual is not None:
-        y = residual + y
     return y.to(out_dtype or x.dtype)
 
 

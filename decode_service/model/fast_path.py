@@ -129,14 +129,13 @@ class TritonOps(Ops):
         rows = x.reshape(-1, x.shape[-1])  # [N, C], a view for contiguous rows
         return rms_norm(rows, weight, eps).view(x.shape)
 
-    def linear(self, x, weight, scale=None, residual=None):
-        """One launch for decode rows (`skinny_linear`, scale and residual fused); cuBLAS for more rows."""
+    def linear(self, x, weight, scale=None):
+        """One launch for decode rows (`skinny_linear`, the scale fused); cuBLAS for more rows."""
         from kernels.skinny_gemm import skinny_linear
 
-        fits = _skinny(x, weight) and (scale is None or (scale.numel() == 1 and scale.dtype == x.dtype))
-        if fits and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
-            return skinny_linear(x, weight, scale=scale, residual=residual)
-        return super().linear(x, weight, scale, residual)
+        if _skinny(x, weight) and (scale is None or (scale.numel() == 1 and scale.dtype == x.dtype)):
+            return skinny_linear(x, weight, scale=scale)
+        return super().linear(x, weight, scale)
 
     def swiglu(
         self, x: torch.Tensor, w13: torch.Tensor, width: int, gammas: torch.Tensor | None = None

@@ -48,16 +48,9 @@ class Ops:
         """`w * round(x * rsqrt(mean(x^2) + eps))` over the last axis: normalise in fp32, round to x's dtype."""
         return rms_norm_reference(x, weight, eps)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        scale: torch.Tensor | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """x `[T, K]`, weight `[N, K]` -> `x W^T` `[T, N]` in x's dtype, times the one-element `scale`, then
-        `residual + ` that, if given."""
-        return skinny_linear_reference(x, weight, scale=scale, residual=residual)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[T, K]`, weight `[N, K]` -> `x W^T` `[T, N]` in x's dtype, times the one-element `scale` if given."""
+        return skinny_linear_reference(x, weight, scale=scale)
 
     def swiglu(
         self, x: torch.Tensor, w13: torch.Tensor, width: int, gammas: torch.Tensor | None = None

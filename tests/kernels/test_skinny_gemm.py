@@ -52,16 +52,12 @@ def test_skinny_linear_matches_reference(cpu_interpreter, dtype, m, n, k, config
 
 
 def test_skinny_linear_epilogues(cpu_interpreter):
-    """The dense MLP's global scale, the routed experts' output added to the shared ones, and the lm_head's muP
-    division with fp32 logits of the rounded values."""
+    """The dense MLP's global scale and the lm_head's muP division with fp32 logits of the rounded values."""
     gen = torch.Generator().manual_seed(1)
     x, weight = operands(3, 40, 64, torch.float16, gen)
     scale = torch.tensor([1.37], dtype=torch.float16)
     out = skinny_linear(x, weight, scale=scale, config=GEMV)
     assert_rounded_close(out, skinny_linear_reference(x, weight, scale=scale))
-    residual = torch.randn(5, 48, generator=gen).half()[:3, :40]  # strided rows
-    out = skinny_linear(x, weight, residual=residual, config=GEMV)
-    assert_rounded_close(out, skinny_linear_reference(x, weight, residual=residual))
     logits = skinny_linear(x, weight[:37], divisor=24.0, out_dtype=torch.float32, config=GEMV)
     ref = skinny_linear_reference(x, weight[:37], divisor=24.0, out_dtype=torch.float32)
     assert logits.dtype == torch.float32
@@ -99,9 +95,9 @@ def test_lane_sum_tiles_match_reference(cpu_interpreter, dtype, config):
     gen = torch.Generator().manual_seed(7)
     x, weight = operands(1, 44, 80, dtype, gen)
     assert_rounded_close(skinny_linear(x, weight, config=config), skinny_linear_reference(x, weight))
-    scale, residual = torch.tensor([1.37], dtype=dtype), torch.randn(1, 44, generator=gen).to(dtype)
-    assert_rounded_close(skinny_linear(x, weight, scale=scale, residual=residual, config=config),
-                         skinny_linear_reference(x, weight, scale=scale, residual=residual))  # fmt: skip
+    scale = torch.tensor([1.37], dtype=dtype)
+    assert_rounded_close(skinny_linear(x, weight, scale=scale, config=config),
+                         skinny_linear_reference(x, weight, scale=scale))  # fmt: skip
     gammas = torch.rand(1, 2, generator=gen) + 0.5
     assert_rounded_close(skinny_swiglu(x, weight[:40], 10, gammas=gammas, config=config),
                          skinny_swiglu_reference(x, weight[:40], 10, gammas=gammas))  # fmt: skip
@@ -178,8 +174,6 @@ def test_rejects_bad_operands():
         skinny_linear(torch.randn(MAX_ROWS + 1, 32), w)
     with pytest.raises(ValueError, match="scale"):
         skinny_linear(x, w, scale=torch.ones(2))
-    with pytest.raises(ValueError, match="residual"):
-        skinny_linear(x, w, residual=torch.ones(2, 8))
     with pytest.raises(ValueError, match="groups"):
         skinny_swiglu(x, w, 5)
     with pytest.raises(ValueError, match="gammas"):
