@@ -28,6 +28,22 @@ The one-token byte floor (`bench.proxy.step_bytes`: every non-routed weight once
 step touches, K/V and conv state, fp32 logits, over the copy bandwidth measured in the same run) is printed next
 to the per-token time: speculation is how the per-token time goes below it.
 
+Floors of a round (`bench.proxy`, over the copy bandwidth; "roofline": per op the larger of its bytes over it and
+its FLOPs over the bf16 matmul peak, both measured in the run), one line per (B, D) after the measured one:
+- verify byte floor: `step_bytes` at width D+1: every non-routed weight once, the routed experts the verify
+  batch's own routing touches (B(D+1) rows), each sequence's K/V history read once (its D+1 rows share it) and
+  the new rows' K/V written, conv states, the fp32 logits of all B(D+1) rows;
+- draft chain byte floor: `chain_ops`: per depth j < D its own weights once, its K/V over the rows a round gives
+  it (the verified rows and j provisional ones), one read of the head the drafts use for B rows (the bf16 lm_head,
+  or its FP8 copy where the drafter uses it: `--draft-head fp8`, up to 2 rows);
+- round byte floor = verify + chain; per token = round floor / tokens per round (the simulated acceptance);
+  "speedup at floors" = the baseline as measured (the plain step) / the per-token floor: the most speculation can
+  give against today's plain step if the verify step and the chain ran at their byte floors ("at rooflines" the
+  same over the rooflines); "plain floor over it": the one-token byte floor / the per-token floor, what it gives
+  against a plain step at its own floor; the measured verify step and chain over their byte floors;
+- at B in `GOALS` (issue 16: >= 1.5x at B=1, >= 2x at B=64): the round time the goal allows at this D and its
+  ratio to the round's byte floor, i.e. how close to the floor the verify step and chain must run together.
+
 What the proxy's lm_head share does: the proxy has 6 of Inkling-Small's 42 layers but its whole lm_head (201024 x
 4096 bf16, 1.6 GB), so the lm_head is a far larger share of a proxy step than of a full-depth one. Every depth of
 the draft chain re-reads it, so the chain costs much more relative to a proxy step than to a full step: the
@@ -57,14 +73,17 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.floors import time_host_ms, time_ms
+from bench.floors import Ceilings, measure_ceilings, time_host_ms, time_ms
 from bench.proxy import (
     NVFP4_LAYERS,
     PAGE,
     SMALL_L6,
+    chain_ops,
     paged_decode_batch,
     random_proxy,
+    roofline_us,
     step_bytes,
+    step_ops,
     touched_experts,
 )
 from common.config import MtpConfig, parse_model_config
@@ -84,22 +103,24 @@ from tools.model_shapes import INKLING_MTP
 # vLLM, Inkling, GSM8K, concurrency 64, greedy: cumulative acceptance of draft position k = 1..8.
 VLLM_RATES = (0.757, 0.601, 0.498, 0.411, 0.354, 0.298, 0.261, 0.223)
 FULL_LAYERS = 42  # Inkling-Small (spec 1.5), for the full-depth estimate
+GOALS = {1: 1.5, 64: 2.0}  # issue 16: tokens/s per sequence vs no speculation at these B, best D
 
 
-def copy_gbs(device: str) -> float:
-    """Copy bandwidth (bytes read + written per second, GB/s), measured here like `bench.floors`."""
+def ceilings(device: str) -> Ceilings:
+    """Copy bandwidth and bf16 matmul peak measured here: `bench.floors.measure_ceilings` on CUDA; on the CPU a
+    64 MiB copy and a 256^3 bf16 matmul (CI figures, not the machine's)."""
     if device == "cuda":
-        from bench.floors import measure_ceilings
-
         ceil = measure_ceilings()
-        print(ceil.line(), flush=True)
-        return ceil.copy_gbs
-    n = 64 << 20
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    gbs = 2 * n / (time_host_ms(lambda: dst.copy_(src), reps=5) * 1e-3) / 1e9
-    print(f"# device cpu: measured copy bandwidth {gbs:.1f} GB/s", flush=True)
-    return gbs
+    else:
+        n, m = 64 << 20, 256
+        src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        a = torch.randn(m, m, dtype=torch.bfloat16)
+        gbs = 2 * n / (time_host_ms(lambda: dst.copy_(src), reps=5) * 1e-3) / 1e9
+        tflops = 2 * m**3 / (time_host_ms(lambda: a @ a, reps=5) * 1e-3) / 1e12
+        ceil = Ceilings(copy_gbs=gbs, bf16_tflops=tflops, device="cpu")
+    print(ceil.line(), flush=True)
+    return ceil
 
 
 def build(device: str, num_depths: int, head: str = "bf16") -> tuple[InklingDecoder, MTPDrafter]:
@@ -378,7 +399,11 @@ class Row:
     rows: int
     tokens_per_round: float
     plain_ms: float  # the packed path, eager
-    floor_ms: float
+    floor_ms: float  # one-token byte floor: the plain step's `step_bytes`
+    verify_floor_ms: float  # the verify step's byte floor: `step_bytes` at width D+1
+    chain_floor_ms: float  # the draft chain's byte floor: `chain_ops`
+    verify_roofline_ms: float  # the same two, per op the larger of bytes and FLOPs at the bf16 peak
+    chain_roofline_ms: float
     plain_graph_ms: float | None = None  # CUDA: the engine's plain decode step replayed from its CUDA graph
     lm_plain_ms: float = 0.0  # the lm_head alone over the plain step's B rows
     lm_verify_ms: float = 0.0  # ... over the verify step's B(D+1) rows
@@ -407,12 +432,70 @@ class Row:
     def speedup(self) -> float:
         return self.baseline_ms / self.per_token_ms
 
+    @property
+    def round_floor_ms(self) -> float:
+        """A round's byte floor: the verify step's plus the draft chain's."""
+        return self.verify_floor_ms + self.chain_floor_ms
+
+    @property
+    def round_roofline_ms(self) -> float:
+        return self.verify_roofline_ms + self.chain_roofline_ms
+
+    @property
+    def per_token_floor_ms(self) -> float:
+        return self.round_floor_ms / self.tokens_per_round
+
+    @property
+    def floor_speedup(self) -> float:
+        """Speedup at floors: the baseline as measured over the per-token byte floor, the speedup if the verify
+        step and the chain ran at their byte floors and the plain step stayed as it is."""
+        return self.baseline_ms / self.per_token_floor_ms
+
+    @property
+    def floor_to_floor(self) -> float:
+        """The one-token byte floor over the per-token floor: the speedup if the plain step ran at its floor too."""
+        return self.floor_ms / self.per_token_floor_ms
+
+    @property
+    def roofline_speedup(self) -> float:
+        return self.baseline_ms * self.tokens_per_round / self.round_roofline_ms
+
+    @property
+    def verify_over_floor(self) -> float:
+        return self.verify_ms / self.verify_floor_ms
+
+    @property
+    def chain_over_floor(self) -> float:
+        """The chain as the engine runs it over its byte floor."""
+        return self.draft_ms / self.chain_floor_ms
+
+    def round_budget_ms(self, goal: float) -> float:
+        """The round time at which tokens/s per sequence is `goal` x the baseline's, the acceptance as simulated."""
+        return self.baseline_ms * self.tokens_per_round / goal
+
     def full_depth_speedup(self, layer_scale: float) -> float:
         """The speedup with the trunk's layer time (step minus lm_head) scaled by `layer_scale` (full / proxy
         layers) and the lm_head and the draft chain as measured: a first-order estimate of full depth."""
         baseline = self.lm_plain_ms + (self.baseline_ms - self.lm_plain_ms) * layer_scale
         verify = self.lm_verify_ms + (self.verify_ms - self.lm_verify_ms) * layer_scale
         return baseline / ((verify + self.draft_ms) / self.tokens_per_round)
+
+
+def round_floors(
+    trunk: InklingDecoder, drafter: MTPDrafter, batch: int, ctx: int, depth: int, rows: int, ceil: Ceilings
+) -> tuple[float, float, float, float]:
+    """(verify byte floor, chain byte floor, verify roofline, chain roofline) in ms of a round of B sequences at
+    `ctx` with D drafts: `step_ops` at width D+1 with the routed experts the verify batch's own routing touches,
+    `chain_ops` for `rows` verified rows per sequence."""
+    verify_fb = paged_batch(trunk, batch, ctx, depth + 1)
+    verify = step_ops(trunk, batch, ctx, touched_experts(trunk, verify_fb), depth + 1)
+    chain = chain_ops(drafter, batch, ctx, rows, depth)
+    return (
+        ceil.floor_us(sum(n for n, _ in verify)) / 1e3,
+        ceil.floor_us(sum(n for n, _ in chain)) / 1e3,
+        roofline_us(verify, ceil) / 1e3,
+        roofline_us(chain, ceil) / 1e3,
+    )
 
 
 def lm_head_ms(model: InklingDecoder, rows: int, device: str, reps: int) -> float:
@@ -440,7 +523,7 @@ def run(
         raise ValueError(f"--depths: expected values in 1..{len(VLLM_RATES)}, got {list(depths)}")
     if ctx < 1:
         raise ValueError(f"--ctx: expected >= 1, got {ctx}")
-    gbs = copy_gbs(device)
+    ceil = ceilings(device)
     trunk, drafter = build(device, max(depths), head)
     print(f"# draft head: {head}", flush=True)
     layer_scale = full_layers / trunk.config.num_layers
@@ -450,7 +533,7 @@ def run(
             raise ValueError(f"--batches: expected values >= 1, got {b}")
         plain_fb = paged_batch(trunk, b, ctx, 1)
         plain = time_ms(trunk_step(trunk, plain_fb), device, reps)
-        floor = step_bytes(trunk, b, ctx, touched_experts(trunk, plain_fb)) / (gbs * 1e9) * 1e3
+        floor = ceil.floor_us(step_bytes(trunk, b, ctx, touched_experts(trunk, plain_fb))) / 1e3
         graphed = plain_graph_ms(trunk, b, ctx, reps) if device == "cuda" else None
         lm_plain = lm_head_ms(trunk, b, device, reps)
         chain = DraftChain(drafter, b, ctx) if eager_chain else None
@@ -475,8 +558,12 @@ def run(
             pre = host_before_replay_ms(graphed_chain.step(d, rows), reps) if graphed_round else None
             tokens = 1.0 + simulate_accepted(d, b, rounds)
             lm_verify = lm_head_ms(trunk, b * (d + 1), device, reps)
+            verify_floor, chain_floor, verify_roof, chain_roof = round_floors(trunk, drafter, b, ctx, d, rows, ceil)
             row = Row(
-                b, d, verify, chain_ms, rows, tokens, plain, floor, graphed, lm_plain, lm_verify, chain_graph, pre
+                batch=b, depth=d, verify_ms=verify, chain_ms=chain_ms, rows=rows, tokens_per_round=tokens,
+                plain_ms=plain, floor_ms=floor, verify_floor_ms=verify_floor, chain_floor_ms=chain_floor,
+                verify_roofline_ms=verify_roof, chain_roofline_ms=chain_roof, plain_graph_ms=graphed,
+                lm_plain_ms=lm_plain, lm_verify_ms=lm_verify, chain_graph_ms=chain_graph, pre_replay_ms=pre,
             )  # fmt: skip
             results.append(row)
             eager_text = f" (eager per request {chain_ms:.3f} ms)" if chain is not None else ""
@@ -496,11 +583,29 @@ def run(
                 f"at {full_layers} layers ~{row.full_depth_speedup(layer_scale):.2f}x",
                 flush=True,
             )
+            budget = row.round_budget_ms(GOALS[b]) if b in GOALS else None
+            goal = (
+                f"; goal {GOALS[b]}x: round <= {budget:.3f} ms = {budget / row.round_floor_ms:.2f}x its byte floor"
+                if budget is not None
+                else ""
+            )
+            print(
+                f"# B={b} D={d} floors: verify byte floor {verify_floor:.3f} ms, roofline {verify_roof:.3f} "
+                f"(verify {row.verify_over_floor:.2f}x the byte floor); draft chain byte floor {chain_floor:.3f} ms, "
+                f"roofline {chain_roof:.3f} (chain {row.chain_over_floor:.2f}x); round byte floor "
+                f"{row.round_floor_ms:.3f} ms (round {row.round_ms / row.round_floor_ms:.2f}x), per token "
+                f"{row.per_token_floor_ms:.3f} ms; speedup at floors {row.floor_speedup:.2f}x, at rooflines "
+                f"{row.roofline_speedup:.2f}x (the baseline as measured), plain floor over it "
+                f"{row.floor_to_floor:.2f}x{goal}",
+                flush=True,
+            )
         best = max((r for r in results if r.batch == b), key=lambda r: r.speedup)
         full = max((r for r in results if r.batch == b), key=lambda r: r.full_depth_speedup(layer_scale))
+        bound = max((r for r in results if r.batch == b), key=lambda r: r.floor_speedup)
         print(
             f"# B={b}: best D={best.depth}, {best.speedup:.2f}x tokens/s per sequence; at {full_layers} layers "
-            f"best D={full.depth}, ~{full.full_depth_speedup(layer_scale):.2f}x",
+            f"best D={full.depth}, ~{full.full_depth_speedup(layer_scale):.2f}x; at floors best D={bound.depth}, "
+            f"{bound.floor_speedup:.2f}x",
             flush=True,
         )
         del plain_fb, chain, graphed_chain

@@ -1,12 +1,13 @@
 """The decode benchmarks' shared pieces: the "Small-L6" proxy (exact Inkling-Small layer shapes over 6 layers,
 random weights generated on the device, NVFP4 stacks in their packed form) and its deeper cousins, paged decode
 batches over the engine's pools, the bytes a decode step must move (the floor) and its roofline (bytes or FLOPs,
-per op). Used by `bench_decode`,
-`bench_decode_tp` and `bench_mtp`."""
+per op): the plain step (one new row per sequence), the verify step (D+1 rows per sequence) and an MTP draft
+chain. Used by `bench_decode`, `bench_decode_tp` and `bench_mtp`."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -18,6 +19,7 @@ from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceVi
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.layers import Bf16Experts, NVFP4Experts
+from decode_service.model.mtp import MTPDrafter
 from tools.make_tiny_checkpoint import raw_config
 from tools.model_shapes import INKLING_SMALL
 
@@ -165,47 +167,99 @@ def touched_experts(model: InklingDecoder, fb: ForwardBatch) -> dict[int, int]:
     return counts
 
 
-def step_ops(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int]) -> list[tuple[int, int]]:
-    """(bytes it must move, FLOPs) per op of a decode step of B rows: each weight matrix against B rows (the lm_head
-    over its unpadded rows), the routed experts this step's routing touches (B x top_k pairs), attention over every
-    visible K/V; FLOPs 0 for the rest (B embedding rows, the other parameters, conv states read and written, fp32
-    logits written)."""
-    config = model.config
-    h, i = config.hidden_size, config.moe_intermediate_size
+def weight_ops(named: Iterable[tuple[str, torch.Tensor]], rows: int, vocab: int) -> list[tuple[int, int]]:
+    """(bytes, FLOPs) of each tensor in `named` for a step of `rows` rows: the embedding's rows (`embed.weight`),
+    each weight matrix read once against all rows (`unembed.weight` over its first `vocab` rows), the other tensors
+    read once with no FLOPs; routed experts skipped (their bytes depend on the routing: `step_ops`)."""
     ops = []
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
+    for name, t in named:
         if name == "embed.weight":
-            ops.append((batch * h * t.element_size(), 0))
+            ops.append((rows * t.shape[-1] * t.element_size(), 0))
         elif ".mlp.experts." in name:
             continue
         elif t.dim() >= 2 and "sconv" not in name and "rel_logits" not in name:
-            rows = min(config.unpadded_vocab_size, t.shape[0]) if name == "unembed.weight" else t.shape[0]
-            ops.append((t.numel() * t.element_size(), 2 * batch * rows * (t.numel() // t.shape[0])))
+            out = min(vocab, t.shape[0]) if name == "unembed.weight" else t.shape[0]
+            ops.append((t.numel() * t.element_size(), 2 * rows * out * (t.numel() // t.shape[0])))
         else:
             ops.append((t.numel() * t.element_size(), 0))
+    return ops
+
+
+def cache_ops(config: TextConfig, layer: int, batch: int, ctx: int, width: int = 1) -> list[tuple[int, int]]:
+    """(bytes, FLOPs) of layer `layer`'s caches in a step of B sequences with `width` new rows each after `ctx`
+    committed: attention reads each SEQUENCE's visible history once (its rows share it: the last W-1 committed
+    rows on a sliding layer of window W, all `ctx` on a global one) and writes the new rows' K/V, each row scoring
+    the history it sees (causal within the new rows); the conv states read and written once per sequence."""
+    geo = config.layer_geometry(layer)
+    history = min(ctx, geo.window - 1) if geo.window else ctx
+    seen = sum(min(ctx + k + 1, geo.window) if geo.window else ctx + k + 1 for k in range(width))  # keys per seq
+    kv_bytes = batch * (history + width) * 2 * geo.kv_width * 2  # K and V, bf16
+    conv_bytes = batch * 2 * (config.conv_kernel_size - 1) * (2 * geo.kv_width + 2 * config.hidden_size) * 2
+    return [(kv_bytes, 4 * batch * geo.num_heads * seen * geo.head_dim), (conv_bytes, 0)]  # scores and values
+
+
+def step_ops(
+    model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int], width: int = 1
+) -> list[tuple[int, int]]:
+    """(bytes it must move, FLOPs) per op of a step of B sequences x `width` new rows each (width 1: the plain
+    decode step; D+1: the verify step of D drafts): every weight once against the B*width rows (`weight_ops`),
+    the routed experts this step's routing touches (B*width x top_k pairs), the layers' K/V and conv states per
+    sequence (`cache_ops`), the fp32 logits of every row written."""
+    config = model.config
+    h, i, rows = config.hidden_size, config.moe_intermediate_size, batch * width
+    ops = weight_ops((*model.named_parameters(), *model.named_buffers()), rows, config.unpadded_vocab_size)
     for layer, n in touched.items():
         if isinstance(model.layers[layer].mlp.experts, NVFP4Experts):
             per_expert = 3 * h * i // 2 + 3 * h * i // 16 + 2 * 4  # codes + e4m3 block scales + scale2
         else:
             per_expert = 3 * h * i * 2
-        ops.append((n * per_expert, 2 * batch * config.num_experts_per_tok * 3 * h * i))
+        ops.append((n * per_expert, 2 * rows * config.num_experts_per_tok * 3 * h * i))
     for layer in range(config.num_layers):
-        geo = config.layer_geometry(layer)
-        visible = min(ctx + 1, geo.window) if geo.window else ctx + 1
-        kv_bytes = batch * visible * 2 * geo.kv_width * 2  # K and V, bf16
-        ops.append((kv_bytes, 4 * batch * geo.num_heads * visible * geo.head_dim))  # scores and values
-        ops.append((batch * 2 * (config.conv_kernel_size - 1) * (2 * geo.kv_width + 2 * h) * 2, 0))  # conv in + out
-    ops.append((batch * min(config.unpadded_vocab_size, config.vocab_size) * 4, 0))  # fp32 logits (this rank's shard)
+        ops += cache_ops(config, layer, batch, ctx, width)
+    ops.append((rows * min(config.unpadded_vocab_size, config.vocab_size) * 4, 0))  # fp32 logits (this rank's shard)
     return ops
 
 
-def step_bytes(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int]) -> int:
-    return sum(n_bytes for n_bytes, _ in step_ops(model, batch, ctx, touched))
+def depth_ops(drafter: MTPDrafter, depth: int, batch: int, ctx: int, rows: int) -> list[tuple[int, int]]:
+    """(bytes, FLOPs) per op of MTP depth `depth` in a drafting round of B sequences with `rows` rows each after
+    `ctx` committed: the depth's own tensors once against the B*rows rows (input_proj, norms, the decoder layer and
+    its dense MLP) with the rows' embeddings and the shared norms (`weight_ops`), its K/V and conv states per
+    sequence (`cache_ops`), then one read of the head its draft uses for the B last rows (the shared bf16 lm_head
+    or its FP8 copy and row scales: `MTPDrafter.uses_fp8_head`); no draft logits written (an argmax fused into
+    the head needs none)."""
+    config = drafter.config
+    own = (f"layers.{depth}.", "embed.", "embed_norm.", "chain_norm.")
+    named = [(n, t) for n, t in (*drafter.named_parameters(), *drafter.named_buffers()) if n.startswith(own)]
+    ops = weight_ops(named, batch * rows, config.unpadded_vocab_size)
+    ops += cache_ops(config, depth, batch, ctx, rows)
+    head = drafter.fp8_head if drafter.uses_fp8_head(batch) else (drafter.unembed.weight,)
+    assert head is not None
+    vocab = min(config.unpadded_vocab_size, head[0].shape[0])
+    ops.append((sum(t.numel() * t.element_size() for t in head), 2 * batch * vocab * config.hidden_size))
+    return ops
 
 
-def step_roofline_us(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int], ceil: Ceilings) -> float:
-    """The step's roofline floor: per op of `step_ops` the larger of its bytes over the copy bandwidth and its FLOPs
-    over the bf16 matmul peak, summed (what `step_bytes` alone understates once the GEMMs of B rows turn
-    compute-bound: the lm_head at B=256 does 420 GFLOP, 0.55 ms at 761 TFLOP/s against 0.39 ms of bytes)."""
+def chain_ops(drafter: MTPDrafter, batch: int, ctx: int, rows: int, depths: int) -> list[tuple[int, int]]:
+    """`depth_ops` of depths 0..D-1 in a round that verified `rows` rows per sequence: depth j runs those rows
+    and the j provisional ones behind this round's drafts (`r + j`, as `PagedMTPSpeculator` plans a round), each
+    depth's head read once (its draft feeds the next depth)."""
+    return [op for j in range(depths) for op in depth_ops(drafter, j, batch, ctx, rows + j)]
+
+
+def step_bytes(model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int], width: int = 1) -> int:
+    return sum(n_bytes for n_bytes, _ in step_ops(model, batch, ctx, touched, width))
+
+
+def step_roofline_us(
+    model: InklingDecoder, batch: int, ctx: int, touched: dict[int, int], ceil: Ceilings, width: int = 1
+) -> float:
+    """The step's roofline floor: `roofline_us` of `step_ops` (what `step_bytes` alone understates once the GEMMs of
+    B rows turn compute-bound: the lm_head at B=256 does 420 GFLOP, 0.55 ms at 761 TFLOP/s against 0.39 ms of
+    bytes)."""
+    return roofline_us(step_ops(model, batch, ctx, touched, width), ceil)
+
+
+def roofline_us(ops: Iterable[tuple[int, int]], ceil: Ceilings) -> float:
+    """Per op the larger of its bytes over the copy bandwidth and its FLOPs over the bf16 matmul peak, summed."""
     peak = ceil.bf16_tflops * 1e12 / 1e6  # FLOP per us
-    return sum(max(ceil.floor_us(n_bytes), flops / peak) for n_bytes, flops in step_ops(model, batch, ctx, touched))
+    return sum(max(ceil.floor_us(n_bytes), flops / peak) for n_bytes, flops in ops)

@@ -174,7 +174,7 @@ class MTPDrafter(nn.Module):
         (`kernels.fp8_head.preferred`: up to 2 rows; the same muP division). Every draft and its distribution q
         come from these logits."""
         mup, vocab = self.config.mup_multiplier, self.config.unpadded_vocab_size
-        if self._fp8(hidden):
+        if self.uses_fp8_head(hidden.shape[0]):
             weight, scale = self.fp8_head
             return self.ops.fp8_logits(hidden, weight, scale, mup, self.tp, vocab)
         return self._product(hidden).float()
@@ -184,7 +184,7 @@ class MTPDrafter(nn.Module):
         torch's: the first of equal values): on the bf16 head of the same bf16 product without its fp32 copy (the
         cast is exact: the same values, ties and first index), on the FP8 head of its logits. Not the ops' fused
         `argmax_logits`: at one row that is the skinny GEMV's product, not this head's cuBLAS one (decisions.md)."""
-        if self._fp8(hidden):
+        if self.uses_fp8_head(hidden.shape[0]):
             return self.ops.argmax_rows(self.logits(hidden))
         return self.ops.argmax_rows(self._product(hidden))
 
@@ -192,5 +192,7 @@ class MTPDrafter(nn.Module):
         z = hidden / self.config.mup_multiplier  # a true division, as the trunk's (spec 9.8)
         return self.tp.gather_vocab(self.unembed(z))[:, : self.config.unpadded_vocab_size]
 
-    def _fp8(self, hidden: torch.Tensor) -> bool:
-        return self.fp8_head is not None and fp8_preferred(hidden.shape[0])  # measured: more rows, bf16 is faster
+    def uses_fp8_head(self, rows: int) -> bool:
+        """Whether `logits` of `rows` rows reads the FP8 copy (after `use_fp8_head`, up to the rows where it is
+        faster: measured, more rows are faster through the bf16 head) rather than the shared bf16 lm_head."""
+        return self.fp8_head is not None and fp8_preferred(rows)

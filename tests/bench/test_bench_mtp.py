@@ -1,5 +1,6 @@
-"""`bench.bench_mtp` on CPU at make-tiny shapes: every (B, D) figure is measured and consistent, and the synthetic
-acceptor reproduces vLLM's cumulative per-position rates."""
+"""`bench.bench_mtp` on CPU at make-tiny shapes: every (B, D) figure is measured and consistent, the floors of a
+round count what its verify step and draft chain must move, and the synthetic acceptor reproduces vLLM's cumulative
+per-position rates."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import math
 
 import pytest
 
-from bench.bench_mtp import VLLM_RATES, expected_accepted, host_only, main, simulate_accepted
+from bench.bench_mtp import VLLM_RATES, build, expected_accepted, host_only, main, simulate_accepted
+from bench.proxy import cache_ops, chain_ops, depth_ops, step_bytes
 
 
 def test_tiny_cpu_run_reports_every_batch_and_depth(capsys) -> None:
@@ -22,8 +24,72 @@ def test_tiny_cpu_run_reports_every_batch_and_depth(capsys) -> None:
         assert r.plain_graph_ms is None and r.speedup == pytest.approx(r.plain_ms / r.per_token_ms)  # CPU: no graphs
         assert 0 < r.lm_plain_ms and 0 < r.lm_verify_ms
         assert r.full_depth_speedup(1.0) == pytest.approx(r.speedup)  # no scaling: the measured figure
-        assert f"# B={r.batch} D={r.depth}: verify" in out
+        assert r.verify_floor_ms > r.floor_ms and r.chain_floor_ms > 0
+        assert r.verify_roofline_ms >= r.verify_floor_ms * (1 - 1e-12)  # per op max(bytes, FLOPs): never below
+        assert r.chain_roofline_ms >= r.chain_floor_ms * (1 - 1e-12)
+        assert r.per_token_floor_ms == pytest.approx((r.verify_floor_ms + r.chain_floor_ms) / r.tokens_per_round)
+        assert r.floor_speedup == pytest.approx(r.plain_ms / r.per_token_floor_ms)
+        assert r.floor_to_floor == pytest.approx(r.floor_ms / r.per_token_floor_ms)
+        assert r.verify_over_floor == pytest.approx(r.verify_ms / r.verify_floor_ms)
+        assert r.chain_over_floor == pytest.approx(r.chain_ms / r.chain_floor_ms)
+        assert r.round_budget_ms(1.0) == pytest.approx(r.plain_ms * r.tokens_per_round)
+        assert f"# B={r.batch} D={r.depth}: verify" in out and f"# B={r.batch} D={r.depth} floors: verify" in out
+    for shallow, deep in ((rows[0], rows[1]), (rows[2], rows[3])):  # D=1 then D=3 of one B
+        assert deep.verify_floor_ms > shallow.verify_floor_ms and deep.chain_floor_ms > 2 * shallow.chain_floor_ms
     assert "one-token byte floor" in out and "# B=3: best D=" in out and "at 42 layers" in out
+    floor_lines = [line for line in out.splitlines() if " floors: " in line]
+    assert len(floor_lines) == 4 and all(("goal 1.5x: round <=" in line) == ("B=1 " in line) for line in floor_lines)
+
+
+def test_verify_floor_reads_each_sequence_history_once() -> None:
+    """D+1 rows per sequence add only the new rows' terms to the plain step's floor: their embeddings, their K/V
+    written (the history is read once per sequence, not once per row) and their fp32 logits; weights and the
+    (here fixed) routed experts stay. Each row scores the keys it sees, causal within the new rows."""
+    trunk, _ = build("cpu", 1)
+    config = trunk.config
+    touched = {i: 2 for i, layer in enumerate(trunk.layers) if hasattr(layer.mlp, "experts")}
+    b, ctx = 3, 40
+    kv_row = sum(2 * config.layer_geometry(layer).kv_width * 2 for layer in range(config.num_layers))
+    per_row = config.hidden_size * 2 + kv_row + config.unpadded_vocab_size * 4
+    plain = step_bytes(trunk, b, ctx, touched)
+    for width in (2, 5):
+        assert step_bytes(trunk, b, ctx, touched, width) - plain == b * (width - 1) * per_row
+    sliding, glob = config.layer_geometry(0), config.layer_geometry(config.num_layers - 1)
+    assert sliding.window is not None and sliding.window < ctx and glob.window is None
+    (kv_bytes, kv_flops), _ = cache_ops(config, 0, b, ctx, 4)
+    assert kv_bytes == b * (sliding.window - 1 + 4) * 2 * sliding.kv_width * 2  # W-1 history rows + 4 new
+    assert kv_flops == 4 * b * sliding.num_heads * 4 * sliding.window * sliding.head_dim
+    (kv_bytes, kv_flops), _ = cache_ops(config, config.num_layers - 1, b, ctx, 4)
+    assert kv_bytes == b * (ctx + 4) * 2 * glob.kv_width * 2
+    assert kv_flops == 4 * b * glob.num_heads * (41 + 42 + 43 + 44) * glob.head_dim
+
+
+def test_chain_floor_is_its_depths_floors() -> None:
+    """Depth j of a round runs the verified rows and j provisional ones: the chain is the sum of its depths, and two
+    depths of equal shapes differ only by those rows' embeddings and K/V writes; each depth reads the bf16 lm_head
+    for its B drafts, or the FP8 copy and its row scales at the row counts where the drafter uses it."""
+    trunk, drafter = build("cpu", 3)
+    config = drafter.config
+    b, ctx, rows = 2, 40, 2
+
+    def depth_bytes(depth: int, rows: int, batch: int = b) -> int:
+        return sum(n for n, _ in depth_ops(drafter, depth, batch, ctx, rows))
+
+    assert config.sliding_layers == (True, False, True)
+    geo = config.layer_geometry(0)
+    per_row = b * (config.hidden_size * 2 + 2 * geo.kv_width * 2)  # an embedding row and a K/V row per sequence
+    assert (
+        depth_bytes(2, rows) == depth_bytes(0, rows) and depth_bytes(2, rows + 2) == depth_bytes(0, rows) + 2 * per_row
+    )
+    assert sum(n for n, _ in chain_ops(drafter, b, ctx, rows, 1)) == depth_bytes(0, rows)
+    chain = sum(n for n, _ in chain_ops(drafter, b, ctx, rows, 3))
+    assert chain == depth_bytes(0, rows) + depth_bytes(1, rows + 1) + depth_bytes(2, rows + 2)
+    bf16 = {batch: depth_bytes(0, rows, batch) for batch in (1, 64)}
+    drafter.use_fp8_head()
+    vocab, h = config.unpadded_vocab_size, config.hidden_size
+    head_change = vocab * h + 4 * vocab - trunk.unembed.weight.numel() * 2  # e4m3 rows + fp32 scales vs bf16
+    assert depth_bytes(0, rows, 1) == bf16[1] + head_change and head_change < 0
+    assert depth_bytes(0, rows, 64) == bf16[64]  # 64 rows draft through the bf16 head
 
 
 def test_host_only_times_a_round_per_batch_and_depth(capsys) -> None:
