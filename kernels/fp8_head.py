@@ -7,11 +7,12 @@
 
 The e4m3 values are exact in x's dtype (fp32, fp16 or bf16), so the products are the exact products of z and
 the stored weights, summed in fp32; the logits are not rounded to x's dtype (nothing downstream of a draft needs
-them to be). One launch, grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))`` from shapes only, no host reads: CUDA-graph
-safe. Up to 4 rows a GEMV per program (like ``skinny_gemm``'s one-row kernel); more rows on the tensor cores, the
-weight tile converted to x's dtype and multiplied as the left operand (swap-AB) with up to 64 rows of x per
+them to be). Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))`` from shapes only, no host reads: CUDA-graph safe.
+Up to ``_GEMV_MAX_ROWS`` rows one launch, a GEMV per program (like ``skinny_gemm``'s one-row kernel) that divides
+x itself; more rows on the tensor cores, x divided first (one elementwise launch, ``x / d`` as the reference) and
+the weight tile converted to x's dtype in registers as the MMA's left operand (swap-AB) with 8..64 rows of x per
 program, so at the drafter's batch buckets (<= 64) the weight is streamed once. Tiles: ``default_config``; where
-it beats the bf16 head: ``preferred`` (measured: the tensor-core path does not).
+it beats the bf16 head: ``preferred``.
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ import torch.nn.functional as F
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_GEMV_MAX_ROWS = 4
-_PREFERRED_ROWS = 2  # see `preferred`
-_DOT_MIN_ROWS, _DOT_MAX_ROWS = 16, 64  # rows of x per tensor-core program
+_GEMV_MAX_ROWS = 2  # default_config: the GEMV up to here, the tensor cores above
+_GEMV_BLOCK_ROWS = 4  # rows of x per GEMV program
+_PREFERRED_MAX_ROWS = 2  # `preferred` up to here: set from bench_draft_head's sweep (H200)
+_DOT_MIN_ROWS, _DOT_MAX_ROWS = 8, 64  # rows of x per tensor-core program (the MMA's N, padded)
 
 
 @dataclass(frozen=True)
 class Fp8HeadConfig:
-    """Tiles of one launch: ``dot`` on the tensor cores (x padded to 16..64 rows, ``block_n``, ``block_k`` >= 16),
+    """Tiles of one launch: ``dot`` on the tensor cores (x padded to 8..64 rows, ``block_n``, ``block_k`` >= 16),
     otherwise the GEMV over ``next_pow2(M)`` rows (at most 4) per program."""
 
     dot: bool
@@ -42,17 +44,38 @@ class Fp8HeadConfig:
 
 
 def preferred(m: int) -> bool:
-    """Whether the FP8 head beat the drafter's bf16 head (cuBLAS) for ``m`` rows on an H200
-    (bench/bench_draft_head.py): one row 258 us against 466 (floor 197), two 405 against 434; four rows 807
-    against 452, and the tensor-core path 2-3x slower than cuBLAS at 8 and 64 rows (848 / 1462 against 451 / 474)."""
-    return m <= _PREFERRED_ROWS
+    """Whether the FP8 head beats the drafter's bf16 head (cuBLAS) for ``m`` rows on an H200
+    (bench/bench_draft_head.py), i.e. ``m <= _PREFERRED_MAX_ROWS``. Measured before the tensor-core path was
+    rebuilt: one row 258 us against 466 (floor 197), two 405 against 434; four rows 807 against 452 (GEMV) and the
+    old tensor-core path 848 / 1462 us against 451 / 474 at 8 / 64 rows. The rebuilt path's figures: decisions.md."""
+    return m <= _PREFERRED_MAX_ROWS
 
 
 def default_config(m: int) -> Fp8HeadConfig:
-    """Tiles for ``m`` rows (the lm_head's shape: N ~ 200k, K = 4096), best of bench/bench_draft_head.py's sweep."""
+    """Tiles for ``m`` rows (the lm_head's shape: N ~ 200k, K = 4096). The GEMV's are the best of
+    bench/bench_draft_head.py's sweep on an H200. The tensor-core tiles are chosen from the compiled code (Triton 3.6,
+    sm_90) until that sweep has run them: up to 8 rows mma.sync (what Triton takes for an 8-wide N; 3.1 instructions
+    per weight, 80 registers), then wgmma tiles of 8 warps (4.3-4.9 instructions per weight, no spills; mma.sync
+    tiles spill at 64 rows) of 128 weight rows, from 33 rows of 256, 4 stages: every program re-reads its x rows
+    from L2, 2 * BLOCK_M / BLOCK_N bytes per weight byte, so wide tiles keep that stream under the weights'."""
     if m <= _GEMV_MAX_ROWS:
         return Fp8HeadConfig(dot=False, block_n=8, block_k=512, num_warps=4)
-    return Fp8HeadConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if m <= 8:
+        return Fp8HeadConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3)
+    if m <= 32:
+        return Fp8HeadConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    return Fp8HeadConfig(dot=True, block_n=256, block_k=128, num_warps=8, num_stages=4)
+
+
+def dot_block_rows(m: int) -> int:
+    """Rows of x per tensor-core program for ``m`` rows: the next power of two, 8..64."""
+    return min(max(_next_pow2(m), _DOT_MIN_ROWS), _DOT_MAX_ROWS)
+
+
+def uses_wgmma(config: Fp8HeadConfig, block_m: int) -> bool:
+    """Whether Triton 3.6 lowers the tensor-core tile to wgmma on sm_90 (else mma.sync): the weight tile a multiple
+    of 64 rows (its M) over whole warp groups and x at least 16 rows wide (its N); read off the compiled code."""
+    return config.dot and config.block_n % 64 == 0 and config.num_warps % 4 == 0 and block_m >= 16
 
 
 def _next_pow2(n: int) -> int:
@@ -102,21 +125,29 @@ def fp8_logits(
     if m == 0 or n == 0:
         return out
     config = config or default_config(m)
-    if config.dot:
-        if min(config.block_n, config.block_k) < 16:
-            raise ValueError(f"tensor-core tiles need block_n and block_k >= 16, got {config}")
-        block_m = min(max(_next_pow2(m), _DOT_MIN_ROWS), _DOT_MAX_ROWS)
-    else:
-        block_m = min(_next_pow2(m), _GEMV_MAX_ROWS)
-    grid = (-(-n // config.block_n), -(-m // block_m))
-    tk.fp8_logits_kernel[grid](
-        x, weight, scale, out,
-        m, n, k, float(divisor or 1.0),
-        x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        USE_DOT=config.dot, DOT_IEEE=x.dtype == torch.float32, EVEN_K=k % config.block_k == 0,
-        DIVIDE_X=divisor is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+    opts = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if not config.dot:
+        block_m = min(_next_pow2(m), _GEMV_BLOCK_ROWS)
+        tk.fp8_gemv_kernel[(-(-n // config.block_n), -(-m // block_m))](
+            x, weight, scale, out,
+            m, n, k, float(divisor or 1.0),
+            x.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
+            DIVIDE_X=divisor is not None, **opts,
+        )  # fmt: skip
+        return out
+    if min(config.block_n, config.block_k) < 16:
+        raise ValueError(f"tensor-core tiles need block_n and block_k >= 16, got {config}")
+    z = x if divisor is None else x / divisor  # [M, K] in x's dtype, as the reference divides
+    block_m = dot_block_rows(m)
+    # bf16 on the GPU: the conversion in inline PTX, as many weights per call as the MMA operand holds in a row
+    asm_pack = 0 if x.dtype != torch.bfloat16 or not x.is_cuda else 2 if uses_wgmma(config, block_m) else 4
+    tk.fp8_dot_kernel[(-(-n // config.block_n), -(-m // block_m))](
+        z, weight, scale, out,
+        m, n, k,
+        z.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
+        DOT_IEEE=x.dtype == torch.float32, ASM_PACK=asm_pack, **opts,
     )  # fmt: skip
     return out
 
