@@ -25,9 +25,9 @@ import torch.nn.functional as F
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_GEMV_MAX_ROWS = 2  # default_config: the GEMV up to here, the tensor cores above
+_GEMV_MAX_ROWS = 0  # default_config: the GEMV up to here, the tensor cores above (measured: from one row)
 _GEMV_BLOCK_ROWS = 4  # rows of x per GEMV program
-_PREFERRED_MAX_ROWS = 2  # `preferred` up to here: set from bench_draft_head's sweep (H200)
+_PREFERRED_MAX_ROWS = 64  # `preferred` up to here: set from bench_draft_head's sweep (H200)
 _DOT_MIN_ROWS, _DOT_MAX_ROWS = 8, 64  # rows of x per tensor-core program (the MMA's N, padded)
 
 
@@ -45,26 +45,23 @@ class Fp8HeadConfig:
 
 def preferred(m: int) -> bool:
     """Whether the FP8 head beats the drafter's bf16 head (cuBLAS) for ``m`` rows on an H200
-    (bench/bench_draft_head.py), i.e. ``m <= _PREFERRED_MAX_ROWS``. Measured before the tensor-core path was
-    rebuilt: one row 258 us against 466 (floor 197), two 405 against 434; four rows 807 against 452 (GEMV) and the
-    old tensor-core path 848 / 1462 us against 451 / 474 at 8 / 64 rows. The rebuilt path's figures: decisions.md."""
+    (bench/bench_draft_head.py), i.e. ``m <= _PREFERRED_MAX_ROWS``: the rebuilt tensor-core path at 1 / 8 / 64 rows
+    194 / 201 / 318 us against cuBLAS's 451 / 412 / 481 (floors 198 / 199 / 210; decisions.md). Up to the drafter's
+    largest batch bucket, every row count."""
     return m <= _PREFERRED_MAX_ROWS
 
 
 def default_config(m: int) -> Fp8HeadConfig:
-    """Tiles for ``m`` rows (the lm_head's shape: N ~ 200k, K = 4096). The GEMV's are the best of
-    bench/bench_draft_head.py's sweep on an H200. The tensor-core tiles are chosen from the compiled code (Triton 3.6,
-    sm_90) until that sweep has run them: up to 8 rows mma.sync (what Triton takes for an 8-wide N; 3.1 instructions
-    per weight, 80 registers), then wgmma tiles of 8 warps (4.3-4.9 instructions per weight, no spills; mma.sync
-    tiles spill at 64 rows) of 128 weight rows, from 33 rows of 256, 4 stages: every program re-reads its x rows
-    from L2, 2 * BLOCK_M / BLOCK_N bytes per weight byte, so wide tiles keep that stream under the weights'."""
+    """Tiles for ``m`` rows (the lm_head's shape: N ~ 200k, K = 4096), the best of bench/bench_draft_head.py's sweep
+    on an H200: up to 8 rows mma.sync over 64 x 256 tiles of 4 warps (194 us at one row, 201 at eight: the byte
+    floor; the GEMV took 263 at one row), above that wgmma over 128 x 128 tiles of 8 warps (318 us at 64 rows, 1.5x
+    its floor: every program re-reads its x rows from L2; 256 x 128 tiles took 390). The GEMV tiles stay selectable
+    (``Fp8HeadConfig(dot=False)``) for the sweep."""
     if m <= _GEMV_MAX_ROWS:
         return Fp8HeadConfig(dot=False, block_n=8, block_k=512, num_warps=4)
     if m <= 8:
         return Fp8HeadConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3)
-    if m <= 32:
-        return Fp8HeadConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3)
-    return Fp8HeadConfig(dot=True, block_n=256, block_k=128, num_warps=8, num_stages=4)
+    return Fp8HeadConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 
 def dot_block_rows(m: int) -> int:

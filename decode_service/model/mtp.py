@@ -171,7 +171,7 @@ class MTPDrafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, H]` depth outputs -> fp32 draft logits `[N, unpadded_vocab]` (no final norm, spec 7.1 step 6): the
         shared lm_head, or its FP8 copy after `use_fp8_head` for the row counts where it is faster
-        (`kernels.fp8_head.preferred`: up to 2 rows; the same muP division). Every draft and its distribution q
+        (`kernels.fp8_head.preferred`: up to 64 rows; the same muP division). Every draft and its distribution q
         come from these logits."""
         mup, vocab = self.config.mup_multiplier, self.config.unpadded_vocab_size
         if self.uses_fp8_head(hidden.shape[0]):
@@ -193,6 +193,6 @@ class MTPDrafter(nn.Module):
         return self.tp.gather_vocab(self.unembed(z))[:, : self.config.unpadded_vocab_size]
 
     def uses_fp8_head(self, rows: int) -> bool:
-        """Whether `logits` of `rows` rows reads the FP8 copy (after `use_fp8_head`, up to the rows where it is
-        faster: measured, more rows are faster through the bf16 head) rather than the shared bf16 lm_head."""
+        """Whether `logits` of `rows` rows reads the FP8 copy (after `use_fp8_head`, for the rows where it is
+        measured faster: `kernels.fp8_head.preferred`) rather than the shared bf16 lm_head."""
         return self.fp8_head is not None and fp8_preferred(rows)

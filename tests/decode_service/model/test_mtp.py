@@ -27,6 +27,7 @@ from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.mtp import MTPDrafter, depth_config
 from kernels.fp8_head import FP8, fp8_logits_reference, quantize_rows_fp8
+from kernels.fp8_head import preferred as fp8_preferred
 from tests.reference.hf_mtp import build_hf_mtp, depth_forward
 from tools.make_tiny_checkpoint import make_tiny_checkpoint, raw_config
 
@@ -217,9 +218,9 @@ def test_bf16_drafter_keeps_convs_fp32(pair):
 
 @torch.no_grad()
 def test_fp8_head_logits_are_the_fp8_copys(pair):
-    """`head="fp8"`: the draft logits of up to 2 rows are the FP8 copy's (`kernels.fp8_head` reference over the
-    unpadded rows, the muP division first), not the bf16 head's; more rows take the bf16 head; the trunk's
-    lm_head is untouched."""
+    """`head="fp8"`: the draft logits of the rows `kernels.fp8_head.preferred` takes are the FP8 copy's (its
+    reference over the unpadded rows, the muP division first), not the bf16 head's; more rows take the bf16 head;
+    the trunk's lm_head is untouched."""
     drafter = MTPDrafter.from_weights(pair.mtp_weights, pair.config.mtp, pair.trunk, head="fp8")
     assert pair.drafter.fp8_head is None and pair.trunk.unembed.weight.dtype == torch.float32
     vocab, mup = pair.config.text.unpadded_vocab_size, pair.config.text.mup_multiplier
@@ -229,10 +230,13 @@ def test_fp8_head_logits_are_the_fp8_copys(pair):
     assert torch.equal(w8.float(), want_w8.float()) and torch.equal(scale, want_scale)
     batch = ForwardBatch(pair.depth_tokens(0)[:6], [SequenceSlice(0, 6, drafter.new_state().layers)])
     hidden = drafter(0, pair.hidden[:6], batch)
-    logits = drafter.logits(hidden[:2])  # up to 2 rows: the FP8 copy (kernels.fp8_head.preferred)
-    torch.testing.assert_close(logits, fp8_logits_reference(hidden[:2], w8, scale, divisor=mup), rtol=0, atol=0)
+    assert fp8_preferred(6)
+    logits = drafter.logits(hidden)  # the FP8 copy (kernels.fp8_head.preferred)
+    torch.testing.assert_close(logits, fp8_logits_reference(hidden, w8, scale, divisor=mup), rtol=0, atol=0)
     bf16_head = pair.drafter.logits(hidden)
-    assert logits.shape == bf16_head[:2].shape and (logits - bf16_head[:2]).abs().max() > 1e-4 * bf16_head.abs().max()
-    assert torch.equal(drafter.logits(hidden), bf16_head)  # more rows: the bf16 head, measured faster there
+    assert logits.shape == bf16_head.shape and (logits - bf16_head).abs().max() > 1e-4 * bf16_head.abs().max()
+    many = next(m for m in range(1, 1024) if not fp8_preferred(m))  # more rows: the bf16 head
+    rows = hidden.repeat(-(-many // 6), 1)[:many]
+    assert torch.equal(drafter.logits(rows), pair.drafter.logits(rows))
     with pytest.raises(ValueError, match="head"):
         MTPDrafter.from_weights(pair.mtp_weights, pair.config.mtp, pair.trunk, head="int4")
