@@ -1,15 +1,14 @@
 """The MTP drafter's lm_head alone: the bf16 shared head against its FP8 copy (`kernels.fp8_head`), per row count.
 
-Shapes: Inkling-Small's unembedding (`bench.proxy`: 201024 x 4096, the unpadded vocabulary rows read), the muP
-division and fp32 logits as the drafter computes them. Per M rows (default 1 / 8 / 64, the drafter's batch
-buckets): "bf16 cuBLAS" is the torch reference op (`Ops.logits`: F.linear, what the drafter ran before), "bf16 op"
-the trunk's `TritonOps.logits` (the skinny GEMV at one row, cuBLAS above), "fp8" the FP8 kernel at its
-`default_config`, then each tile of a short sweep: the GEMV tiles where the default is the GEMV, the tensor-core
-tiles at every M (named with the MMA Triton lowers them to at that M: mma.sync or wgmma). Floor = (weight bytes
-once + scales + x + fp32 logits) / the copy bandwidth measured in the same run (`bench.floors`); "x cuBLAS" =
-time / bf16 cuBLAS's. Each figure is the median replay of a CUDA graph holding the op (the weight is 1.6 / 0.8 GB,
-far past L2). The fp8 logits are checked against their torch reference, and the share of rows whose argmax equals
-the bf16 head's is printed (random weights: a lower bound of agreement).
+Shapes: Inkling-Small's unembedding (`bench.proxy`: 201024 x 4096, the unpadded vocabulary rows read), the muP division
+and fp32 logits as the drafter computes them. Per M rows (default 1 / 8 / 64, the drafter's batch buckets): "bf16
+cuBLAS" is the torch reference op (`Ops.logits`: F.linear, what the drafter ran before), "bf16 op" the trunk's
+`TritonOps.logits` (the skinny GEMV at one row, cuBLAS above), "fp8" the FP8 kernel at its `default_config`, then each
+tile of a short sweep: the tensor-core tiles at every M (named with the MMA Triton lowers them to at that M: mma.sync or
+wgmma). Floor = (weight bytes once + scales + x + fp32 logits) / the copy bandwidth measured in the same run
+(`bench.floors`); "x cuBLAS" = time / bf16 cuBLAS's. Each figure is the median replay of a CUDA graph holding the op
+(the weight is 1.6 / 0.8 GB, far past L2). The fp8 logits are checked against their torch reference, and the share of
+rows whose argmax equals the bf16 head's is printed (random weights: a lower bound of agreement).
 
     python3 -m bench.bench_draft_head [--rows 1 8 64] [--skip-sweep]
 """
@@ -36,32 +35,24 @@ from kernels.fp8_head import (
     uses_wgmma,
 )
 
-GEMV_SWEEP = [  # M <= 4; bytes in flight per program: block_n * block_k
-    Fp8HeadConfig(dot=False, block_n=8, block_k=512, num_warps=4),
-    Fp8HeadConfig(dot=False, block_n=8, block_k=1024, num_warps=4),
-    Fp8HeadConfig(dot=False, block_n=16, block_k=1024, num_warps=8),
-    Fp8HeadConfig(dot=False, block_n=4, block_k=2048, num_warps=4),
-]
 # The tensor-core tiles at every M (x padded to 8 / 16 / 32 / 64 rows). Under mma.sync (8 rows, or 32-row tiles, or
 # 2 warps) ~3.0-3.8 instructions per weight, 48-154 registers, spilling at 64 rows; under wgmma 4.2-4.9 (the e4m3
 # operand read as 2-byte pairs), 126-172 registers at 64 rows (Triton 3.6, sm_90, counted in the compiled loops).
 # x is re-read from L2 by every program: 2 * rows / block_n bytes per weight byte.
 DOT_SWEEP = [
-    Fp8HeadConfig(dot=True, block_n=32, block_k=256, num_warps=2, num_stages=3),  # mma.sync, the MoE decode shape
-    Fp8HeadConfig(dot=True, block_n=64, block_k=256, num_warps=2, num_stages=3),  # mma.sync
-    Fp8HeadConfig(dot=True, block_n=64, block_k=128, num_warps=4, num_stages=4),
-    Fp8HeadConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3),
-    Fp8HeadConfig(dot=True, block_n=128, block_k=128, num_warps=4, num_stages=3),
-    Fp8HeadConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3),
-    Fp8HeadConfig(dot=True, block_n=256, block_k=128, num_warps=8, num_stages=3),
-    Fp8HeadConfig(dot=True, block_n=256, block_k=128, num_warps=8, num_stages=4),
+    Fp8HeadConfig(block_n=32, block_k=256, num_warps=2, num_stages=3),  # mma.sync, the MoE decode shape
+    Fp8HeadConfig(block_n=64, block_k=256, num_warps=2, num_stages=3),  # mma.sync
+    Fp8HeadConfig(block_n=64, block_k=128, num_warps=4, num_stages=4),
+    Fp8HeadConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),
+    Fp8HeadConfig(block_n=128, block_k=128, num_warps=4, num_stages=3),
+    Fp8HeadConfig(block_n=128, block_k=128, num_warps=8, num_stages=3),
+    Fp8HeadConfig(block_n=256, block_k=128, num_warps=8, num_stages=3),
+    Fp8HeadConfig(block_n=256, block_k=128, num_warps=8, num_stages=4),
 ]
 
 
 def config_name(config: Fp8HeadConfig, m: int) -> str:
     tile = f"{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages}"
-    if not config.dot:
-        return f"fp8 gemv {tile}"
     block_m = dot_block_rows(m)
     return f"fp8 {tile} {'wgmma' if uses_wgmma(config, block_m) else 'mma'}{block_m}"
 
@@ -90,7 +81,7 @@ def run(rows: Sequence[int], sweep: bool) -> None:
         default = default_config(m)
         tiles = [(f"{config_name(default, m)} (default)", default)]
         if sweep:
-            tiles += [(config_name(c, m), c) for c in (GEMV_SWEEP if not default.dot else []) + DOT_SWEEP]
+            tiles += [(config_name(c, m), c) for c in DOT_SWEEP]
         for name, c in tiles:
             cases.append((name, "fp8", lambda x=x, c=c: fp8_logits(x, w8, scale, divisor=mup, config=c)))
         cublas_us = float("nan")

@@ -4,10 +4,7 @@ Each program (column block of the logits, row block of x) streams its ``BLOCK_N`
 of K once and accumulates an fp32 ``[BLOCK_N, BLOCK_M]`` tile; the epilogue multiplies each column by its row scale
 and stores fp32.
 
-``fp8_gemv_kernel`` (a few rows): the weight tile in registers, each of the ``BLOCK_M`` rows of x multiplied into it
-and summed along K; ``DIVIDE_X`` divides x by the muP multiplier, rounded to x's dtype, before the product.
-
-``fp8_dot_kernel`` (more rows): the tensor cores, the weight tile as the MMA's left operand (swap-AB: the rows of x,
+``fp8_dot_kernel``: the tensor cores, the weight tile as the MMA's left operand (swap-AB: the rows of x,
 zero-padded to ``BLOCK_M`` >= 8, are its N) and x already divided (the caller's one elementwise launch: every column
 block re-reads x, so dividing it here would repeat the division per program and keep x out of the pipelined
 copies). The weights and x come through shared memory by Triton's pipelined copies; the weight tile is converted
@@ -56,58 +53,7 @@ def _to_operand(w, DT: tl.constexpr, ASM_PACK: tl.constexpr):
         return w.to(DT)
 
 
-@triton.jit
-def _store_scaled(acc, Scale, Out, offs_n, offs_m, n_mask, m_mask, stride_om):
-    """``acc`` [BLOCK_N, BLOCK_M] (logit columns x rows) times each column's row scale -> Out [M, N] fp32."""
-    scale = tl.load(Scale + offs_n, mask=n_mask, other=0.0)
-    out_ptrs = Out + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc * scale[:, None], mask=n_mask[:, None] & m_mask[None, :])
-
-
 # one compile for every batch size (the sizes and the output stride only bound masks)
-@triton.jit(do_not_specialize=["M", "N", "K", "stride_om"])
-def fp8_gemv_kernel(
-    X,
-    W,
-    Scale,
-    Out,
-    M,
-    N,
-    K,
-    divisor,
-    stride_xm,
-    stride_wn,
-    stride_om,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    DIVIDE_X: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    m0 = tl.program_id(1) * BLOCK_M
-    dtype = X.dtype.element_ty
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # logit columns = weight rows
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
-        # EVEN_K: every K block is full, so only whole rows are masked (keeps the loads vectorised)
-        w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & k_mask[None, :]
-        wf = tl.load(w_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        for i in tl.static_range(BLOCK_M):
-            row_mask = (m0 + i + offs_k * 0) < M  # a vector: the interpreter rejects a scalar mask
-            x = tl.load(X + (m0 + i) * stride_xm + k0 + offs_k, mask=row_mask & k_mask, other=0.0)
-            if DIVIDE_X:
-                x = tl.math.div_rn(x.to(tl.float32), divisor).to(dtype)
-            column = (tl.arange(0, BLOCK_M) == i)[None, :]
-            acc = tl.where(column, acc + tl.sum(wf * x.to(tl.float32)[None, :], axis=1)[:, None], acc)
-    _store_scaled(acc, Scale, Out, offs_n, offs_m, n_mask, offs_m < M, stride_om)
-
-
 @triton.jit(do_not_specialize=["M", "N", "K", "stride_om"])
 def fp8_dot_kernel(
     X,
@@ -150,4 +96,6 @@ def fp8_dot_kernel(
             acc = tl.dot(w.to(tl.float32), tl.trans(x), acc, input_precision="ieee")
         else:
             acc = tl.dot(_to_operand(w, dtype, ASM_PACK), tl.trans(x), acc)
-    _store_scaled(acc, Scale, Out, offs_n, offs_m, n_mask, m_mask, stride_om)
+    scale = tl.load(Scale + offs_n, mask=n_mask, other=0.0)  # each logit column times its weight row's scale
+    out_ptrs = Out + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc * scale[:, None], mask=n_mask[:, None] & m_mask[None, :])

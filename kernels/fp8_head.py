@@ -8,10 +8,10 @@
 The e4m3 values are exact in x's dtype (fp32, fp16 or bf16), so the products are the exact products of z and
 the stored weights, summed in fp32; the logits are not rounded to x's dtype (nothing downstream of a draft needs
 them to be). Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))`` from shapes only, no host reads: CUDA-graph safe.
-Up to ``_GEMV_MAX_ROWS`` rows one launch, a GEMV per program (like ``skinny_gemm``'s one-row kernel) that divides
-x itself; more rows on the tensor cores, x divided first (one elementwise launch, ``x / d`` as the reference) and
-the weight tile converted to x's dtype in registers as the MMA's left operand (swap-AB) with 8..64 rows of x per
-program, so at the drafter's batch buckets (<= 64) the weight is streamed once. Tiles: ``default_config``; where
+On the tensor cores at every row count (a GEMV per program measured slower from one row: ``default_config``): x
+divided first (one elementwise launch, ``x / d`` as the reference) and the weight tile converted to x's dtype in
+registers as the MMA's left operand (swap-AB) with 8..64 rows of x per program, so at the drafter's batch buckets
+(<= 64) the weight is streamed once. Tiles: ``default_config``; where
 it beats the bf16 head: ``preferred``.
 """
 
@@ -25,18 +25,14 @@ import torch.nn.functional as F
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_GEMV_MAX_ROWS = 0  # default_config: the GEMV up to here, the tensor cores above (measured: from one row)
-_GEMV_BLOCK_ROWS = 4  # rows of x per GEMV program
 _PREFERRED_MAX_ROWS = 64  # `preferred` up to here: set from bench_draft_head's sweep (H200)
 _DOT_MIN_ROWS, _DOT_MAX_ROWS = 8, 64  # rows of x per tensor-core program (the MMA's N, padded)
 
 
 @dataclass(frozen=True)
 class Fp8HeadConfig:
-    """Tiles of one launch: ``dot`` on the tensor cores (x padded to 8..64 rows, ``block_n``, ``block_k`` >= 16),
-    otherwise the GEMV over ``next_pow2(M)`` rows (at most 4) per program."""
+    """Tiles of one launch (x padded to 8..64 rows; ``block_n``, ``block_k`` >= 16)."""
 
-    dot: bool
     block_n: int
     block_k: int
     num_warps: int = 4
@@ -55,13 +51,10 @@ def default_config(m: int) -> Fp8HeadConfig:
     """Tiles for ``m`` rows (the lm_head's shape: N ~ 200k, K = 4096), the best of bench/bench_draft_head.py's sweep
     on an H200: up to 8 rows mma.sync over 64 x 256 tiles of 4 warps (194 us at one row, 201 at eight: the byte
     floor; the GEMV took 263 at one row), above that wgmma over 128 x 128 tiles of 8 warps (318 us at 64 rows, 1.5x
-    its floor: every program re-reads its x rows from L2; 256 x 128 tiles took 390). The GEMV tiles stay selectable
-    (``Fp8HeadConfig(dot=False)``) for the sweep."""
-    if m <= _GEMV_MAX_ROWS:
-        return Fp8HeadConfig(dot=False, block_n=8, block_k=512, num_warps=4)
+    its floor: every program re-reads its x rows from L2; 256 x 128 tiles took 390)."""
     if m <= 8:
-        return Fp8HeadConfig(dot=True, block_n=64, block_k=256, num_warps=4, num_stages=3)
-    return Fp8HeadConfig(dot=True, block_n=128, block_k=128, num_warps=8, num_stages=3)
+        return Fp8HeadConfig(block_n=64, block_k=256, num_warps=4, num_stages=3)
+    return Fp8HeadConfig(block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 
 def dot_block_rows(m: int) -> int:
@@ -72,7 +65,7 @@ def dot_block_rows(m: int) -> int:
 def uses_wgmma(config: Fp8HeadConfig, block_m: int) -> bool:
     """Whether Triton 3.6 lowers the tensor-core tile to wgmma on sm_90 (else mma.sync): the weight tile a multiple
     of 64 rows (its M) over whole warp groups and x at least 16 rows wide (its N); read off the compiled code."""
-    return config.dot and config.block_n % 64 == 0 and config.num_warps % 4 == 0 and block_m >= 16
+    return config.block_n % 64 == 0 and config.num_warps % 4 == 0 and block_m >= 16
 
 
 def _next_pow2(n: int) -> int:
@@ -122,17 +115,6 @@ def fp8_logits(
     if m == 0 or n == 0:
         return out
     config = config or default_config(m)
-    opts = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    if not config.dot:
-        block_m = min(_next_pow2(m), _GEMV_BLOCK_ROWS)
-        tk.fp8_gemv_kernel[(-(-n // config.block_n), -(-m // block_m))](
-            x, weight, scale, out,
-            m, n, k, float(divisor or 1.0),
-            x.stride(0), weight.stride(0), out.stride(0),
-            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
-            DIVIDE_X=divisor is not None, **opts,
-        )  # fmt: skip
-        return out
     if min(config.block_n, config.block_k) < 16:
         raise ValueError(f"tensor-core tiles need block_n and block_k >= 16, got {config}")
     z = x if divisor is None else x / divisor  # [M, K] in x's dtype, as the reference divides
@@ -144,7 +126,7 @@ def fp8_logits(
         m, n, k,
         z.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
-        DOT_IEEE=x.dtype == torch.float32, ASM_PACK=asm_pack, **opts,
+        DOT_IEEE=x.dtype == torch.float32, ASM_PACK=asm_pack, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 

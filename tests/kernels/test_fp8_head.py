@@ -12,8 +12,7 @@ from kernels.fp8_head import (
     uses_wgmma,
 )
 
-GEMV = Fp8HeadConfig(dot=False, block_n=16, block_k=32)
-DOT = Fp8HeadConfig(dot=True, block_n=16, block_k=32)
+DOT = Fp8HeadConfig(block_n=16, block_k=32)
 NAN_CODES = (0x7F, 0xFF)  # e4m3fn's NaNs, which quantize_rows_fp8 never writes
 
 
@@ -56,56 +55,52 @@ def test_quantize_rows_fp8():
     torch.testing.assert_close(w8.float() * scale[:, None], weight.half().float(), rtol=2**-4, atol=0.0)
 
 
-@pytest.mark.parametrize("config", [GEMV, DOT], ids=["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(
     "m,n,k",
     [
         (1, 48, 64),  # N a multiple of BLOCK_N, K of BLOCK_K
         (2, 40, 80),  # a partial last column block and a partial last K block
-        (3, 64, 32),  # GEMV over 4 rows with one masked
-        (5, 32, 64),  # several GEMV row blocks; a padded tensor-core block
+        (3, 64, 32),  # an 8-row tensor-core block, 5 rows of it padding
+        (5, 32, 64),  # several column blocks of a padded block
         (20, 24, 96),  # a 32-row tensor-core block
         (40, 24, 64),  # a 64-row tensor-core block, 24 rows of it padding
     ],
 )
-def test_fp8_logits_matches_reference(cpu_interpreter, config, dtype, m, n, k):
+def test_fp8_logits_matches_reference(cpu_interpreter, dtype, m, n, k):
     gen = torch.Generator().manual_seed(m * n + k)
     x, w8, scale = operands(m, n, k, dtype, gen)
-    out = fp8_logits(x, w8, scale, divisor=24.0, config=config)
+    out = fp8_logits(x, w8, scale, divisor=24.0, config=DOT)
     assert_logits_close(out, fp8_logits_reference(x, w8, scale, divisor=24.0))
-    assert_logits_close(fp8_logits(x, w8, scale, config=config), fp8_logits_reference(x, w8, scale))
+    assert_logits_close(fp8_logits(x, w8, scale, config=DOT), fp8_logits_reference(x, w8, scale))
 
 
-@pytest.mark.parametrize("config", [GEMV, DOT], ids=["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("m,n,k", [(3, 40, 96), (12, 24, 64)])  # a partial K block; several K blocks
-def test_fp8_logits_exact_on_integer_operands(cpu_interpreter, config, dtype, m, n, k):
+def test_fp8_logits_exact_on_integer_operands(cpu_interpreter, dtype, m, n, k):
     """Small integers times e4m3 integers with power-of-two scales and divisor: every product and partial sum is
     exact in fp32, so the kernel equals the reference bitwise whatever order it sums in."""
     gen = torch.Generator().manual_seed(m + n + k)
     x = torch.randint(-8, 9, (m, k), generator=gen).to(dtype)
     w8 = torch.randint(-16, 17, (n, k), generator=gen).float().to(FP8)
     scale = 2.0 ** torch.randint(-4, 5, (n,), generator=gen).float()
-    out = fp8_logits(x, w8, scale, divisor=4.0, config=config)
+    out = fp8_logits(x, w8, scale, divisor=4.0, config=DOT)
     assert torch.equal(out, fp8_logits_reference(x, w8, scale, divisor=4.0))
 
 
-@pytest.mark.parametrize("config", [GEMV, DOT], ids=["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("m", [4, 32])
-def test_fp8_logits_every_e4m3_code_exact(cpu_interpreter, config, dtype, m):
+def test_fp8_logits_every_e4m3_code_exact(cpu_interpreter, dtype, m):
     """Every finite e4m3 code reaches the logits with its exact value (the conversion to x's dtype is exact)."""
     x, w8, scale = every_code_operands(m, 256, 64, dtype, torch.device("cpu"))
-    assert torch.equal(fp8_logits(x, w8, scale, config=config), fp8_logits_reference(x, w8, scale))
+    assert torch.equal(fp8_logits(x, w8, scale, config=DOT), fp8_logits_reference(x, w8, scale))
 
 
-@pytest.mark.parametrize("config", [GEMV, DOT], ids=["gemv", "dot"])
-def test_fp8_logits_divides_in_x_dtype(cpu_interpreter, config):
+def test_fp8_logits_divides_in_x_dtype(cpu_interpreter):
     """The muP division rounds to x's dtype before the product, as the bf16 head's `hidden / mup` does."""
     gen = torch.Generator().manual_seed(3)
     x, w8, scale = operands(2, 16, 32, torch.float16, gen)
-    out = fp8_logits(x, w8, scale, divisor=3.0, config=config)
+    out = fp8_logits(x, w8, scale, divisor=3.0, config=DOT)
     assert_logits_close(out, fp8_logits_reference((x / 3.0).half(), w8, scale))
     assert not torch.allclose(out, fp8_logits_reference(x.float() / 3.0, w8, scale), rtol=1e-7, atol=0)
 
@@ -114,8 +109,8 @@ def test_fp8_logits_divides_in_x_dtype(cpu_interpreter, config):
 def test_default_config_runs(cpu_interpreter, m):
     gen = torch.Generator().manual_seed(m)
     x, w8, scale = operands(m, 72, 128, torch.float32, gen)
-    assert default_config(m).dot  # the tensor cores from one row (measured on the H200)
-    config = Fp8HeadConfig(dot=True, block_n=16, block_k=64)  # the interpreter's pace
+    assert min(default_config(m).block_n, default_config(m).block_k) >= 16  # tensor-core tiles at every M
+    config = Fp8HeadConfig(block_n=16, block_k=64)  # the interpreter's pace
     assert_logits_close(fp8_logits(x, w8, scale, config=config), fp8_logits_reference(x, w8, scale))
 
 
