@@ -180,7 +180,10 @@ def trunk_state(engine: Engine, request: Request) -> list[torch.Tensor]:
 
 
 def trunk_engine(model, config, depth: int, drafter=None) -> Engine:
-    return Engine(model, config, settings(mtp_depth=depth, kv_cache_bytes=1 << 20), drafter=drafter)
+    # max_model_len 128: two key blocks, so the global layers' decode attention splits and combines in two, not the
+    # ~60 programs (mostly idle, each one costly in the interpreter) of the KV budget's 3712 positions.
+    kw = dict(mtp_depth=depth, kv_cache_bytes=1 << 20, max_model_len=128)
+    return Engine(model, config, settings(**kw), drafter=drafter)
 
 
 def states_by_position(engine: Engine) -> tuple[dict[int, list[torch.Tensor]], list[int]]:
