@@ -22,12 +22,30 @@ def settings(**kw) -> EngineSettings:
     return EngineSettings(**{**base, **kw})
 
 
-def mixed_requests() -> dict[int, list[Request]]:
+GREEDY_PROMPT = prompt(5, 1)
+GREEDY = dict(temperature=0.0, max_tokens=12)
+
+
+def greedy_stop(model, config, **kw) -> tuple[int, int]:
+    """(stop id, its position): the first token of the greedy request alone on this engine path, from its 5th of
+    8 on, that appears there for the first time (and is not EOS), so that a stop on it ends the request mid-stream.
+    Taken from the model's own bits rather than hard-coded (a kernel that rounds differently changes the random
+    model's tokens)."""
+    request = Request("probe", list(GREEDY_PROMPT), SamplingParams(**{**GREEDY, "max_tokens": 8}))
+    tokens = Engine(model, config, settings(**kw)).generate([request])[0].token_ids
+    new = (i for i in range(4, len(tokens)) if tokens[i] not in tokens[:i] and tokens[i] not in config.eos_token_ids)
+    at = next(new, None)
+    assert at is not None, f"greedy tokens {tokens}: no new token mid-stream to stop on"
+    return tokens[at], at + 1
+
+
+def mixed_requests(stop_id: int) -> dict[int, list[Request]]:
     """Requests by the step they arrive at: greedy and seeded, stop ids, max_tokens, a shared prefix."""
     shared = prompt(17, 9)
+    greedy = SamplingParams(**GREEDY, stop_token_ids=(stop_id,))
     return {
         0: [
-            Request("greedy", prompt(5, 1), SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(54,))),
+            Request("greedy", list(GREEDY_PROMPT), greedy),
             Request("seeded", prompt(9, 2), SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=14)),
             Request("first", shared + [5, 6], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)),
         ],
@@ -92,11 +110,12 @@ def test_async_equals_sync_over_interleaved_requests(cpu_interpreter, kernel_mod
     """Arrivals mid-run (their chunked prefills join decode batches), a prefix-cache hit, greedy and seeded
     sampling, stop ids and max_tokens hit mid-stream, an abort mid-run."""
     model = kernel_model.with_ops("fast")
-    sync, overlapped, engine, _ = both_ways(model, kernel_config, mixed_requests, {8: "aborted"})
+    stop_id, stop_len = greedy_stop(model, kernel_config)
+    sync, overlapped, engine, _ = both_ways(model, kernel_config, lambda: mixed_requests(stop_id), {8: "aborted"})
     assert overlapped == sync
     reasons = {rid: reason for rid, (_, reason, _) in sync.items()}
     assert reasons["aborted"] == "abort" and reasons["first"] == "length" and reasons["stop-id"] == "stop"
-    assert sync["greedy"][1] == "stop" and len(sync["greedy"][0]) == 5  # its stop id, long before max_tokens
+    assert sync["greedy"][1] == "stop" and len(sync["greedy"][0]) == stop_len  # its stop id, before max_tokens
     assert sync["hit"][2] > 0 and 0 < len(sync["aborted"][0]) < 30
     assert engine.num_steps["async"] > 0 and engine.num_steps["sync"] > 0
 
@@ -126,7 +145,9 @@ def test_async_equals_sync_under_preemption(cpu_interpreter, kernel_model, kerne
 def test_async_equals_sync_on_the_gpu_with_cuda_graphs(cuda_device, kernel_model, kernel_config):
     model = kernel_model.to("cuda").with_ops("auto")
     try:
-        sync, overlapped, engine, _ = both_ways(model, kernel_config, mixed_requests, {8: "aborted"}, device="cuda")
+        stop_id, _ = greedy_stop(model, kernel_config, device="cuda")
+        requests = lambda: mixed_requests(stop_id)  # noqa: E731
+        sync, overlapped, engine, _ = both_ways(model, kernel_config, requests, {8: "aborted"}, device="cuda")
     finally:
         kernel_model.to("cpu")
     assert engine.runner.decode_graphs.capture
