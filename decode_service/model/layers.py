@@ -44,14 +44,26 @@ class Linear(nn.Linear):
         return self.ops.linear(x, self.weight)
 
 
+def tap_major(weight: torch.Tensor) -> torch.Tensor:
+    """A conv weight `[C, 1, K]` with its storage in `[K, 1, C]` order (a view when it already is): each tap's
+    weights are one contiguous channel vector, as the conv kernels load them."""
+    return weight.permute(2, 1, 0).contiguous().permute(2, 1, 0)
+
+
 class ShortConv(nn.Module):
     """Depthwise causal conv over time with an identity residual, in fp32 (spec 4.2):
-    `y[t] = x[t] + sum_j w[:, j] * x[t - (K-1) + j]`, with the last K-1 inputs carried in the cache."""
+    `y[t] = x[t] + sum_j w[:, j] * x[t - (K-1) + j]`, with the last K-1 inputs carried in the cache. The weight
+    `[C, 1, K]` is stored tap-major (`tap_major`); a checkpoint's `[C, 1, K]` tensor is re-laid when adopted."""
 
     def __init__(self, channels: int, kernel_size: int, layer: int, index: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel_size, dtype=torch.float32))
+        self.weight = nn.Parameter(tap_major(torch.zeros(channels, 1, kernel_size, dtype=torch.float32)))
         self.layer, self.index = layer, index  # where this conv's state lives in a sequence's caches
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if not self.weight.permute(2, 1, 0).is_contiguous():  # adopted in the checkpoint's layout
+            self.weight = nn.Parameter(tap_major(self.weight.detach()), requires_grad=self.weight.requires_grad)
 
     def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[n, C]` new inputs, state `[K-1, C]` previous inputs -> (y `[n, C]`, new state `[K-1, C]`)."""

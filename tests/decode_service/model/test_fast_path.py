@@ -18,7 +18,7 @@ from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.collectives import SINGLE
 from decode_service.model.fast_path import FAST, resolve_ops, supports_batched_decode
 from decode_service.model.inkling import InklingDecoder
-from decode_service.model.layers import Bf16Experts, NVFP4Experts, SharedExperts
+from decode_service.model.layers import Bf16Experts, NVFP4Experts, SharedExperts, ShortConv
 from decode_service.model.ops import REFERENCE, bf16_experts_reference, nvfp4_experts_reference
 from kernels import skinny_gemm
 from kernels.moe import unshuffle_nvfp4
@@ -148,6 +148,23 @@ def test_fast_ops_keep_nvfp4_experts_in_the_kernels_layout():
     ids = torch.tensor([[0, 1], [1, 2], [3, 0]])
     wts = torch.rand(3, 2)
     assert torch.equal(again.layers[2].mlp.experts(x, ids, wts), model.layers[2].mlp.experts(x, ids, wts))
+
+
+def test_conv_weights_are_adopted_tap_major():
+    """A checkpoint's `[C, 1, K]` conv weights are re-laid when adopted: each tap's weights one contiguous channel
+    vector (as the conv kernels load them), the same values; a model built from that one shares them."""
+    model = tiny_model()
+    with torch.device("meta"):
+        adopted = InklingDecoder(model.config, NVFP4_LAYERS)
+    adopted.adopt({name: t.detach().contiguous() for name, t in model.state_dict().items()})  # checkpoint layout
+    fast = adopted.with_ops("fast")
+    convs = [(name, m) for name, m in adopted.named_modules() if isinstance(m, ShortConv)]
+    assert len(convs) == 4 * model.config.num_layers
+    for name, conv in convs:
+        c, _, k = conv.weight.shape
+        assert conv.weight.stride() == (1, c, c) and conv.weight[:, 0, :].stride() == (1, c)
+        assert torch.equal(conv.weight, model.get_submodule(name).weight)
+        assert fast.get_submodule(name).weight.data_ptr() == conv.weight.data_ptr()
 
 
 def test_fast_ops_keep_the_checkpoint_layout_below_the_shuffled_k_tiles():
