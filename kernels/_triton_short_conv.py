@@ -1,14 +1,17 @@
 """Triton code for the decode step of the short convs. Public entries: kernels/short_conv.py.
 
-``conv_block`` is one channel block of one sequence: it reads the sequence's ``K-1`` state rows as one
-``[STATE_ROWS, BLOCK_C]`` tile, forms ``y = x + sum_j window[j] * w[:, j]`` in fp32 with the terms added in order
+``conv_tile`` is a ``[rows, channels]`` tile of one new token per sequence: it reads each of the ``K-1`` state rows
+of its sequences as its own tile (state rows are contiguous channel vectors, in the layout of x's tile, so no
+value moves between threads), forms ``y = x + sum_j window[j] * w[:, j]`` in fp32 with the terms added in order
 j = 0..K-1 (as ``ShortConv.step`` does; launches pass ``enable_fp_fusion=False`` so no product is fused into an
-add), then shifts the state in place: old rows 1..K-2 move down one, x becomes the newest row. A barrier between
-the read and the writes keeps a thread from overwriting a row that another thread of the program still reads.
+add), then shifts the states in place: old rows 1..K-2 move down one, x becomes the newest row. Each tap's
+weights are read once per program for all its rows (``load_rows``). A barrier between the reads and the writes
+keeps a thread from overwriting a row that another thread of the program still reads.
 
-``conv_decode_kernel``: program (b, channel block), or program b looping over the channel blocks twice when the
-row is normalised too. ``kv_prologue_kernel``: program (b, kv head) convolves the head's k and v channels,
-k-norms the head and writes both into the KV pool; with HAS_Q it also q-norms the head's group of query heads.
+``conv_decode_kernel``: program (row group, channel block), or program (row group) looping over the channel blocks
+twice when the rows are normalised too. ``kv_prologue_kernel``: program (row group, kv head) convolves the head's k
+and v channels, k-norms the head and writes both into the KV pool; with HAS_Q it also q-norms the head's group of
+query heads of each of its rows.
 """
 
 import torch
@@ -21,62 +24,89 @@ TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat1
 
 
 @triton.jit
-def conv_block(
+def load_rows(ptrs, mask, ONCE: tl.constexpr):
+    """The values at ``ptrs`` ``[rows, channels]`` (the same pointers down the rows) in the tile's layout. ONCE: for
+    tiles whose rows lie in each thread's registers, a load of the first row only: the other rows read -0.0 and
+    the sum over the rows is exactly the first row (``v + -0.0`` is v, bit for bit), which the compiler folds into
+    that row's registers. Else a load per row (where rows lie in different threads, which read the same lines)."""
+    if ONCE:
+        first = (tl.arange(0, ptrs.shape[0]) == 0)[:, None]
+        values = tl.broadcast_to(tl.sum(tl.load(ptrs, mask=first & mask, other=-0.0), axis=0)[None, :], ptrs.shape)
+    else:
+        values = tl.load(ptrs, mask=mask, other=0.0)
+    return values
+
+
+@triton.jit
+def conv_tile(
     X,
     S,
     W,
+    x_rows,
+    s_rows,
     cols,
-    mask,
+    row_mask,
+    col_mask,
     stride_sk,
     stride_wc,
     stride_wk,
     KERNEL_SIZE: tl.constexpr,
-    STATE_ROWS: tl.constexpr,
+    WEIGHTS_ONCE: tl.constexpr,
 ):
-    """Channels ``cols`` of one sequence: X its input row, S its state ``[K-1, C]`` -> y in x's dtype."""
-    x = tl.load(X + cols, mask=mask, other=0.0)
-    rows = tl.arange(0, STATE_ROWS)
-    s_mask = (rows < KERNEL_SIZE - 1)[:, None] & mask[None, :]
-    s_ptrs = S + rows[:, None] * stride_sk + cols[None, :]
-    window = tl.load(s_ptrs, mask=s_mask, other=0.0).to(x.dtype).to(tl.float32)  # [STATE_ROWS, BLOCK_C]
-    w = tl.load(W + cols[None, :] * stride_wc + rows[:, None] * stride_wk, mask=s_mask, other=0.0).to(tl.float32)
-    terms = window * w
-    conv = tl.zeros(cols.shape, dtype=tl.float32)
+    """Channels ``cols`` of the rows at offsets ``x_rows`` of X, their states ``[K-1, C]`` at offsets ``s_rows`` of
+    S -> y ``[rows, channels]`` in x's dtype; each tap's weights read as ``load_rows(..., WEIGHTS_ONCE)``."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    s_ptrs = S + s_rows[:, None] + cols[None, :]
+    w_ptrs = tl.broadcast_to(W + (cols * stride_wc)[None, :], x.shape)  # [rows, channels], equal down the rows
+    window = ()  # the K-1 state rows in x's dtype, oldest first
+    conv = tl.zeros(x.shape, dtype=tl.float32)
     for j in tl.static_range(KERNEL_SIZE - 1):
-        conv += tl.sum(tl.where(rows[:, None] == j, terms, 0.0), axis=0)  # exactly term j
+        s = tl.load(s_ptrs + j * stride_sk, mask=mask, other=0.0).to(x.dtype)
+        conv += s.to(tl.float32) * load_rows(w_ptrs + j * stride_wk, col_mask[None, :], WEIGHTS_ONCE).to(tl.float32)
+        window = window + (s,)
     xf = x.to(tl.float32)
-    w_last = tl.load(W + cols * stride_wc + (KERNEL_SIZE - 1) * stride_wk, mask=mask, other=0.0).to(tl.float32)
-    conv += xf * w_last
+    conv += xf * load_rows(w_ptrs + (KERNEL_SIZE - 1) * stride_wk, col_mask[None, :], WEIGHTS_ONCE).to(tl.float32)
     y = (xf + conv).to(x.dtype)
     tl.debug_barrier()
     state_ty = S.dtype.element_ty
-    tl.store(s_ptrs - stride_sk, window.to(state_ty), mask=s_mask & (rows >= 1)[:, None])
-    tl.store(S + (KERNEL_SIZE - 2) * stride_sk + cols, x.to(state_ty), mask=mask)
+    for j in tl.static_range(1, KERNEL_SIZE - 1):
+        tl.store(s_ptrs + (j - 1) * stride_sk, window[j].to(state_ty), mask=mask)
+    tl.store(s_ptrs + (KERNEL_SIZE - 2) * stride_sk, x.to(state_ty), mask=mask)
     return y
 
 
 @triton.jit
 def _conv_out(
     X,
-    S,
+    States,
     W,
     Res,
     Out,
+    x_rows,
+    s_rows,
+    rows,
     cols,
-    mask,
+    row_mask,
+    col_mask,
     stride_sk,
     stride_wc,
     stride_wk,
+    stride_rm,
+    stride_om,
     KERNEL_SIZE: tl.constexpr,
-    STATE_ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ):
-    """``conv_block`` plus the residual add (rounded to x's dtype); stores and returns the output in fp32."""
-    out = conv_block(X, S, W, cols, mask, stride_sk, stride_wc, stride_wk, KERNEL_SIZE, STATE_ROWS)
+    """``conv_tile`` plus the residual add (rounded to x's dtype); stores and returns the output in fp32."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    if HAS_RESIDUAL:  # loaded first: conv_tile's barrier would hold the load back until the states are read
+        r = tl.load(Res + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+    out = conv_tile(
+        X, States, W, x_rows, s_rows, cols, row_mask, col_mask, stride_sk, stride_wc, stride_wk, KERNEL_SIZE, True
+    )
     if HAS_RESIDUAL:
-        r = tl.load(Res + cols, mask=mask, other=0.0)
         out = (r.to(tl.float32) + out.to(tl.float32)).to(out.dtype)
-    tl.store(Out + cols, out, mask=mask)
+    tl.store(Out + rows[:, None] * stride_om + cols[None, :], out, mask=mask)
     return out.to(tl.float32)
 
 
@@ -90,6 +120,7 @@ def conv_decode_kernel(
     Out,
     NormW,
     Normed,
+    n_rows,
     n_cols,
     eps,
     stride_xm,
@@ -101,49 +132,54 @@ def conv_decode_kernel(
     stride_om,
     stride_nm,
     KERNEL_SIZE: tl.constexpr,
-    STATE_ROWS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     NUM_BLOCKS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    X += b * stride_xm
-    States += tl.load(Slots + b).to(tl.int64) * stride_ss
-    Res += b * stride_rm
-    Out += b * stride_om
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_mask = rows < n_rows
+    rows = rows.to(tl.int64)
+    x_rows = rows * stride_xm
+    s_rows = tl.load(Slots + rows, mask=row_mask, other=0) * stride_ss
     offs = tl.arange(0, BLOCK_C)
     if not HAS_NORM:
         cols = tl.program_id(1) * BLOCK_C + offs
         _conv_out(
-            X, States, W, Res, Out, cols, cols < n_cols, stride_sk, stride_wc, stride_wk,
-            KERNEL_SIZE, STATE_ROWS, HAS_RESIDUAL,
+            X, States, W, Res, Out, x_rows, s_rows, rows, cols, row_mask, cols < n_cols, stride_sk, stride_wc,
+            stride_wk, stride_rm, stride_om, KERNEL_SIZE, HAS_RESIDUAL,
         )  # fmt: skip
     elif NUM_BLOCKS == 1:
-        mask = offs < n_cols
+        col_mask = offs < n_cols
         out = _conv_out(
-            X, States, W, Res, Out, offs, mask, stride_sk, stride_wc, stride_wk, KERNEL_SIZE, STATE_ROWS, HAS_RESIDUAL
-        )
-        rstd = tl.rsqrt(tl.sum(out * out, axis=0) / n_cols + eps)
-        normed = rms_apply(out, rstd, tl.load(NormW + offs, mask=mask, other=0.0), X.dtype.element_ty)
-        tl.store(Normed + b * stride_nm + offs, normed.to(Normed.dtype.element_ty), mask=mask)
+            X, States, W, Res, Out, x_rows, s_rows, rows, offs, row_mask, col_mask, stride_sk, stride_wc, stride_wk,
+            stride_rm, stride_om, KERNEL_SIZE, HAS_RESIDUAL,
+        )  # fmt: skip
+        rstd = tl.rsqrt(tl.sum(out * out, axis=1) / n_cols + eps)
+        nw = tl.load(NormW + offs, mask=col_mask, other=0.0)
+        normed = rms_apply(out, rstd[:, None], nw[None, :], X.dtype.element_ty)
+        mask = row_mask[:, None] & col_mask[None, :]
+        tl.store(Normed + rows[:, None] * stride_nm + offs[None, :], normed.to(Normed.dtype.element_ty), mask=mask)
     else:
-        sum_sq = 0.0
+        sum_sq = tl.zeros((BLOCK_B,), dtype=tl.float32)
         for block in range(NUM_BLOCKS):
             cols = block * BLOCK_C + offs
             out = _conv_out(
-                X, States, W, Res, Out, cols, cols < n_cols, stride_sk, stride_wc, stride_wk,
-                KERNEL_SIZE, STATE_ROWS, HAS_RESIDUAL,
+                X, States, W, Res, Out, x_rows, s_rows, rows, cols, row_mask, cols < n_cols, stride_sk, stride_wc,
+                stride_wk, stride_rm, stride_om, KERNEL_SIZE, HAS_RESIDUAL,
             )  # fmt: skip
-            sum_sq += tl.sum(out * out, axis=0)
+            sum_sq += tl.sum(out * out, axis=1)
         rstd = tl.rsqrt(sum_sq / n_cols + eps)
-        tl.debug_barrier()  # the row of Out written above is read back by other threads below
+        tl.debug_barrier()  # the rows of Out written above are read back by other threads below
         for block in range(NUM_BLOCKS):
             cols = block * BLOCK_C + offs
-            mask = cols < n_cols
-            out = tl.load(Out + cols, mask=mask, other=0.0).to(tl.float32)
-            normed = rms_apply(out, rstd, tl.load(NormW + cols, mask=mask, other=0.0), X.dtype.element_ty)
-            tl.store(Normed + b * stride_nm + cols, normed.to(Normed.dtype.element_ty), mask=mask)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            out = tl.load(Out + rows[:, None] * stride_om + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            nw = tl.load(NormW + cols, mask=col_mask, other=0.0)
+            normed = rms_apply(out, rstd[:, None], nw[None, :], X.dtype.element_ty)
+            tl.store(Normed + rows[:, None] * stride_nm + cols[None, :], normed.to(Normed.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -162,6 +198,7 @@ def kv_prologue_kernel(
     Q,
     QNormW,
     QOut,
+    n_rows,
     eps,
     q_eps,
     stride_km,
@@ -183,44 +220,51 @@ def kv_prologue_kernel(
     stride_qom,
     stride_qoh,
     KERNEL_SIZE: tl.constexpr,
-    STATE_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NORM_DTYPE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     HAS_Q: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_ROWS: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_mask = rows < n_rows
+    rows = rows.to(tl.int64)
     head = tl.program_id(1)
-    slot = tl.load(Slots + b).to(tl.int64)
-    row = tl.load(KvRows + b).to(tl.int64)
+    slots = tl.load(Slots + rows, mask=row_mask, other=0)
+    pool_rows = tl.load(KvRows + rows, mask=row_mask, other=0)
     offs = tl.arange(0, HEAD_DIM)
     cols = head * HEAD_DIM + offs
-    mask = offs < HEAD_DIM
+    col_mask = offs < HEAD_DIM
+    mask = row_mask[:, None] & col_mask[None, :]
 
-    k = conv_block(
-        K0 + b * stride_km, KStates + slot * stride_kss, KW, cols, mask, stride_ksk, stride_kwc, stride_kwk,
-        KERNEL_SIZE, STATE_ROWS,
+    k = conv_tile(
+        K0, KStates, KW, rows * stride_km, slots * stride_kss, cols, row_mask, col_mask, stride_ksk, stride_kwc,
+        stride_kwk, KERNEL_SIZE, False,
     ).to(tl.float32)  # fmt: skip
-    rstd = tl.rsqrt(tl.sum(k * k, axis=0) / HEAD_DIM + eps)
-    k = rms_apply(k, rstd, tl.load(KNormW + offs), K0.dtype.element_ty).to(NORM_DTYPE)
-    tl.store(KPool + row * stride_kpr + head * stride_kph + offs, k.to(KPool.dtype.element_ty))
+    rstd = tl.rsqrt(tl.sum(k * k, axis=1) / HEAD_DIM + eps)
+    k = rms_apply(k, rstd[:, None], tl.load(KNormW + offs)[None, :], K0.dtype.element_ty).to(NORM_DTYPE)
+    k_ptrs = KPool + pool_rows[:, None] * stride_kpr + head * stride_kph + offs[None, :]
+    tl.store(k_ptrs, k.to(KPool.dtype.element_ty), mask=mask)
 
-    v = conv_block(
-        V0 + b * stride_vm, VStates + slot * stride_vss, VW, cols, mask, stride_vsk, stride_vwc, stride_vwk,
-        KERNEL_SIZE, STATE_ROWS,
+    v = conv_tile(
+        V0, VStates, VW, rows * stride_vm, slots * stride_vss, cols, row_mask, col_mask, stride_vsk, stride_vwc,
+        stride_vwk, KERNEL_SIZE, False,
     )  # fmt: skip
-    tl.store(VPool + row * stride_vpr + head * stride_vph + offs, v.to(VPool.dtype.element_ty))
+    v_ptrs = VPool + pool_rows[:, None] * stride_vpr + head * stride_vph + offs[None, :]
+    tl.store(v_ptrs, v.to(VPool.dtype.element_ty), mask=mask)
 
-    if HAS_Q:  # query heads head * GROUP .. (head + 1) * GROUP, one row each
-        g = tl.arange(0, GROUP_ROWS)
-        q_heads = head * GROUP + g
-        q_mask = (g < GROUP)[:, None] & mask[None, :]
-        qx = tl.load(Q + b * stride_qm + q_heads[:, None] * stride_qh + offs[None, :], mask=q_mask, other=0.0)
+    if HAS_Q:  # query heads head * GROUP .. (head + 1) * GROUP of each row: tile row i is (row i // GROUP_ROWS, g)
+        i = tl.arange(0, BLOCK_B * GROUP_ROWS)
+        q_rows = tl.program_id(0) * BLOCK_B + i // GROUP_ROWS
+        g = i % GROUP_ROWS
+        q_rows, q_heads = q_rows.to(tl.int64), head * GROUP + g
+        q_mask = ((q_rows < n_rows) & (g < GROUP))[:, None] & col_mask[None, :]
+        qx = tl.load(Q + (q_rows * stride_qm + q_heads * stride_qh)[:, None] + offs[None, :], mask=q_mask, other=0.0)
         qf = qx.to(tl.float32)
         q_rstd = tl.rsqrt(tl.sum(qf * qf, axis=1) / HEAD_DIM + q_eps)
         qn = rms_apply(qf, q_rstd[:, None], tl.load(QNormW + offs)[None, :], Q.dtype.element_ty)
-        q_ptrs = QOut + b * stride_qom + q_heads[:, None] * stride_qoh + offs[None, :]
+        q_ptrs = QOut + (q_rows * stride_qom + q_heads * stride_qoh)[:, None] + offs[None, :]
         tl.store(q_ptrs, qn.to(QOut.dtype.element_ty), mask=q_mask)
 
 

@@ -27,8 +27,17 @@ import torch
 from kernels.rms_norm import rms_norm_reference
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_BLOCK_C = 512  # channels per program without the norm (H200, C=4096: 3.7 us at B=1 against 4.2 with 1024)
-_NORM_BLOCK_C = 4096  # channels per loop step of a normalising program (one program per row)
+# (rows, channels, warps) per program of conv_decode without the norm, by batch size: the first entry whose bound
+# is None or at least B (H200, C=4096, bf16 states, fp32 tap-major weights; bench/bench_conv.py). A program loads
+# its channels' weights once for all its rows.
+CONV_TILES = ((16, (1, 512, 2)), (64, (2, 512, 2)), (None, (4, 512, 2)))
+NORM_TILES = (1, 4096, 16)  # a normalising program: whole rows, in steps of this many channels
+KV_TILES = ((16, (1, 1)), (None, (4, 2)))  # (rows, warps) per program of kv_prologue, one kv head of each row
+
+
+def tiles_for(table: tuple, b: int) -> tuple[int, ...]:
+    """The tiles of ``table`` (``CONV_TILES``, ``KV_TILES``) for B rows."""
+    return next(tiles for bound, tiles in table if bound is None or b <= bound)
 
 
 def _check_conv(name: str, x: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor) -> int:
@@ -65,9 +74,12 @@ def conv_decode(
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    tiles: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x ``[B, C]``, states ``[num_slots, K-1, C]`` (updated in place at ``slots``), slots int64 ``[B]``, weight
-    ``[C, K]`` -> (``y`` or ``residual + y`` in x's dtype ``[B, C]``, its RMSNorm by ``norm_weight`` or None)."""
+    ``[C, K]`` -> (``y`` or ``residual + y`` in x's dtype ``[B, C]``, its RMSNorm by ``norm_weight`` or None).
+    ``tiles``: (rows, channels, warps) per program (channels per loop step when normalising); by default
+    ``CONV_TILES``' for B, or ``NORM_TILES``. At most one warp per 256 elements of a program's tile."""
     import triton
 
     from kernels import _triton_short_conv as tk
@@ -91,11 +103,13 @@ def conv_decode(
         normed = torch.empty((b, c), dtype=torch.promote_types(norm_weight.dtype, x.dtype), device=x.device)
     if b == 0:
         return out, normed
-    block_c = min(triton.next_power_of_2(c), _NORM_BLOCK_C if normed is not None else _BLOCK_C)
+    block_b, block_c, num_warps = tiles or (NORM_TILES if normed is not None else tiles_for(CONV_TILES, b))
+    block_c = min(triton.next_power_of_2(c), block_c)
+    num_warps = min(num_warps, max(1, block_b * block_c // 256))
     num_blocks = triton.cdiv(c, block_c)
-    # Grid: (row, channel block); a normalising program needs the whole row, so then one program per row.
+    # Grid: (row group, channel block), or row groups alone when normalising (each loops over the blocks).
     # enable_fp_fusion=False: no product is fused into an add, so the sums round like ShortConv.step's.
-    tk.conv_decode_kernel[(b, 1 if normed is not None else num_blocks)](
+    tk.conv_decode_kernel[(triton.cdiv(b, block_b), 1 if normed is not None else num_blocks)](
         x,
         states,
         slots,
@@ -104,6 +118,7 @@ def conv_decode(
         out,
         norm_weight if norm_weight is not None else weight,
         normed if normed is not None else out,
+        b,
         c,
         float(eps),
         x.stride(0),
@@ -115,12 +130,12 @@ def conv_decode(
         out.stride(0),
         normed.stride(0) if normed is not None else 0,
         KERNEL_SIZE=k,
-        STATE_ROWS=triton.next_power_of_2(k - 1),
+        BLOCK_B=block_b,
         BLOCK_C=block_c,
         NUM_BLOCKS=num_blocks,
         HAS_RESIDUAL=residual is not None,
         HAS_NORM=normed is not None,
-        num_warps=min(16, max(1, block_c // 256)),
+        num_warps=num_warps,
         enable_fp_fusion=False,
     )
     return out, normed
@@ -205,10 +220,12 @@ def kv_prologue(
     q: torch.Tensor | None = None,
     q_norm_weight: torch.Tensor | None = None,
     q_eps: float = 1e-6,
+    tiles: tuple[int, int] | None = None,
 ) -> torch.Tensor | None:
     """k0, v0 ``[B, nKV*hd]`` -> ``k_pool[kv_rows] = k_norm(conv_k(k0))``, ``v_pool[kv_rows] = conv_v(v0)``
     (pools ``[rows, nKV, hd]``), conv states ``[num_slots, K-1, nKV*hd]`` updated in place at ``slots``; returns
-    ``q_norm(q)`` ``[B, nH, hd]`` (contiguous, dtype of q and q_norm_weight promoted) when q is given, else None."""
+    ``q_norm(q)`` ``[B, nH, hd]`` (contiguous, dtype of q and q_norm_weight promoted) when q is given, else None.
+    ``tiles``: (rows, warps) per program, by default ``KV_TILES``' for B."""
     import triton
 
     from kernels import _triton_short_conv as tk
@@ -223,9 +240,10 @@ def kv_prologue(
         q_out = torch.empty(q.shape, dtype=torch.promote_types(q_norm_weight.dtype, q.dtype), device=q.device)
     if b == 0:
         return q_out
-    # Grid: (row, kv head); a program holds one head of k and of v (hd channels), the span of the k-norm, and
-    # the kv head's group of query heads.
-    tk.kv_prologue_kernel[(b, n_kv)](
+    # Grid: (row group, kv head); a program holds one head of k and of v (hd channels, the span of the k-norm) and
+    # the kv head's group of query heads, of each of its rows.
+    block_b, num_warps = tiles or tiles_for(KV_TILES, b)
+    tk.kv_prologue_kernel[(triton.cdiv(b, block_b), n_kv)](
         k0,
         v0,
         k_states,
@@ -240,6 +258,7 @@ def kv_prologue(
         q if q is not None else k0,
         q_norm_weight if q is not None else k_norm_weight,
         q_out if q is not None else k0,
+        b,
         float(eps),
         float(q_eps),
         k0.stride(0),
@@ -261,13 +280,13 @@ def kv_prologue(
         q_out.stride(0) if q is not None else 0,
         q_out.stride(1) if q is not None else 0,
         KERNEL_SIZE=k,
-        STATE_ROWS=triton.next_power_of_2(k - 1),
         HEAD_DIM=hd,
         NORM_DTYPE=tk.TL_DTYPES[torch.promote_types(k_norm_weight.dtype, k0.dtype)],
+        BLOCK_B=block_b,
         HAS_Q=q is not None,
         GROUP=max(group, 1),
         GROUP_ROWS=triton.next_power_of_2(max(group, 1)),
-        num_warps=max(1, hd // 128),
+        num_warps=num_warps,
         enable_fp_fusion=False,
     )
     return q_out

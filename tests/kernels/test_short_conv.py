@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-import kernels.short_conv as short_conv_module
 from decode_service.model.layers import RMSNorm, ShortConv
 from kernels.short_conv import conv_decode, conv_decode_reference, kv_prologue, kv_prologue_reference
 
@@ -50,14 +49,15 @@ CONV_CASES = [
 
 @pytest.mark.parametrize("b,c,k,dtype,state_dtype", CONV_CASES)
 @pytest.mark.parametrize("variant", ["plain", "residual", "norm", "residual+norm"])
-def test_conv_decode_matches_reference(cpu_interpreter, b, c, k, dtype, state_dtype, variant):
+@pytest.mark.parametrize("tiles", [None, (2, 512, 2), (4, 32, 1)])  # None: as built; 2 or 4 rows per program
+def test_conv_decode_matches_reference(cpu_interpreter, b, c, k, dtype, state_dtype, variant, tiles):
     gen = torch.Generator().manual_seed(b * c + k)
     exact = torch.bfloat16 in (dtype, state_dtype)
     x, states, slots, weight, residual, norm_weight = conv_inputs(b, c, k, dtype, state_dtype, gen, exact=exact)
     residual = residual if "residual" in variant else None
     norm_weight = norm_weight if "norm" in variant else None
     before, ref_states = states.clone(), states.clone()
-    out, normed = conv_decode(x, states, slots, weight, residual, norm_weight, EPS)
+    out, normed = conv_decode(x, states, slots, weight, residual, norm_weight, EPS, tiles)
     ref, ref_normed = conv_decode_reference(x, ref_states, slots, weight, residual, norm_weight, EPS)
     assert torch.equal(out, ref)
     assert torch.equal(states, ref_states) and untouched(states, before, slots)
@@ -67,15 +67,14 @@ def test_conv_decode_matches_reference(cpu_interpreter, b, c, k, dtype, state_dt
 
 
 @pytest.mark.parametrize("with_norm", [False, True])
-def test_conv_decode_several_channel_blocks(cpu_interpreter, monkeypatch, with_norm):
-    """Channel blocks narrower than C: several programs per row, or one normalising program looping twice."""
-    monkeypatch.setattr(short_conv_module, "_BLOCK_C", 16)
-    monkeypatch.setattr(short_conv_module, "_NORM_BLOCK_C", 32)
+def test_conv_decode_several_channel_blocks(cpu_interpreter, with_norm):
+    """Channel blocks narrower than C: several programs per row group (of 2 rows, the last one partial), or one
+    normalising program per row group looping over the blocks."""
     gen = torch.Generator().manual_seed(5)
     x, states, slots, weight, residual, norm_weight = conv_inputs(3, 80, 4, torch.float32, torch.float32, gen)
     norm_weight = norm_weight if with_norm else None
     ref_states = states.clone()
-    out, normed = conv_decode(x, states, slots, weight, residual, norm_weight, EPS)
+    out, normed = conv_decode(x, states, slots, weight, residual, norm_weight, EPS, (2, 32 if with_norm else 16, 1))
     ref, ref_normed = conv_decode_reference(x, ref_states, slots, weight, residual, norm_weight, EPS)
     assert torch.equal(out, ref) and torch.equal(states, ref_states)
     if with_norm:
@@ -132,7 +131,8 @@ def prologue_inputs(b, n_kv, hd, k, dtype, state_dtype, pool_dtype, gen, device=
         (3, 1, 32, 4, torch.float16, torch.float32, torch.float32),
     ],
 )
-def test_kv_prologue_matches_reference(cpu_interpreter, b, n_kv, hd, k, dtype, state_dtype, pool_dtype):
+@pytest.mark.parametrize("tiles", [None, (2, 1)])  # None: as built; 2 rows per program
+def test_kv_prologue_matches_reference(cpu_interpreter, b, n_kv, hd, k, dtype, state_dtype, pool_dtype, tiles):
     gen = torch.Generator().manual_seed(b * hd + k)
     exact = torch.bfloat16 in (dtype, state_dtype, pool_dtype)
     k0, v0, k_states, v_states, slots, k_weight, v_weight, k_norm_weight, pool, kv_rows = prologue_inputs(
@@ -141,8 +141,9 @@ def test_kv_prologue_matches_reference(cpu_interpreter, b, n_kv, hd, k, dtype, s
     before, ref_pool = pool.clone(), pool.clone()
     ref_k_states, ref_v_states = k_states.clone(), v_states.clone()
     kv_prologue(
-        k0, v0, k_states, v_states, slots, k_weight, v_weight, k_norm_weight, EPS, pool[:, 0], pool[:, 1], kv_rows
-    )
+        k0, v0, k_states, v_states, slots, k_weight, v_weight, k_norm_weight, EPS, pool[:, 0], pool[:, 1], kv_rows,
+        tiles=tiles,
+    )  # fmt: skip
     kv_prologue_reference(
         k0, v0, ref_k_states, ref_v_states, slots, k_weight, v_weight, k_norm_weight, EPS,
         ref_pool[:, 0], ref_pool[:, 1], kv_rows,
@@ -165,7 +166,8 @@ def query_inputs(b, n_heads, hd, dtype, gen, device="cpu", exact=True):
     "b,n_kv,group,hd,dtype",
     [(1, 2, 1, 16, torch.float32), (3, 2, 4, 32, torch.float16), (2, 1, 3, 16, torch.float32)],  # 3: padded rows
 )
-def test_kv_prologue_norms_the_queries(cpu_interpreter, b, n_kv, group, hd, dtype):
+@pytest.mark.parametrize("tiles", [None, (2, 1)])
+def test_kv_prologue_norms_the_queries(cpu_interpreter, b, n_kv, group, hd, dtype, tiles):
     """With q: the same launch returns `q_norm(q)` `[B, nH, hd]`, and the pools and states are as without q."""
     gen = torch.Generator().manual_seed(b * group + hd)
     k0, v0, k_states, v_states, slots, k_weight, v_weight, k_norm_weight, pool, kv_rows = prologue_inputs(
@@ -177,7 +179,7 @@ def test_kv_prologue_norms_the_queries(cpu_interpreter, b, n_kv, group, hd, dtyp
     q_eps = 1e-5
     normed = kv_prologue(
         k0, v0, k_states, v_states, slots, k_weight, v_weight, k_norm_weight, EPS, pool[:, 0], pool[:, 1], kv_rows,
-        q, q_norm_weight, q_eps,
+        q, q_norm_weight, q_eps, tiles,
     )  # fmt: skip
     ref = kv_prologue_reference(
         k0, v0, ref_k_states, ref_v_states, slots, k_weight, v_weight, k_norm_weight, EPS,
@@ -267,7 +269,7 @@ def test_reference_is_the_model_store_kv():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b", [1, 64, 256])
+@pytest.mark.parametrize("b", [1, 37, 64, 101, 256])  # 37, 101: a partial last row group
 @pytest.mark.parametrize("variant", ["plain", "residual+norm", "norm"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
 def test_conv_decode_gpu_bf16(cuda_device, b, variant, state_dtype):
@@ -288,7 +290,7 @@ def test_conv_decode_gpu_bf16(cuda_device, b, variant, state_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b", [1, 64, 256])
+@pytest.mark.parametrize("b", [1, 37, 64, 256])
 def test_kv_prologue_gpu_bf16(cuda_device, b):
     gen = torch.Generator().manual_seed(b)
     n_kv, hd, k = 8, 128, 4
@@ -308,7 +310,7 @@ def test_kv_prologue_gpu_bf16(cuda_device, b):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b", [1, 64, 256])
+@pytest.mark.parametrize("b", [1, 37, 64, 256])
 def test_kv_prologue_with_queries_gpu_bf16(cuda_device, b):
     gen = torch.Generator().manual_seed(b + 1)
     n_kv, hd, k = 8, 128, 4
