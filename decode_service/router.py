@@ -190,6 +190,11 @@ _REPLICA_FAILURES = frozenset(
 )
 
 
+# A caller's cancellation this close to its deadline is that deadline passing: the caller's timer fires first (our
+# deadline starts when the call arrives) and its cancel may reach us before our own timer does.
+_DEADLINE_SLACK_S = 0.25
+
+
 class RouterMetrics:
     """Every series carries `model_name` (the model the replicas serve, `--model-name`)."""
 
@@ -295,7 +300,7 @@ class RouterServicer(generator_pb2_grpc.GeneratorServicer):
                     yield response
             except asyncio.CancelledError:  # the client cancelled, or its deadline passed
                 remaining = context.time_remaining()
-                expired = remaining is not None and remaining <= 0
+                expired = remaining is not None and remaining <= _DEADLINE_SLACK_S
                 self.metrics.requests.labels("DEADLINE_EXCEEDED" if expired else "CANCELLED").inc()
                 raise
             except grpc.aio.AioRpcError as exc:
