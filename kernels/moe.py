@@ -85,7 +85,7 @@ BF16_WIDE_MIN_PAIRS = 24576  # bf16 weights from here on (T = 4096, 96 pairs per
 # (144 registers: 7 per SM) stay within one wave of the 132 SMs
 SPLIT_K13_MAX_PAIRS = 8
 NARROW_WARPS_MAX_PAIRS = 767  # sorted decode below T = 128 at k = 6: 2-warp tiles (32 weight rows per warp)
-SHUFFLED_NARROW_WARPS_MAX_PAIRS = 1536  # the shuffled layout: 2-warp tiles up to T = 256 (the largest size measured)
+SHUFFLED_NARROW_WARPS_MAX_PAIRS = 3072  # the shuffled layout: 2-warp tiles up to T = 512 (the largest size measured)
 # The shuffled layout's K tiles are at least this wide (32 columns per MMA): on its word-unpacked weights Triton 3.6
 # gives the mma.sync operands kWidth 8, 8 consecutive K columns per thread, which a dot of 16 columns (K tiles of
 # 32, the tiny checkpoint's I = 32) cannot hold: wrong sums (Triton 3.9 bounds kWidth by K; decisions 2026-12-02)
@@ -108,7 +108,9 @@ def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> Mo
       789/815/1561 against 976/1017/2006); bf16 weights: the 64-row tiles as before up to ``BF16_WIDE_MIN_PAIRS``,
       then 128-row blocks of 8 warps (T=4096: gate/up 2502 us against 3464, down 1831 against 1796).
     * ``shuffled`` (``shuffle_nvfp4``'s layout, the model's): the same, but 2-warp sorted tiles up to
-      ``SHUFFLED_NARROW_WARPS_MAX_PAIRS`` (T=256: gate/up 771 us against 822 with 4 warps, down 398 against 468).
+      ``SHUFFLED_NARROW_WARPS_MAX_PAIRS`` (T=256: gate/up 771 us against 822 with 4 warps, down 398 against 468;
+      2026-12-03, the MTP verify's T = B(D+1): T=320 gate/up 887 against 943, down 434 against 490; T=512 1245
+      against 1324, 661 against 726).
 
     Measured and not taken: 16-row blocks (T=256: gate/up 968-1568 us against 858; the 16-wide MMA operand costs
     more than the 15% of blocks it saves), 4-row blocks, 128-row tiles of 8 warps, 128-wide K tiles, 2 or 4
