@@ -47,9 +47,8 @@ from kernels.prefill_attention import (
     PrefillConfig,
     prefill_attention,
     prefill_attention_reference,
-    rel_bias_table,
-    rel_bias_table_reference,
 )
+from kernels.rel_bias import rel_bias_table, rel_bias_table_reference
 
 
 class TilesOps(TritonOps):

@@ -10,8 +10,6 @@ from kernels.prefill_attention import (
     paged_prefill_attention_reference,
     prefill_attention,
     prefill_attention_reference,
-    rel_bias_table,
-    rel_bias_table_reference,
 )
 
 
@@ -212,34 +210,6 @@ def test_prefill_attention_rejects_bad_key_range():
         prefill_attention(q, r, rel_proj, k, v, 6, 1)  # keys 1..10, queries 6..9
     with pytest.raises(ValueError, match="power of two"):
         prefill_attention(q, r[..., :12], rel_proj[:12], k, v, 6, 0)
-
-
-def check_rel_bias_table(r, rel_proj, extent):
-    """The table against the float64 product of the same (rounded) inputs, within the error bound of a d_rel-term
-    fp32 sum in any order with truncating adds (d_rel * 2^-23 * sum |r_k P_k|): the products themselves are exact."""
-    out = rel_bias_table(r, rel_proj, extent)
-    assert out.dtype == torch.float32 and out.shape == (*r.shape[:2], extent) and out.is_contiguous()
-    exact = torch.matmul(r.double(), rel_proj[:, :extent].double())
-    bound = r.shape[-1] * 2.0**-23 * torch.matmul(r.double().abs(), rel_proj[:, :extent].double().abs())
-    assert ((out.double() - exact).abs() <= bound).all()
-    return out
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("n,d_rel,extent", [(1, 16, 48), (37, 16, 200), (5, 8, 16)])
-def test_rel_bias_table_is_the_exact_products_summed_in_fp32(cpu_interpreter, dtype, n, d_rel, extent):
-    gen = torch.Generator().manual_seed(n + d_rel)
-    _, r, rel_proj, _, _ = prefill_inputs(n, 1, 8, 2, 32, d_rel, extent + 9, gen, dtype, stacked=True)
-    out = check_rel_bias_table(r, rel_proj, extent)
-    assert torch.allclose(out, rel_bias_table_reference(r, rel_proj, extent), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.gpu
-def test_rel_bias_table_gpu_bf16(cuda_device):
-    gen = torch.Generator().manual_seed(3)
-    _, r, rel_proj, _, _ = prefill_inputs(2048, 1, 32, 8, 128, 16, 1024, gen, torch.bfloat16, cuda_device, True)
-    for extent in (512, 1024):
-        check_rel_bias_table(r, rel_proj, extent)
 
 
 @pytest.mark.gpu
