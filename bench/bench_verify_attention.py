@@ -9,21 +9,25 @@ the output of the B*W rows. Timings are CUDA-graph replays (median), one layer's
 order, the rows of sequence b at positions ctx-W .. ctx-1; each variant's output is checked against as_seqs'.
 
 ``--splits``: rows_per_seq also at these split counts per (sequence, KV head); ``--tiles``: also at these tiles
-(keys per step/warps/stages, e.g. ``64/4/2``), splits from the target grid.
+(keys per step/warps/stages, e.g. ``64/4/2``), splits from the target grid; ``--bias-table``: also the default tiles
+with the bias read from the rows' precomputed ``r @ P`` table (its launch included), or formed in the kernel,
+whichever the default is not.
 
     python3 -m bench.bench_verify_attention [--batches 1 64] [--widths 1 3 5] [--splits 1 4 16] [--tiles 64/4/2]
+        [--bias-table]
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 
 import torch
 
 from bench.floors import measure_ceilings, row, time_graph_ms
-from kernels.attention import DecodeConfig, paged_decode_attention
+from kernels.attention import default_config, paged_decode_attention
 
 NH, NKV, HD, DREL, PAGE = 32, 8, 128, 16, 16
 CASES = (("global", 1024, None), ("global", 8192, None), ("sliding", 1024, 512))  # layer, ctx, window
@@ -35,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 3, 5])
     parser.add_argument("--splits", type=int, nargs="*", default=[], help="also rows_per_seq at these split counts")
     parser.add_argument("--tiles", nargs="*", default=[], help="also rows_per_seq at these keys/warps/stages")
+    parser.add_argument("--bias-table", action="store_true", help="also the other way of forming the bias")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     ceil = measure_ceilings()
@@ -57,11 +62,23 @@ def main(argv: Sequence[str] | None = None) -> None:
                 floor = ceil.floor_us(n_bytes)
                 per_row = table.repeat_interleave(w, 0)
                 variants = {"as_seqs": (per_row, 1, None, None)}
+                if args.bias_table:
+                    config = default_config(b * w, NKV, ctx, window, NH // NKV)
+                    variants[f"as_seqs/table={not config.bias_table}"] = (
+                        per_row, 1, None, replace(config, bias_table=not config.bias_table)
+                    )  # fmt: skip
                 if w > 1:
                     variants["rows_per_seq"] = (table, w, None, None)
+                    if args.bias_table:
+                        config = default_config(b, NKV, ctx, window, NH // NKV, w)
+                        variants[f"rows/table={not config.bias_table}"] = (
+                            table, w, None, replace(config, bias_table=not config.bias_table)
+                        )  # fmt: skip
                     variants.update({f"rows/s{s}": (table, w, s, None) for s in args.splits})
-                    for tile in args.tiles:
-                        config = DecodeConfig(*(int(x) for x in tile.split("/")))
+                    for tile in args.tiles:  # the default's bias and grid, these tiles
+                        block_n, warps, stages = (int(x) for x in tile.split("/"))
+                        config = replace(default_config(b, NKV, ctx, window, NH // NKV, w), block_n=block_n,
+                                         num_warps=warps, num_stages=stages)  # fmt: skip
                         variants[f"rows/{tile}"] = (table, w, None, config)
                 ref = None  # the as_seqs output (the kernel tests compare both with the torch reference)
                 for name, (t, rows, splits, config) in variants.items():

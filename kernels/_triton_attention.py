@@ -44,6 +44,7 @@ def attn_decode_split_kernel(
     Q,
     R,
     P,
+    Bias,
     K,
     V,
     SeqLens,
@@ -62,6 +63,8 @@ def attn_decode_split_kernel(
     stride_rb,
     stride_rh,
     stride_pd,
+    stride_bm,
+    stride_bh,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -89,6 +92,7 @@ def attn_decode_split_kernel(
     ROWS: tl.constexpr,
     SPLIT: tl.constexpr,
     REL_PRECISION: tl.constexpr,
+    BIAS_TABLE: tl.constexpr,
 ):
     b = tl.program_id(0)  # the sequence (its ROWS query rows are b*ROWS .. b*ROWS+ROWS-1)
     kv_head = tl.program_id(1)
@@ -124,9 +128,14 @@ def attn_decode_split_kernel(
         mask=h_mask[:, None],
         other=0.0,
     )
-    r = tl.load(
-        R + q_row[:, None] * stride_rb + heads[:, None] * stride_rh + offs_r[None, :], mask=h_mask[:, None], other=0.0
-    )  # [BLOCK_H, D_REL]
+    if BIAS_TABLE:  # the tile rows' L(p, .) rows of the precomputed table (r unused)
+        r = Bias + q_row * stride_bm + heads * stride_bh  # [BLOCK_H] pointers
+    else:
+        r = tl.load(
+            R + q_row[:, None] * stride_rb + heads[:, None] * stride_rh + offs_r[None, :],
+            mask=h_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_H, D_REL]
     # Logits in log2 units: (q.k * sm_scale + bias) * tau * log2(e).
     if ROWS == 1:
         logit_scale = 1.4426950408889634
@@ -154,7 +163,8 @@ def attn_decode_split_kernel(
         m_i, l_i, acc = _decode_blocks(
             q, r, P, K_b, V_b, Table, SeqLens, m_i, l_i, acc, near if bias else start, end if bias else near, end,
             b, p, p_row, logit_scale, offs_h, offs_r, offs_d, rel_extent, window, sm_scale, stride_pd, stride_ks,
-            stride_vs, stride_tb, GROUP, BLOCK_N, HAS_WINDOW, PAGED, PAGE_SIZE, ROWS, REL_PRECISION, bias == 1,
+            stride_vs, stride_tb, GROUP, BLOCK_N, HAS_WINDOW, PAGED, PAGE_SIZE, ROWS, REL_PRECISION, BIAS_TABLE,
+            bias == 1,
         )  # fmt: skip
     if SPLIT:  # an unnormalised partial for attn_combine_kernel
         a_ptrs = Acc + q_row[:, None] * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
@@ -173,17 +183,26 @@ def _decode_blocks(
     q, r, P, K_b, V_b, Table, SeqLens, m_i, l_i, acc, begin, stop, end, b, p, p_row, logit_scale, offs_h, offs_r,
     offs_d, rel_extent, window, sm_scale, stride_pd, stride_ks, stride_vs, stride_tb,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, REL_PRECISION: tl.constexpr, NEAR: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, REL_PRECISION: tl.constexpr, BIAS_TABLE: tl.constexpr,
+    NEAR: tl.constexpr,
 ):  # fmt: skip
     """Key blocks ``begin, begin + BLOCK_N, .. < stop`` (keys < ``end``) of one program into its online softmax
-    (m, l, acc); NEAR: the blocks hold keys within some row's bias extent, form the bias."""
+    (m, l, acc); NEAR: the blocks hold keys within some row's bias extent, form the bias (BIAS_TABLE: ``r`` holds
+    the tile rows' pointers into the precomputed table, read at each key's distance)."""
     for s0 in range(begin, stop, BLOCK_N):
         slots = s0 + tl.arange(0, BLOCK_N)
         s_mask = slots < end
         rows = _kv_rows(Table, b, slots, s_mask, stride_tb, PAGED, PAGE_SIZE)
         k = tl.load(K_b + (rows * stride_ks)[:, None] + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_H, BLOCK_N] fp32
-        if NEAR:
+        if NEAR and BIAS_TABLE:
+            if ROWS == 1:
+                delta = tl.broadcast_to((p - slots)[None, :], (offs_h.shape[0], BLOCK_N))
+            else:
+                delta = p_row[:, None] - slots[None, :]  # [BLOCK_H, BLOCK_N]
+            near = (delta >= 0) & (delta < rel_extent) & s_mask[None, :] & (offs_h < GROUP * ROWS)[:, None]
+            s += tl.load(r[:, None] + delta, mask=near, other=0.0)
+        elif NEAR:
             for w in tl.static_range(ROWS):  # row w's heads take columns P[:, p_w - s] (one product per row)
                 if ROWS == 1:
                     p_w = p

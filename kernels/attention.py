@@ -28,29 +28,40 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kernels.rel_bias import rel_bias_table
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tiles of one decode-attention launch: ``block_n`` keys per loop step, the split kernel's warps and pipeline
     stages, and the key splits per (sequence, KV head): ``num_splits``, or None for enough programs to reach
-    ``target_programs`` at the batch. One split writes the output from the split kernel (no combine launch)."""
+    ``target_programs`` at the batch. One split writes the output from the split kernel (no combine launch).
+    ``bias_table``: the bias read from the rows' ``L = r @ P`` table (``rel_bias_table``, one launch before), not
+    formed per key block in the kernel."""
 
     block_n: int = 64
     num_warps: int = 2
     num_stages: int = 3
     num_splits: int | None = None
     target_programs: int = 512
+    bias_table: bool = False
 
 
-def default_config(batch: int, n_kv: int, max_keys: int, window: int | None, tile_rows: int = 1) -> DecodeConfig:
-    """Measured choice (H200, Small shapes, bench_attention --sweep and bench_verify_attention, 2026-12-01; see
+def default_config(
+    batch: int, n_kv: int, max_keys: int, window: int | None, group: int = 1, rows: int = 1
+) -> DecodeConfig:
+    """Measured choice (H200, Small shapes, bench_attention --sweep and bench_verify_attention; see
     docs/decisions.md): 64-key blocks of 2 warps, 3 stages (209 registers: 4 programs per SM) and ~512 programs, so
-    one split from B*nKV = 512 on (B >= 64 at nKV = 8), 8 at B = 8, 64 at B = 1. ``tile_rows``: query rows per
-    program (GROUP x the verify's W rows per sequence); above 16 (W=5 at GROUP 4: 2 warps spill) 128-key blocks of
-    4 warps, the best of the measured rows tiles there (B=64, W=5: 711 us at ctx 8192)."""
-    if tile_rows > 16:
-        return DecodeConfig(block_n=128, num_warps=4, num_stages=2)
-    return DecodeConfig()
+    one split from B*nKV = 512 on (B >= 64 at nKV = 8), 8 at B = 8, 64 at B = 1. ``group`` query heads per KV head,
+    ``rows`` query rows per sequence (an MTP verify's W). Several rows at one split read the bias from their table
+    (2026-12-03, B=64 W=5 ctx 1024: sliding 119 -> 81 us, global 194 -> 128, with these tiles up to 32 rows per
+    program's tile); at many splits (B=1) the table's launch costs more than it saves, and above 16 rows a tile of
+    128 keys and 4 warps was the best measured with the bias formed in the kernel (B=64, W=5: 711 us at ctx 8192)."""
+    one_split = batch * n_kv >= DecodeConfig.target_programs
+    table = rows > 1 and one_split
+    if group * rows > (32 if table else 16):
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=2, bias_table=table)
+    return DecodeConfig(bias_table=table)
 
 
 def _check_common(q, r, rel_proj, k, v, n_kv, kv_dtype_of_q=True):
@@ -146,6 +157,10 @@ def _launch(
     n_kv = k.shape[-2]
     group = n_heads // n_kv
     d_rel, rel_extent = rel_proj.shape
+    if window is not None:
+        rel_extent = min(rel_extent, window)  # distances >= W are never visible
+    if config.bias_table:
+        bias = rel_bias_table(r, rel_proj, rel_extent)  # [B, nH, R'] fp32
     split = num_splits > 1
     out = torch.empty((b, n_heads, hd), dtype=q.dtype, device=q.device)
     if split:
@@ -161,6 +176,7 @@ def _launch(
         q,
         r,
         rel_proj,
+        bias if config.bias_table else r,  # dummy pointer, never read without BIAS_TABLE
         k,
         v,
         seq_lens,
@@ -179,6 +195,8 @@ def _launch(
         r.stride(0),
         r.stride(1),
         rel_proj.stride(0),
+        bias.stride(0) if config.bias_table else 0,
+        bias.stride(1) if config.bias_table else 0,
         *kv_strides,
         block_table.stride(0) if paged else 0,
         acc.stride(0),
@@ -201,6 +219,7 @@ def _launch(
         ROWS=rows,
         SPLIT=split,
         REL_PRECISION="ieee" if r.dtype == torch.float32 else "tf32",  # fp32 r @ P exact, not tf32
+        BIAS_TABLE=config.bias_table,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -248,7 +267,7 @@ def decode_attention(
     """
     b, _, _, n_kv = _check(q, r, rel_proj, k_cache, v_cache, seq_lens)
     max_keys = max_seq_len if max_seq_len is not None else k_cache.shape[1]
-    config = config or default_config(b, n_kv, max_keys, window)
+    config = config or default_config(b, n_kv, max_keys, window, q.shape[1] // n_kv)
     kv_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     if num_splits is not None:
         config = replace(config, num_splits=num_splits)
@@ -290,7 +309,7 @@ def paged_decode_attention(
     _, _, _, n_kv = _check_paged(q, r, rel_proj, k_pool, v_pool, block_table, seq_lens, page_size, rows_per_seq)
     b = block_table.shape[0]
     max_keys = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
-    config = config or default_config(b, n_kv, max_keys, window, rows_per_seq * q.shape[1] // n_kv)
+    config = config or default_config(b, n_kv, max_keys, window, q.shape[1] // n_kv, rows_per_seq)
     kv_strides = (0, *k_pool.stride()[:2], 0, *v_pool.stride()[:2])
     if num_splits is not None:
         config = replace(config, num_splits=num_splits)

@@ -115,10 +115,14 @@ def test_paged_decode_attention_matches_reference(
         (DecodeConfig(32, 2, 2, num_splits=3), None, 1, torch.float16),
         (DecodeConfig(64, 4, 2, num_splits=2), 40, 3, torch.float16),
         (DecodeConfig(16, 1, 3, num_splits=1), None, 2, torch.float32),
+        (DecodeConfig(32, 2, 3, num_splits=1, bias_table=True), 40, 5, torch.float32),  # the bias from its table
+        (DecodeConfig(64, 4, 2, num_splits=3, bias_table=True), None, 3, torch.float16),
+        (DecodeConfig(16, 1, 3, num_splits=2, bias_table=True), None, 1, torch.float32),
     ],
 )
 def test_paged_decode_attention_tiles(cpu_interpreter, config, window, rows, dtype):
-    """Every tile shape and split count gives the reference, one row or W rows per sequence."""
+    """Every tile shape and split count gives the reference, one row or W rows per sequence, the bias formed in the
+    kernel or read from the rows' table."""
     gen = torch.Generator().manual_seed(config.block_n + rows)
     firsts = [0, 38, 77, 150]
     q, r, rel_proj, kp, vp, table, seq_lens = verify_rows(firsts, rows, 8, 2, 16, window, gen, dtype)
@@ -293,12 +297,12 @@ def test_paged_decode_attention_gpu_default_tiles(cuda_device, window, log_scali
     """Every tile ``default_config`` picks for the Inkling shapes (one row and an MTP verify's five), at one and at
     three splits, bf16 on the GPU against the reference."""
     tiles = {
-        (c.block_n, c.num_warps, c.num_stages)
+        (c.block_n, c.num_warps, c.num_stages, c.bias_table)
         for b in (1, 8, 64, 256)
         for n_kv in (2, 8, 16)
         for keys in (1024, 8192, 32768)
         for rows in (1, 5)
-        if (c := default_config(b, n_kv, keys, window, rows * 32 // n_kv))
+        if (c := default_config(b, n_kv, keys, window, 32 // n_kv, rows))
     }
     gen = torch.Generator().manual_seed(5)
     for rows in (1, 5):
@@ -308,9 +312,9 @@ def test_paged_decode_attention_gpu_default_tiles(cuda_device, window, log_scali
         )
         per_row = table.repeat_interleave(rows, 0)
         ref = paged_attention_reference(q, r, rel_proj, kp, vp, per_row, seq_lens, 16, window, log_scaling)
-        for tile in sorted(tiles):
+        for block_n, warps, stages, bias_table in sorted(tiles):
             for splits in (1, 3):
-                config = DecodeConfig(*tile, num_splits=splits)
+                config = DecodeConfig(block_n, warps, stages, num_splits=splits, bias_table=bias_table)
                 out = paged_decode_attention(q, r, rel_proj, kp, vp, table, seq_lens, 16, window, log_scaling,
                                              3000 + rows, rows_per_seq=rows, config=config)  # fmt: skip
                 err = rel_err(out, ref)
