@@ -55,10 +55,13 @@ def default_config(
     one split from B*nKV = 512 on (B >= 64 at nKV = 8), 8 at B = 8, 64 at B = 1. ``group`` query heads per KV head,
     ``rows`` query rows per sequence (an MTP verify's W). Several rows at one split read the bias from their table
     (2026-12-03, B=64 W=5 ctx 1024: sliding 119 -> 81 us, global 194 -> 128, with these tiles up to 32 rows per
-    program's tile); at many splits (B=1) the table's launch costs more than it saves, and above 16 rows a tile of
-    128 keys and 4 warps was the best measured with the bias formed in the kernel (B=64, W=5: 711 us at ctx 8192)."""
+    program's tile); at many splits (B=1) the table's launch costs more than it saves and 64-key tiles of 4 warps
+    were the best measured (B=1, W=3 and 5), and above 16 rows a tile of 128 keys and 4 warps was the best measured
+    with the bias formed in the kernel (B=64, W=5: 711 us at ctx 8192; at B=8 within 10% of the others)."""
     one_split = batch * n_kv >= DecodeConfig.target_programs
     table = rows > 1 and one_split
+    if rows > 1 and batch * n_kv < 64:  # a few sequences over many splits (B=1 W=5 sliding: 24.7 -> 16.5 us)
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
     if group * rows > (32 if table else 16):
         return DecodeConfig(block_n=128, num_warps=4, num_stages=2, bias_table=table)
     return DecodeConfig(bias_table=table)
