@@ -56,10 +56,12 @@ the plain and the verify rows, the rest of each trunk step is scaled by 42 / 6 a
 Acceptance itself is not measured (random weights), only assumed.
 
     python3 -m bench.bench_mtp [--device cuda|cpu] [--batches 1 8 64] [--ctx 1024] [--depths 1 2 ... 8]
-        [--draft-head bf16|fp8] [--skip-eager-chain] [--host-only]
+        [--draft-head bf16|fp8] [--skip-eager-chain] [--host-only] [--breakdown]
 
-`--host-only` times only the host side of a chain round (`host_only`: the drafter's forward and the round's
-device work stubbed out, the make-tiny drafter, on either device) for each batch and depth, and nothing else.
+`--breakdown` (CUDA) also prints one verify step's and one chain round's GPU time by kernel (the torch profiler's
+CUDA events of a call, as bench_decode's breakdown). `--host-only` times only the host side of a chain round
+(`host_only`: the drafter's forward and the round's device work stubbed out, the make-tiny drafter, on either
+device) for each batch and depth, and nothing else.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.floors import Ceilings, measure_ceilings, time_host_ms, time_ms
+from bench.floors import Ceilings, count_launches, measure_ceilings, time_host_ms, time_ms
 from bench.proxy import (
     NVFP4_LAYERS,
     PAGE,
@@ -204,7 +206,7 @@ def paged_batch(model: InklingDecoder, batch: int, ctx: int, width: int) -> Forw
     return ForwardBatch(tokens, seqs)
 
 
-def graph_step_ms(model: InklingDecoder, batch: int, ctx: int, width: int, reps: int) -> float:
+def graph_step(model: InklingDecoder, batch: int, ctx: int, width: int) -> Callable[[], list[int]]:
     """The engine's step of B sequences at `ctx` with `width` tokens each from its CUDA graph (`DecodeGraphs`):
     width 1 the plain decode, else the verify of width-1 drafts followed by the conv commit of its accepted rows
     (all of them: the commit costs the same whatever it keeps); plus the greedy tokens of the B*width rows (the
@@ -221,7 +223,7 @@ def graph_step_ms(model: InklingDecoder, batch: int, ctx: int, width: int, reps:
             graphs.commit([width] * batch)
             return ids
 
-    return time_ms(step, "cuda", reps, warmup=3)  # the first run captures the graphs
+    return step  # its first run captures the graphs
 
 
 def trunk_step(model: InklingDecoder, fb: ForwardBatch) -> Callable[[], torch.Tensor]:
@@ -377,6 +379,15 @@ def plain_graph_ms(model: InklingDecoder, batch: int, ctx: int, reps: int) -> fl
     return time_ms(step, "cuda", reps, warmup=3)  # the first run captures B's graph
 
 
+def print_breakdown(label: str, fn: Callable[[], object], top: int = 14) -> None:
+    """`--breakdown`: the GPU time of one call of `fn` (a verify step or a chain round, graphs already captured) by
+    kernel, as bench_decode prints a step's."""
+    kernels, copies, busy_ms, by_name = count_launches(fn)
+    names = "; ".join(f"{name[:60]} x{n} {us:.0f}" for name, n, us in by_name[:top])
+    print(f"# {label}: {busy_ms * 1e3:.0f} us GPU busy, {kernels} kernels + {copies} copies; by kernel "
+          f"(launches, us): {names}", flush=True)  # fmt: skip
+
+
 def expected_accepted(depth: int, rates: Sequence[float] = VLLM_RATES) -> float:
     return sum(rates[:depth])
 
@@ -518,6 +529,7 @@ def run(
     full_layers: int = FULL_LAYERS,
     head: str = "bf16",
     eager_chain: bool = True,
+    breakdown: bool = False,
 ) -> list[Row]:
     if not depths or min(depths) < 1 or max(depths) > len(VLLM_RATES):
         raise ValueError(f"--depths: expected values in 1..{len(VLLM_RATES)}, got {list(depths)}")
@@ -548,7 +560,8 @@ def run(
         )
         for d in depths:
             if device == "cuda":
-                verify = graph_step_ms(trunk, b, ctx, d + 1, reps)
+                verify_step = graph_step(trunk, b, ctx, d + 1)
+                verify = time_ms(verify_step, "cuda", reps, warmup=3)
             else:
                 verify = time_ms(trunk_step(trunk, paged_batch(trunk, b, ctx, d + 1)), device, reps)
             rows = 1 + round(expected_accepted(d))
@@ -583,6 +596,10 @@ def run(
                 f"at {full_layers} layers ~{row.full_depth_speedup(layer_scale):.2f}x",
                 flush=True,
             )
+            if breakdown:
+                print_breakdown(f"B={b} D={d} verify", verify_step)
+                if graphed_chain is not None:
+                    print_breakdown(f"B={b} D={d} chain ({rows} rows/seq)", graphed_chain.step(d, rows))
             budget = row.round_budget_ms(GOALS[b]) if b in GOALS else None
             goal = (
                 f"; goal {GOALS[b]}x: round <= {budget:.3f} ms = {budget / row.round_floor_ms:.2f}x its byte floor"
@@ -628,17 +645,20 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument(
         "--host-only", action="store_true", help="time only the chain round's host work (forward stubbed), then exit"
     )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also the verify step's and the chain round's GPU time by kernel"
+    )
     args = parser.parse_args(argv)
     if args.host_only:
         host_only(args.device, args.batches, args.ctx, args.depths, args.reps)
         return []
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device (use --device cpu for the tiny shapes)")
-    if args.skip_eager_chain and args.device != "cuda":
-        raise SystemExit("--skip-eager-chain: the CPU run has only the eager chain")
+    if args.device != "cuda" and (args.skip_eager_chain or args.breakdown):
+        raise SystemExit("--skip-eager-chain, --breakdown: the CPU run has only the eager chain and no GPU kernels")
     return run(
         args.device, args.batches, args.ctx, args.depths, args.reps, args.rounds, args.full_layers, args.draft_head,
-        not args.skip_eager_chain,
+        not args.skip_eager_chain, args.breakdown,
     )  # fmt: skip
 
 

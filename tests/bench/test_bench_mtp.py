@@ -124,3 +124,5 @@ def test_bad_arguments_name_the_flag() -> None:
         main(["--device", "cpu", "--depths", "9"])
     with pytest.raises(ValueError, match="--ctx"):
         main(["--device", "cpu", "--ctx", "0"])
+    with pytest.raises(SystemExit, match="--breakdown"):
+        main(["--device", "cpu", "--breakdown"])  # no GPU kernels to break down
