@@ -9,7 +9,8 @@ With ROWS > 1 (an MTP verify) the program's tile holds the GROUP heads of each o
 query rows, each row masked to its own keys and window, with its own tau and bias columns.
 The relative bias ``L_j(p, p - s) = r_j(p) . P[:, p - s]`` is formed per key block from the small P bank (bias 0
 at distances >= R) as one tensor-core product per query row, ``r [BLOCK_H, D_REL] @ P[:, p_w - s]`` with the
-tile's other rows' r zeroed, so no [T, nH, T] tensor exists.
+tile's other rows' r zeroed, so no [T, nH, T] tensor exists; or, with BIAS_TABLE, read from the rows'
+precomputed ``[rows, nH, R']`` table (kernels/rel_bias.py) at each key's distance, one gather per block.
 
 All KV addressing goes through ``_kv_rows``: with ``PAGED`` off, K/V are contiguous per sequence
 (``[B, S_max, nKV, hd]``, row == position); with it on, K/V are one layer's pool ``[slots, nKV, hd]`` and key

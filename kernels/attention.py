@@ -14,10 +14,12 @@ The kernel keeps logits in fp32 and does not round L or q*tau to bf16 in between
 differences. ``paged_decode_attention`` is the same kernel over one layer's paged pool ``[slots, nKV, hd]``
 addressed through a block table (positions stay absolute; pages before a sliding window may point anywhere).
 ``paged_decode_attention(..., rows_per_seq=W)``: W consecutive queries per sequence (an MTP verify), one program
-for all W rows of a sequence and KV head, so each key is read once for them; since the bias is one tensor-core
-product per row it is faster than the rows as sequences at every measured context (ctx 1024 and 8192), so the
-engine's verify takes it at any length and no choice by context is made. Tiles: ``DecodeConfig``, chosen per
-shape by ``default_config``. Prefill attention lives in
+for all W rows of a sequence and KV head, so each key is read once for them. It is faster than the rows as
+sequences at every measured context (ctx 1024 and 8192) from B=8 on; at B=1 on a sliding window the rows as
+sequences win by ~3 us at W=5 (13.5 against 16.5, 2026-12-03), too little to keep a second path, so the engine's
+verify takes it at every shape. Where several rows run at one split the bias comes from the rows' precomputed
+table (``DecodeConfig.bias_table``). Tiles: ``DecodeConfig``, chosen per shape by ``default_config``. Prefill
+attention lives in
 ``kernels/prefill_attention.py``. Excluded from this slice: ring-buffer sliding caches.
 """
 
