@@ -164,8 +164,6 @@ def _launch(
     d_rel, rel_extent = rel_proj.shape
     if window is not None:
         rel_extent = min(rel_extent, window)  # distances >= W are never visible
-    if config.bias_table:
-        bias = rel_bias_table(r, rel_proj, rel_extent)  # [B, nH, R'] fp32
     split = num_splits > 1
     out = torch.empty((b, n_heads, hd), dtype=q.dtype, device=q.device)
     if split:
@@ -175,13 +173,14 @@ def _launch(
         acc = ml = out
     if b == 0:
         return out
+    bias = rel_bias_table(r, rel_proj, rel_extent) if config.bias_table else None  # [B, nH, R'] fp32
     paged = block_table is not None
     alpha, n_floor = log_scaling if log_scaling is not None else (0.0, 1.0)
     tk.attn_decode_split_kernel[(b // rows, n_kv, num_splits)](
         q,
         r,
         rel_proj,
-        bias if config.bias_table else r,  # dummy pointer, never read without BIAS_TABLE
+        r if bias is None else bias,  # dummy pointer, never read without BIAS_TABLE
         k,
         v,
         seq_lens,
@@ -200,8 +199,8 @@ def _launch(
         r.stride(0),
         r.stride(1),
         rel_proj.stride(0),
-        bias.stride(0) if config.bias_table else 0,
-        bias.stride(1) if config.bias_table else 0,
+        0 if bias is None else bias.stride(0),
+        0 if bias is None else bias.stride(1),
         *kv_strides,
         block_table.stride(0) if paged else 0,
         acc.stride(0),
