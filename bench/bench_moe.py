@@ -294,6 +294,8 @@ SHUFFLED_VARIANTS = {  # overrides of default_config timed on the shuffled layou
     "sh_w4": {"num_warps13": 4, "num_warps2": 4},
     "sh_w2": {"num_warps13": 2, "num_warps2": 2},
     "sh_n64": {"block_n13": 64, "block_n2": 64},
+    "sh_pair": {"pair_blocks": True},  # two row blocks of one expert per program
+    "sh_single": {"pair_blocks": False},  # one row block per program
 }
 
 

@@ -277,6 +277,112 @@ def _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M: tl.c
     return expert, pairs, valid
 
 
+@triton.jit
+def _block_pair(BlockExpert, SortedPairs, pid_m, n_blocks, expert, n_pairs, BLOCK_M: tl.constexpr):
+    """Sorted routing, two row blocks per program: (lead, second, pair ids and valid rows of block pid_m + 1).
+    An expert's blocks are consecutive; counted from its first, the even ones lead and take the odd one after them
+    (``second``) when it holds the same expert's pairs, the odd ones have nothing left to do (``lead`` False)."""
+    before = 0  # the expert's blocks before this one
+    prev = pid_m - 1
+    more = prev >= 0
+    while more:
+        same = tl.load(BlockExpert + tl.maximum(prev, 0)) == expert
+        before += same.to(tl.int32)
+        prev -= 1
+        more = same & (prev >= 0)
+    nxt = tl.minimum(pid_m + 1, n_blocks - 1)
+    second = (pid_m + 1 < n_blocks) & (tl.load(BlockExpert + nxt) == expert)
+    pairs_b = tl.load(SortedPairs + nxt * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)
+    return before % 2 == 0, second, pairs_b, pairs_b < tl.where(second, n_pairs, 0)  # no rows without a second
+
+
+@triton.jit
+def _w13_loop(W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w_off, up_off, N_HALF, k_lo, K,
+              stride_wn, stride_se, stride_sn, offs_n, offs_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr, X_SPLIT: tl.constexpr,
+              SPLIT_ACC: tl.constexpr, SWAP: tl.constexpr, KPERM: tl.constexpr, SHUFFLED: tl.constexpr,
+              TWO: tl.constexpr):  # fmt: skip
+    """The gate/up kernel's reduction over K slice [k_lo, k_lo + K): (gate, up) accumulators of the row block, then
+    of the second block (TWO: its rows through the same dequantised tiles; else zeros)."""
+    DT: tl.constexpr = x_ptrs.dtype.element_ty
+    ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
+    acc_g = tl.zeros(ACC, dtype=tl.float32)
+    acc_u = tl.zeros(ACC, dtype=tl.float32)
+    acc_gb = tl.zeros(ACC, dtype=tl.float32)
+    acc_ub = tl.zeros(ACC, dtype=tl.float32)
+    acc_g2 = tl.zeros(ACC, dtype=tl.float32)
+    acc_u2 = tl.zeros(ACC, dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + K, BLOCK_K):
+        if FP4:
+            s_off = expert.to(tl.int64) * stride_se
+            s_up = N_HALF.to(tl.int64) * stride_sn
+            if X_SPLIT:  # x stored with each K block as [even columns | odd columns] (moe_w13's permuted copy)
+                x_even = tl.load(xh_ptrs + k0, mask=valid[:, None], other=0.0)
+                x_odd = tl.load(xh_ptrs + (k0 + BLOCK_K // 2), mask=valid[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
+                x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+            g_even, g_odd = _fp4_tile(
+                W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM, SHUFFLED
+            )
+            u_even, u_odd = _fp4_tile(
+                W, S, w_off + up_off, s_off + s_up, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM, SHUFFLED
+            )
+            acc_g = _mma(acc_g, x_even, g_even, SWAP)
+            acc_u = _mma(acc_u, x_even, u_even, SWAP)
+            if SPLIT_ACC:
+                acc_g2 = _mma(acc_g2, x_odd, g_odd, SWAP)
+                acc_u2 = _mma(acc_u2, x_odd, u_odd, SWAP)
+            else:
+                acc_g = _mma(acc_g, x_odd, g_odd, SWAP)
+                acc_u = _mma(acc_u, x_odd, u_odd, SWAP)
+            if TWO:  # the same dequantised tiles, the second block's rows
+                if X_SPLIT:
+                    xb_even = tl.load(xbh_ptrs + k0, mask=valid_b[:, None], other=0.0)
+                    xb_odd = tl.load(xbh_ptrs + (k0 + BLOCK_K // 2), mask=valid_b[:, None], other=0.0)
+                else:
+                    xb = tl.load(xb_ptrs + k0, mask=valid_b[:, None], other=0.0)
+                    xb_even, xb_odd = tl.split(tl.reshape(xb, [BLOCK_M, BLOCK_K // 2, 2]))
+                acc_gb = _mma(acc_gb, xb_even, g_even, SWAP)
+                acc_ub = _mma(acc_ub, xb_even, u_even, SWAP)
+                acc_gb = _mma(acc_gb, xb_odd, g_odd, SWAP)
+                acc_ub = _mma(acc_ub, xb_odd, u_odd, SWAP)
+        else:
+            x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
+            w_ptrs = W + w_off + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
+            acc_g = _mma(acc_g, x, tl.load(w_ptrs), SWAP)
+            acc_u = _mma(acc_u, x, tl.load(w_ptrs + up_off), SWAP)
+    if SPLIT_ACC:
+        acc_g += acc_g2
+        acc_u += acc_u2
+    return acc_g, acc_u, acc_gb, acc_ub
+
+
+@triton.jit
+def _w13_store(acc_g, acc_u, s2, Out, pairs, valid, offs_n, stride_om, SWAP: tl.constexpr, PRESPLIT_K: tl.constexpr,
+               KPERM: tl.constexpr):  # fmt: skip
+    """The gate/up kernel's epilogue: ``silu(g) * u`` of one row block's accumulators (times NVFP4's ``s2``) into its
+    pairs' rows of Out, each PRESPLIT_K block of columns as [even | odd] (in the KPERM order when set)."""
+    acc_g = acc_g * s2
+    acc_u = acc_u * s2
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    if SWAP:
+        h = tl.trans(h)
+    cols = offs_n
+    if PRESPLIT_K:
+        # column c of a PRESPLIT_K-wide block goes to (c % 2) * PRESPLIT_K / 2 + c // 2 within the block: the w2
+        # kernel then reads the even and the odd columns of its K block as two contiguous halves.
+        r = offs_n % PRESPLIT_K
+        if KPERM:  # and byte m = 16c + 4l + 2h + b of each half to 16c + 8h + 2l + b (``_fp4_tile``'s KPERM)
+            m = r // 2
+            m = m - (m % 16) + ((m // 2) % 2) * 8 + ((m // 4) % 4) * 2 + m % 2
+            cols = offs_n - r + (r % 2) * (PRESPLIT_K // 2) + m
+        else:
+            cols = offs_n - r + (r % 2) * (PRESPLIT_K // 2) + r // 2
+    o_ptrs = Out + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(o_ptrs, h.to(Out.dtype.element_ty), mask=valid[:, None])
+
+
 @triton.jit(do_not_specialize=["n_pairs"])
 def moe_w13_kernel(
     X,
@@ -313,6 +419,7 @@ def moe_w13_kernel(
     X_SPLIT: tl.constexpr = False,
     KPERM: tl.constexpr = False,
     SHUFFLED: tl.constexpr = False,
+    PAIR: tl.constexpr = False,
 ):
     if N_FAST:
         pid_m = tl.program_id(1)
@@ -324,52 +431,39 @@ def moe_w13_kernel(
     expert, pairs, valid = _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M, IDENTITY)
     if expert < 0:
         return
-    DT: tl.constexpr = X.dtype.element_ty
+    second = False
+    pairs_b, valid_b = pairs, pairs < 0  # no second block
+    if PAIR:  # the sorted routing, NVFP4, one K slice, one accumulator per projection (``moe_w13`` checks)
+        lead, second, pairs_b, valid_b = _block_pair(
+            BlockExpert, SortedPairs, pid_m, tl.num_programs(1 if N_FAST else 0), expert, n_pairs, BLOCK_M
+        )
+        if not lead:
+            return
     rows = pairs // TOPK
+    rows_b = pairs_b // TOPK
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_off = expert.to(tl.int64) * stride_we
     up_off = N_HALF.to(tl.int64) * stride_wn
     x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     xh_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
+    xb_ptrs = X + rows_b.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    xbh_ptrs = X + rows_b.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
     ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
-    acc_g = tl.zeros(ACC, dtype=tl.float32)
-    acc_u = tl.zeros(ACC, dtype=tl.float32)
-    acc_g2 = tl.zeros(ACC, dtype=tl.float32)
-    acc_u2 = tl.zeros(ACC, dtype=tl.float32)
     k_lo = tl.multiple_of(pid_s * K, BLOCK_K)  # K is a multiple of BLOCK_K
-    for k0 in range(k_lo, k_lo + K, BLOCK_K):
-        if FP4:
-            s_off = expert.to(tl.int64) * stride_se
-            s_up = N_HALF.to(tl.int64) * stride_sn
-            if X_SPLIT:  # x stored with each K block as [even columns | odd columns] (moe_w13's permuted copy)
-                x_even = tl.load(xh_ptrs + k0, mask=valid[:, None], other=0.0)
-                x_odd = tl.load(xh_ptrs + (k0 + BLOCK_K // 2), mask=valid[:, None], other=0.0)
-            else:
-                x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
-                x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
-            g_even, g_odd = _fp4_tile(
-                W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM, SHUFFLED
-            )
-            u_even, u_odd = _fp4_tile(
-                W, S, w_off + up_off, s_off + s_up, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM, SHUFFLED
-            )
-            acc_g = _mma(acc_g, x_even, g_even, SWAP)
-            acc_u = _mma(acc_u, x_even, u_even, SWAP)
-            if SPLIT_ACC:
-                acc_g2 = _mma(acc_g2, x_odd, g_odd, SWAP)
-                acc_u2 = _mma(acc_u2, x_odd, u_odd, SWAP)
-            else:
-                acc_g = _mma(acc_g, x_odd, g_odd, SWAP)
-                acc_u = _mma(acc_u, x_odd, u_odd, SWAP)
-        else:
-            x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
-            w_ptrs = W + w_off + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
-            acc_g = _mma(acc_g, x, tl.load(w_ptrs), SWAP)
-            acc_u = _mma(acc_u, x, tl.load(w_ptrs + up_off), SWAP)
-    if SPLIT_ACC:
-        acc_g += acc_g2
-        acc_u += acc_u2
+    # A program with a second block runs the loop that also feeds it: no branch inside the pipelined loop.
+    if second:
+        acc_g, acc_u, acc_gb, acc_ub = _w13_loop(
+            W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w_off, up_off, N_HALF, k_lo, K,
+            stride_wn, stride_se, stride_sn, offs_n, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, FP4, ASM, X_SPLIT, SPLIT_ACC,
+            SWAP, KPERM, SHUFFLED, True,
+        )  # fmt: skip
+    else:
+        acc_g, acc_u, acc_gb, acc_ub = _w13_loop(
+            W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w_off, up_off, N_HALF, k_lo, K,
+            stride_wn, stride_se, stride_sn, offs_n, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, FP4, ASM, X_SPLIT, SPLIT_ACC,
+            SWAP, KPERM, SHUFFLED, False,
+        )  # fmt: skip
     if SPLIT_K > 1:
         # Each slice stores its fp32 partials; the last of the tile's SPLIT_K programs to arrive adds them all in
         # slice order (the same sum whatever the arrival order) and goes on to the epilogue; the others stop.
@@ -388,28 +482,70 @@ def moe_w13_kernel(
         for s in tl.static_range(SPLIT_K):
             acc_g += tl.load(tile_part + s * (2 * SIZE) + offs_acc, cache_modifier=".cg")
             acc_u += tl.load(tile_part + s * (2 * SIZE) + SIZE + offs_acc, cache_modifier=".cg")
+    s2 = 1.0
     if FP4:
         s2 = tl.load(S2 + expert)
         if ASM:
             s2 = s2 * _ASM_UNSCALE
-        acc_g = acc_g * s2
-        acc_u = acc_u * s2
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    if SWAP:
-        h = tl.trans(h)
-    cols = offs_n
-    if PRESPLIT_K:
-        # column c of a PRESPLIT_K-wide block goes to (c % 2) * PRESPLIT_K / 2 + c // 2 within the block: the w2
-        # kernel then reads the even and the odd columns of its K block as two contiguous halves.
-        r = offs_n % PRESPLIT_K
-        if KPERM:  # and byte m = 16c + 4l + 2h + b of each half to 16c + 8h + 2l + b (``_fp4_tile``'s KPERM)
-            m = r // 2
-            m = m - (m % 16) + ((m // 2) % 2) * 8 + ((m // 4) % 4) * 2 + m % 2
-            cols = offs_n - r + (r % 2) * (PRESPLIT_K // 2) + m
+    _w13_store(acc_g, acc_u, s2, Out, pairs, valid, offs_n, stride_om, SWAP, PRESPLIT_K, KPERM)
+    if PAIR:
+        if second:
+            _w13_store(acc_gb, acc_ub, s2, Out, pairs_b, valid_b, offs_n, stride_om, SWAP, PRESPLIT_K, KPERM)
+
+
+@triton.jit
+def _w2_loop(W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w_off, K, stride_wn, stride_se,
+             stride_sn, offs_n, offs_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             FP4: tl.constexpr, ASM: tl.constexpr, PRESPLIT: tl.constexpr, SWAP: tl.constexpr, KPERM: tl.constexpr,
+             SHUFFLED: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+    """The down kernel's reduction over K: the row block's accumulator, then the second block's (TWO: its rows
+    through the same dequantised tiles; else zeros)."""
+    DT: tl.constexpr = x_ptrs.dtype.element_ty
+    ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
+    acc = tl.zeros(ACC, dtype=tl.float32)
+    acc_b = tl.zeros(ACC, dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if FP4:
+            s_off = expert.to(tl.int64) * stride_se
+            if PRESPLIT:  # the w13 kernel stored this K block as [even columns | odd columns]
+                x_even = tl.load(xh_ptrs + k0, mask=valid[:, None], other=0.0)
+                x_odd = tl.load(xh_ptrs + (k0 + BLOCK_K // 2), mask=valid[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
+                x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+            w_even, w_odd = _fp4_tile(
+                W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM, SHUFFLED
+            )
+            acc = _mma(acc, x_even, w_even, SWAP)
+            acc = _mma(acc, x_odd, w_odd, SWAP)
+            if TWO:  # the same dequantised tile, the second block's rows
+                if PRESPLIT:
+                    xb_even = tl.load(xbh_ptrs + k0, mask=valid_b[:, None], other=0.0)
+                    xb_odd = tl.load(xbh_ptrs + (k0 + BLOCK_K // 2), mask=valid_b[:, None], other=0.0)
+                else:
+                    xb = tl.load(xb_ptrs + k0, mask=valid_b[:, None], other=0.0)
+                    xb_even, xb_odd = tl.split(tl.reshape(xb, [BLOCK_M, BLOCK_K // 2, 2]))
+                acc_b = _mma(acc_b, xb_even, w_even, SWAP)
+                acc_b = _mma(acc_b, xb_odd, w_odd, SWAP)
         else:
-            cols = offs_n - r + (r % 2) * (PRESPLIT_K // 2) + r // 2
-    o_ptrs = Out + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
-    tl.store(o_ptrs, h.to(Out.dtype.element_ty), mask=valid[:, None])
+            x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
+            w_ptrs = W + w_off + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
+            acc = _mma(acc, x, tl.load(w_ptrs), SWAP)
+    return acc, acc_b
+
+
+@triton.jit
+def _w2_store(acc, TopkWeights, s2, Out, pairs, valid, offs_n, stride_om, SWAP: tl.constexpr, FP4: tl.constexpr):
+    """The down kernel's epilogue: one row block's accumulator times each pair's routing weight (and NVFP4's
+    ``s2``) into its pairs' fp32 rows of Out."""
+    if SWAP:
+        acc = tl.trans(acc)
+    scale = tl.load(TopkWeights + pairs, mask=valid, other=0.0).to(tl.float32)
+    if FP4:
+        scale = scale * s2
+    acc = acc * scale[:, None]
+    o_ptrs = Out + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, acc, mask=valid[:, None])
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
@@ -442,6 +578,7 @@ def moe_w2_kernel(
     SWAP: tl.constexpr = False,
     KPERM: tl.constexpr = False,
     SHUFFLED: tl.constexpr = False,
+    PAIR: tl.constexpr = False,
 ):
     if N_FAST:
         pid_m = tl.program_id(1)
@@ -452,42 +589,41 @@ def moe_w2_kernel(
     expert, pairs, valid = _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M, IDENTITY)
     if expert < 0:
         return
-    DT: tl.constexpr = X.dtype.element_ty
+    second = False
+    pairs_b, valid_b = pairs, pairs < 0  # no second block
+    if PAIR:  # the sorted routing, NVFP4 (``moe_w2`` checks)
+        lead, second, pairs_b, valid_b = _block_pair(
+            BlockExpert, SortedPairs, pid_m, tl.num_programs(1 if N_FAST else 0), expert, n_pairs, BLOCK_M
+        )
+        if not lead:
+            return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_off = expert.to(tl.int64) * stride_we
     x_ptrs = X + pairs.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     xh_ptrs = X + pairs.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
-    ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
-    acc = tl.zeros(ACC, dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if FP4:
-            s_off = expert.to(tl.int64) * stride_se
-            if PRESPLIT:  # the w13 kernel stored this K block as [even columns | odd columns]
-                x_even = tl.load(xh_ptrs + k0, mask=valid[:, None], other=0.0)
-                x_odd = tl.load(xh_ptrs + (k0 + BLOCK_K // 2), mask=valid[:, None], other=0.0)
-            else:
-                x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
-                x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
-            w_even, w_odd = _fp4_tile(
-                W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM, SHUFFLED
-            )
-            acc = _mma(acc, x_even, w_even, SWAP)
-            acc = _mma(acc, x_odd, w_odd, SWAP)
-        else:
-            x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
-            w_ptrs = W + w_off + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
-            acc = _mma(acc, x, tl.load(w_ptrs), SWAP)
-    if SWAP:
-        acc = tl.trans(acc)
-    scale = tl.load(TopkWeights + pairs, mask=valid, other=0.0).to(tl.float32)
+    xb_ptrs = X + pairs_b.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    xbh_ptrs = X + pairs_b.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
+    # A program with a second block runs the loop that also feeds it: no branch inside the pipelined loop.
+    if second:
+        acc, acc_b = _w2_loop(
+            W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w_off, K, stride_wn, stride_se,
+            stride_sn, offs_n, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, FP4, ASM, PRESPLIT, SWAP, KPERM, SHUFFLED, True,
+        )  # fmt: skip
+    else:
+        acc, acc_b = _w2_loop(
+            W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w_off, K, stride_wn, stride_se,
+            stride_sn, offs_n, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, FP4, ASM, PRESPLIT, SWAP, KPERM, SHUFFLED, False,
+        )  # fmt: skip
+    s2 = 1.0
     if FP4:
-        scale = scale * tl.load(S2 + expert)
+        s2 = tl.load(S2 + expert)
         if ASM:
-            scale = scale * _ASM_UNSCALE
-    acc = acc * scale[:, None]
-    o_ptrs = Out + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(o_ptrs, acc, mask=valid[:, None])
+            s2 = s2 * _ASM_UNSCALE
+    _w2_store(acc, TopkWeights, s2, Out, pairs, valid, offs_n, stride_om, SWAP, FP4)
+    if PAIR:
+        if second:
+            _w2_store(acc_b, TopkWeights, s2, Out, pairs_b, valid_b, offs_n, stride_om, SWAP, FP4)
 
 
 @triton.jit

@@ -31,6 +31,11 @@ once, and the slot sum skips it (it adds exactly 0). Ids must otherwise lie in [
 Split-K of the gate/up kernel (a handful of pairs, to put more warps on the SMs): its slices store fp32 partials
 and the last slice of a tile to finish (an atomic count) adds them in slice order and runs the SwiGLU epilogue,
 so the sum does not depend on the arrival order.
+Paired blocks (``pair_blocks``, sorted NVFP4 routing): an expert with more pairs than a block has consecutive
+blocks; a program whose block is an even one of its expert's run (counted from the run's first) also takes the
+next block when it holds the same expert's pairs, and feeds both blocks' rows through each dequantised weight tile
+(a loop of its own, chosen before it starts: no branch inside the pipelined loop); the odd blocks' programs exit.
+Each block's MMAs are the same as alone, so the outputs are bit for bit the unpaired launch's.
 The stages are public (``moe_routing``, ``moe_w13``, ``moe_w2``, ``moe_sum``) for bench_moe to time each alone.
 ``shuffled=True``: the NVFP4 stacks in ``shuffle_nvfp4``'s layout (re-laid once at load; the same values, ~25% fewer
 unpack instructions per weight), on every tile whose K tiles are at least ``SHUFFLED_MIN_BLOCK_K`` wide.
@@ -75,6 +80,9 @@ class MoeConfig:
     split_acc: bool = False  # w13: separate accumulators for the even and the odd columns of a K block
     # NVFP4, with presplit: both kernels take K in ``_fp4_tile``'s KPERM order (w13 reads a permuted copy of x)
     kperm: bool = False
+    # NVFP4, sorted routing: a program takes two consecutive row blocks of one expert, each weight tile dequantised
+    # once for both (``_block_pair``); the gate/up kernel with one K slice and one accumulator per projection
+    pair_blocks: bool = False
 
 
 MASKED_ROUTE = -1  # a route id that no expert computes and that contributes 0 to its token
@@ -86,6 +94,8 @@ BF16_WIDE_MIN_PAIRS = 24576  # bf16 weights from here on (T = 4096, 96 pairs per
 SPLIT_K13_MAX_PAIRS = 8
 NARROW_WARPS_MAX_PAIRS = 767  # sorted decode below T = 128 at k = 6: 2-warp tiles (32 weight rows per warp)
 SHUFFLED_NARROW_WARPS_MAX_PAIRS = 3072  # the shuffled layout: 2-warp tiles up to T = 512 (the largest size measured)
+# the shuffled layout's sorted tiles from T = 320 to 512 at k = 6 (7.5-12 pairs per expert): row blocks in pairs
+PAIRED_MIN_PAIRS, PAIRED_MAX_PAIRS = 1920, 3072
 # The shuffled layout's K tiles are at least this wide (32 columns per MMA): on its word-unpacked weights Triton 3.6
 # gives the mma.sync operands kWidth 8, 8 consecutive K columns per thread, which a dot of 16 columns (K tiles of
 # 32, the tiny checkpoint's I = 32) cannot hold: wrong sums (Triton 3.9 bounds kWidth by K; decisions 2026-12-02)
@@ -110,7 +120,10 @@ def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> Mo
     * ``shuffled`` (``shuffle_nvfp4``'s layout, the model's): the same, but 2-warp sorted tiles up to
       ``SHUFFLED_NARROW_WARPS_MAX_PAIRS`` (T=256: gate/up 771 us against 822 with 4 warps, down 398 against 468;
       2026-12-03, the MTP verify's T = B(D+1): T=320 gate/up 887 against 943, down 434 against 490; T=512 1245
-      against 1324, 661 against 726).
+      against 1324, 661 against 726); from ``PAIRED_MIN_PAIRS`` to ``PAIRED_MAX_PAIRS`` two row blocks of one
+      expert per program (``pair_blocks``; 2026-12-03, two processes: T=320 gate/up 857-863 us against 885-886,
+      down 411-427 against 406-470; T=512 1046 against 1231-1245, 514-516 against 626-650; T=192 not taken:
+      751 against 718, 447 against 333).
 
     Measured and not taken: 16-row blocks (T=256: gate/up 968-1568 us against 858; the 16-wide MMA operand costs
     more than the 15% of blocks it saves), 4-row blocks, 128-row tiles of 8 warps, 128-wide K tiles, 2 or 4
@@ -125,6 +138,8 @@ def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> Mo
             return MoeConfig(block_m=64, block_k13=128, block_k2=128, block_n2=128, num_warps2=8, kperm=True)
         wide = {"block_m": 128, "num_warps13": 8, "num_warps2": 8} if n_pairs >= BF16_WIDE_MIN_PAIRS else {}
         return MoeConfig(**{"block_m": 64, "swap_ab": False, "block_k13": 128, "block_k2": 128, **wide})
+    if fp4 and shuffled and PAIRED_MIN_PAIRS <= n_pairs <= PAIRED_MAX_PAIRS:
+        base = replace(base, pair_blocks=True)
     if n_pairs <= (SHUFFLED_NARROW_WARPS_MAX_PAIRS if fp4 and shuffled else NARROW_WARPS_MAX_PAIRS):
         return replace(base, num_warps13=2, num_warps2=2)
     return base
@@ -458,6 +473,12 @@ def _grid(n_fast: bool, n_blocks: int, n_tiles: int, *rest: int) -> tuple[tuple[
     return ((n_tiles, n_blocks, *rest) if n_fast else (n_blocks, n_tiles, *rest)), n_fast
 
 
+def _pair_blocks(cfg: MoeConfig, fp4: bool, routing: MoeRouting) -> bool:
+    """Whether a launch takes its row blocks in pairs: ``cfg.pair_blocks`` on NVFP4 weights and the sorted routing
+    (identity blocks are one pair each, bf16 weights have no dequantisation to share)."""
+    return cfg.pair_blocks and fp4 and not routing.identity
+
+
 def _launch_opts(cfg: MoeConfig, num_warps: int) -> dict:
     opts = {"num_warps": num_warps, "num_stages": cfg.num_stages}
     return opts if cfg.maxnreg is None else {**opts, "maxnreg": cfg.maxnreg}
@@ -520,6 +541,10 @@ def moe_w13(
     kperm = fp4 and cfg.kperm
     if fp4 and shuffled:
         _check_shuffled_tile("block_k13", cfg.block_k13)
+    pair = _pair_blocks(cfg, fp4, r)
+    if pair and (cfg.split_k13 > 1 or cfg.split_acc):
+        raise ValueError(f"pair_blocks with split_k13={cfg.split_k13}, split_acc={cfg.split_acc}: one K slice and "
+                         "one accumulator per projection expected")  # fmt: skip
     if kperm:
         x = kperm_x(x, cfg.block_k13)
     inter = torch.empty((r.ids.numel(), i), dtype=x.dtype, device=x.device)
@@ -536,7 +561,7 @@ def moe_w13(
         s13.stride(1), inter.stride(0),
         TOPK=r.topk, BLOCK_M=r.block_m, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k13, IDENTITY=r.identity, FP4=fp4,
         ASM=asm, N_FAST=n_fast, SPLIT_ACC=cfg.split_acc, PRESPLIT_K=cfg.block_k2 if fp4 and cfg.presplit else 0,
-        SWAP=cfg.swap_ab, SPLIT_K=splits, X_SPLIT=kperm, KPERM=kperm, SHUFFLED=fp4 and shuffled,
+        SWAP=cfg.swap_ab, SPLIT_K=splits, X_SPLIT=kperm, KPERM=kperm, SHUFFLED=fp4 and shuffled, PAIR=pair,
         **_launch_opts(cfg, cfg.num_warps13),
     )  # fmt: skip
     return inter
@@ -562,7 +587,7 @@ def moe_w2(
         part.stride(0),
         BLOCK_M=r.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, IDENTITY=r.identity, FP4=fp4, ASM=asm,
         N_FAST=n_fast, PRESPLIT=fp4 and cfg.presplit, SWAP=cfg.swap_ab, KPERM=fp4 and cfg.kperm,
-        SHUFFLED=fp4 and shuffled, **_launch_opts(cfg, cfg.num_warps2),
+        SHUFFLED=fp4 and shuffled, PAIR=_pair_blocks(cfg, fp4, r), **_launch_opts(cfg, cfg.num_warps2),
     )  # fmt: skip
     return part
 

@@ -314,6 +314,65 @@ def test_shuffled_nvfp4_moe_matches_reference(cpu_interpreter, variant, sorted_m
     assert torch.equal(out, nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg))
 
 
+def experts_of_block_runs(t, k, gen):
+    """Routes of T tokens over 8 experts whose 4-row blocks come in runs of 1 to 4 per expert (8-wide x: 2 pairs
+    per token): expert 0 no pair, 1 one block, 2 two, 3 three, 4 four, 5 four and a partial fifth, 6 a partial
+    one, 7 one and a partial second."""
+    want = [0, 4, 8, 12, 16, 18, 3, 5]  # pairs per expert
+    ids = torch.cat([torch.full((n,), ex, dtype=torch.int32) for ex, n in enumerate(want)])
+    ids = ids[torch.randperm(ids.numel(), generator=gen)]
+    assert ids.numel() == t * k
+    return ids.view(t, k)
+
+
+@pytest.mark.parametrize(
+    "shuffle,variant",
+    [(True, {}), (True, {"kperm": True}), (False, {}), (False, {"presplit": False}), (False, {"swap_ab": False})],
+)
+def test_paired_blocks_equal_one_block_per_program(cpu_interpreter, shuffle, variant):
+    """``pair_blocks``: a program takes two row blocks of one expert (runs of 1..5 blocks per expert, odd runs leave
+    a block alone) and each kernel's output is bit for bit the one-block-per-program launch's, and the reference."""
+    gen = torch.Generator().manual_seed(21)
+    e, h, i, t, k = 8, 128, 64, 33, 2
+    w13 = nvfp4_stack(e, 2 * i, h, gen)
+    w2 = nvfp4_stack(e, h, i, gen)
+    w13, w2 = (shuffled(w13), shuffled(w2)) if shuffle else (w13, w2)
+    x = torch.randn(t, h, generator=gen)
+    ids = experts_of_block_runs(t, k, gen)
+    wts = torch.softmax(torch.randn(t, k, generator=gen), dim=-1)
+    base = MoeConfig(
+        **{**SHUFFLED_SMALL.__dict__, "block_m": 4, "block_n13": 32, "block_n2": 32, "sorted_min_pairs": 1, **variant}
+    )
+    paired = replace(base, pair_blocks=True)
+    r = moe_routing(ids, wts, e, base)
+    runs = torch.unique_consecutive(r.block_expert[r.block_expert >= 0], return_counts=True)[1]
+    assert set(runs.tolist()) >= {1, 2, 3, 4, 5}, runs
+    one = moe_w13(x, r, w13[0], w13[1:], base, shuffle)
+    two = moe_w13(x, r, w13[0], w13[1:], paired, shuffle)
+    assert torch.equal(one, two)
+    assert torch.equal(moe_w2(one, r, w2[0], w2[1:], base, shuffle), moe_w2(one, r, w2[0], w2[1:], paired, shuffle))
+    out = nvfp4_moe(x, ids, wts, *w13, *w2, config=paired, shuffled=shuffle)
+    ref13, ref2 = (unshuffle_stack(w13), unshuffle_stack(w2)) if shuffle else (w13, w2)
+    assert rel_err(out, moe_reference(x, ids, wts, *ref13, *ref2)) < 1e-5
+
+
+def unshuffle_stack(stack):
+    return (*unshuffle_nvfp4(stack[0], stack[1]), stack[2])
+
+
+def test_paired_blocks_need_one_slice_and_one_accumulator(cpu_interpreter):
+    gen = torch.Generator().manual_seed(22)
+    e, h, i, t, k = 8, 128, 64, 33, 2
+    w13 = nvfp4_stack(e, 2 * i, h, gen)
+    x = torch.randn(t, h, generator=gen)
+    ids = experts_of_block_runs(t, k, gen)
+    wts = torch.softmax(torch.randn(t, k, generator=gen), dim=-1)
+    for over in ({"split_k13": 2}, {"split_acc": True}):
+        cfg = replace(SHUFFLED_SMALL, block_m=4, sorted_min_pairs=1, pair_blocks=True, **over)
+        with pytest.raises(ValueError, match="pair_blocks"):
+            moe_w13(x, moe_routing(ids, wts, e, cfg), w13[0], w13[1:], cfg)
+
+
 def test_shuffled_nvfp4_moe_checks_its_layout(cpu_interpreter):
     """Canonical (e4m3) block scales, packed rows off 4-byte words or K tiles below ``SHUFFLED_MIN_BLOCK_K`` (which
     the compiled kernels sum wrongly) are refused, not misread."""
@@ -388,7 +447,9 @@ def test_split_k_counters_are_zero_again_after_each_call(cpu_interpreter):
 
 def test_default_config_tiles_fit_inkling_small():
     h, i, k = 4096, 2048, 6
-    for t, fp4, shuffled_layout in itertools.product((1, 8, 10, 11, 64, 256, 1024, 2048, 4096), (True, False), (0, 1)):
+    for t, fp4, shuffled_layout in itertools.product(
+        (1, 8, 10, 11, 64, 256, 319, 320, 512, 513, 1024, 2048, 4096), (True, False), (0, 1)
+    ):
         cfg = default_config(t * k, fp4, bool(shuffled_layout))
         assert (t * k >= cfg.sorted_min_pairs) == (t >= 11)
         assert i % cfg.block_n13 == 0 and h % cfg.block_n2 == 0 and i % cfg.block_k2 == 0
@@ -396,6 +457,9 @@ def test_default_config_tiles_fit_inkling_small():
         if cfg.swap_ab and t * k < moe_module.PREFILL_MIN_PAIRS:  # decode: the block's rows as the MMA's N <= 8
             assert (cfg.block_m if t * k >= cfg.sorted_min_pairs else cfg.identity_block_m) <= 8
         assert not cfg.kperm or (fp4 and cfg.block_k13 % 32 == 0 and cfg.block_k2 % 32 == 0)
+        # paired blocks: the shuffled NVFP4 sorted tiles of the MTP verify sizes measured (T = 320..512) only
+        paired = fp4 and shuffled_layout and 320 <= t <= 512
+        assert cfg.pair_blocks == paired and not (paired and (cfg.split_k13 > 1 or cfg.split_acc))
 
 
 def test_bf16_weight_moe_matches_reference(cpu_interpreter):
@@ -511,6 +575,27 @@ def test_shuffled_nvfp4_moe_gpu(cuda_device, t):
     same2 = torch.equal(moe_w2(inter, r, sh2[0], sh2[1:], cfg, True), moe_w2(inter, r, w2[0], w2[1:], cfg))
     print(f"shuffled nvfp4_moe T={t}: rel {err:.2e}; gate/up equal to canonical {same13}, down {same2}")
     assert err < 1e-2 and same13 and same2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [192, 320, 512])
+def test_paired_blocks_gpu(cuda_device, t):
+    """Full widths, the shuffled layout's default tiles at the MTP verify's sizes, uniform and skewed routes: with
+    ``pair_blocks`` each kernel's output is bit for bit the one-block-per-program launch's (the same MMAs per
+    block, in the same order)."""
+    gen = torch.Generator().manual_seed(t + 5)
+    e, h, i, k = 256, 4096, 2048, 6
+    w13 = shuffled(nvfp4_stack(e, 2 * i, h, gen, cuda_device))
+    w2 = shuffled(nvfp4_stack(e, h, i, gen, cuda_device))
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(cuda_device)
+    base = replace(default_config(t * k, shuffled=True), pair_blocks=False)
+    paired = replace(base, pair_blocks=True)
+    for ids in (routing(t, e, k, gen, cuda_device)[0], skewed_ids(t, e, k, gen, cuda_device)):
+        wts = torch.softmax(torch.randn(t, k, generator=gen), dim=-1).to(cuda_device)
+        r = moe_routing(ids, wts, e, base)
+        one = moe_w13(x, r, w13[0], w13[1:], base, True)
+        assert torch.equal(one, moe_w13(x, r, w13[0], w13[1:], paired, True))
+        assert torch.equal(moe_w2(one, r, w2[0], w2[1:], base, True), moe_w2(one, r, w2[0], w2[1:], paired, True))
 
 
 @pytest.mark.gpu
