@@ -297,6 +297,26 @@ def _block_pair(BlockExpert, SortedPairs, pid_m, n_blocks, expert, n_pairs, BLOC
 
 
 @triton.jit
+def _x_ptrs(X, rows, stride_xm, BLOCK_K: tl.constexpr):
+    """Pointers to a K block of these rows of X at column 0: all ``BLOCK_K`` columns, and its first half."""
+    base = X + rows.to(tl.int64)[:, None] * stride_xm
+    return base + tl.arange(0, BLOCK_K)[None, :], base + tl.arange(0, BLOCK_K // 2)[None, :]
+
+
+@triton.jit
+def _x_halves(x_ptrs, xh_ptrs, k0, valid, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """The even and the odd columns of the rows' K block at k0 (``_x_ptrs``' pointers; rows not ``valid`` read 0).
+    SPLIT: the block is stored as [even columns | odd columns], two contiguous loads; else one load, split."""
+    if SPLIT:
+        x_even = tl.load(xh_ptrs + k0, mask=valid[:, None], other=0.0)
+        x_odd = tl.load(xh_ptrs + (k0 + BLOCK_K // 2), mask=valid[:, None], other=0.0)
+    else:
+        x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+    return x_even, x_odd
+
+
+@triton.jit
 def _w13_loop(W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w_off, up_off, N_HALF, k_lo, K,
               stride_wn, stride_se, stride_sn, offs_n, offs_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr, X_SPLIT: tl.constexpr,
@@ -316,12 +336,7 @@ def _w13_loop(W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, 
         if FP4:
             s_off = expert.to(tl.int64) * stride_se
             s_up = N_HALF.to(tl.int64) * stride_sn
-            if X_SPLIT:  # x stored with each K block as [even columns | odd columns] (moe_w13's permuted copy)
-                x_even = tl.load(xh_ptrs + k0, mask=valid[:, None], other=0.0)
-                x_odd = tl.load(xh_ptrs + (k0 + BLOCK_K // 2), mask=valid[:, None], other=0.0)
-            else:
-                x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
-                x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+            x_even, x_odd = _x_halves(x_ptrs, xh_ptrs, k0, valid, BLOCK_M, BLOCK_K, X_SPLIT)
             g_even, g_odd = _fp4_tile(
                 W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM, SHUFFLED
             )
@@ -337,12 +352,7 @@ def _w13_loop(W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, 
                 acc_g = _mma(acc_g, x_odd, g_odd, SWAP)
                 acc_u = _mma(acc_u, x_odd, u_odd, SWAP)
             if TWO:  # the same dequantised tiles, the second block's rows
-                if X_SPLIT:
-                    xb_even = tl.load(xbh_ptrs + k0, mask=valid_b[:, None], other=0.0)
-                    xb_odd = tl.load(xbh_ptrs + (k0 + BLOCK_K // 2), mask=valid_b[:, None], other=0.0)
-                else:
-                    xb = tl.load(xb_ptrs + k0, mask=valid_b[:, None], other=0.0)
-                    xb_even, xb_odd = tl.split(tl.reshape(xb, [BLOCK_M, BLOCK_K // 2, 2]))
+                xb_even, xb_odd = _x_halves(xb_ptrs, xbh_ptrs, k0, valid_b, BLOCK_M, BLOCK_K, X_SPLIT)
                 acc_gb = _mma(acc_gb, xb_even, g_even, SWAP)
                 acc_ub = _mma(acc_ub, xb_even, u_even, SWAP)
                 acc_gb = _mma(acc_gb, xb_odd, g_odd, SWAP)
@@ -445,10 +455,8 @@ def moe_w13_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_off = expert.to(tl.int64) * stride_we
     up_off = N_HALF.to(tl.int64) * stride_wn
-    x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    xh_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
-    xb_ptrs = X + rows_b.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    xbh_ptrs = X + rows_b.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
+    x_ptrs, xh_ptrs = _x_ptrs(X, rows, stride_xm, BLOCK_K)
+    xb_ptrs, xbh_ptrs = _x_ptrs(X, rows_b, stride_xm, BLOCK_K)
     ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
     k_lo = tl.multiple_of(pid_s * K, BLOCK_K)  # K is a multiple of BLOCK_K
     # A program with a second block runs the loop that also feeds it: no branch inside the pipelined loop.
@@ -507,24 +515,15 @@ def _w2_loop(W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w
     for k0 in range(0, K, BLOCK_K):
         if FP4:
             s_off = expert.to(tl.int64) * stride_se
-            if PRESPLIT:  # the w13 kernel stored this K block as [even columns | odd columns]
-                x_even = tl.load(xh_ptrs + k0, mask=valid[:, None], other=0.0)
-                x_odd = tl.load(xh_ptrs + (k0 + BLOCK_K // 2), mask=valid[:, None], other=0.0)
-            else:
-                x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
-                x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+            # PRESPLIT: the w13 kernel stored this K block as [even columns | odd columns]
+            x_even, x_odd = _x_halves(x_ptrs, xh_ptrs, k0, valid, BLOCK_M, BLOCK_K, PRESPLIT)
             w_even, w_odd = _fp4_tile(
                 W, S, w_off, s_off, k0, stride_wn, stride_sn, offs_n, BLOCK_K, DT, ASM, KPERM, SHUFFLED
             )
             acc = _mma(acc, x_even, w_even, SWAP)
             acc = _mma(acc, x_odd, w_odd, SWAP)
             if TWO:  # the same dequantised tile, the second block's rows
-                if PRESPLIT:
-                    xb_even = tl.load(xbh_ptrs + k0, mask=valid_b[:, None], other=0.0)
-                    xb_odd = tl.load(xbh_ptrs + (k0 + BLOCK_K // 2), mask=valid_b[:, None], other=0.0)
-                else:
-                    xb = tl.load(xb_ptrs + k0, mask=valid_b[:, None], other=0.0)
-                    xb_even, xb_odd = tl.split(tl.reshape(xb, [BLOCK_M, BLOCK_K // 2, 2]))
+                xb_even, xb_odd = _x_halves(xb_ptrs, xbh_ptrs, k0, valid_b, BLOCK_M, BLOCK_K, PRESPLIT)
                 acc_b = _mma(acc_b, xb_even, w_even, SWAP)
                 acc_b = _mma(acc_b, xb_odd, w_odd, SWAP)
         else:
@@ -600,10 +599,8 @@ def moe_w2_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_off = expert.to(tl.int64) * stride_we
-    x_ptrs = X + pairs.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    xh_ptrs = X + pairs.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
-    xb_ptrs = X + pairs_b.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    xbh_ptrs = X + pairs_b.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K // 2)[None, :]
+    x_ptrs, xh_ptrs = _x_ptrs(X, pairs, stride_xm, BLOCK_K)
+    xb_ptrs, xbh_ptrs = _x_ptrs(X, pairs_b, stride_xm, BLOCK_K)
     # A program with a second block runs the loop that also feeds it: no branch inside the pipelined loop.
     if second:
         acc, acc_b = _w2_loop(
