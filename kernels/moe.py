@@ -250,7 +250,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     """
     import triton
 
-    from kernels import _triton_moe as tk
+    from kernels import _triton_moe_align as tk
 
     flat = _check_align(topk_ids, num_experts, block_m)
     n_pairs = flat.numel()
@@ -280,7 +280,7 @@ def moe_align_grid(
     pads and block ids (``moe_align_place_kernel``). ``sub``: pairs per one-hot step (powers of two)."""
     import triton
 
-    from kernels import _triton_moe as tk
+    from kernels import _triton_moe_align as tk
 
     flat = _check_align(topk_ids, num_experts, block_m)
     n_pairs = flat.numel()
