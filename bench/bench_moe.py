@@ -294,6 +294,8 @@ SHUFFLED_VARIANTS = {  # overrides of default_config timed on the shuffled layou
     "sh_w4": {"num_warps13": 4, "num_warps2": 4},
     "sh_w2": {"num_warps13": 2, "num_warps2": 2},
     "sh_n64": {"block_n13": 64, "block_n2": 64},
+    "sh_n128_w4": {"block_n13": 128, "block_n2": 128, "num_warps13": 4, "num_warps2": 4},  # 128 weight rows
+    "sh_n64_w2": {"block_n13": 64, "block_n2": 64, "num_warps13": 2, "num_warps2": 2},  # the paired tiles before
     "sh_pair": {"pair_blocks": True},  # two row blocks of one expert per program
     "sh_single": {"pair_blocks": False},  # one row block per program
 }

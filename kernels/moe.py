@@ -94,8 +94,9 @@ BF16_WIDE_MIN_PAIRS = 24576  # bf16 weights from here on (T = 4096, 96 pairs per
 SPLIT_K13_MAX_PAIRS = 8
 NARROW_WARPS_MAX_PAIRS = 767  # sorted decode below T = 128 at k = 6: 2-warp tiles (32 weight rows per warp)
 SHUFFLED_NARROW_WARPS_MAX_PAIRS = 3072  # the shuffled layout: 2-warp tiles up to T = 512 (the largest size measured)
-# the shuffled layout's sorted tiles from T = 320 to 512 at k = 6 (7.5-12 pairs per expert): row blocks in pairs
-PAIRED_MIN_PAIRS, PAIRED_MAX_PAIRS = 1920, 3072
+# the shuffled layout's sorted tiles from T = 320 at k = 6 (7.5 pairs per expert) up to the prefill tiles: row
+# blocks in pairs, 128-row weight tiles of 4 warps
+PAIRED_MIN_PAIRS = 1920
 # The shuffled layout's K tiles are at least this wide (32 columns per MMA): on its word-unpacked weights Triton 3.6
 # gives the mma.sync operands kWidth 8, 8 consecutive K columns per thread, which a dot of 16 columns (K tiles of
 # 32, the tiny checkpoint's I = 32) cannot hold: wrong sums (Triton 3.9 bounds kWidth by K; decisions 2026-12-02)
@@ -120,10 +121,16 @@ def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> Mo
     * ``shuffled`` (``shuffle_nvfp4``'s layout, the model's): the same, but 2-warp sorted tiles up to
       ``SHUFFLED_NARROW_WARPS_MAX_PAIRS`` (T=256: gate/up 771 us against 822 with 4 warps, down 398 against 468;
       2026-12-03, the MTP verify's T = B(D+1): T=320 gate/up 887 against 943, down 434 against 490; T=512 1245
-      against 1324, 661 against 726); from ``PAIRED_MIN_PAIRS`` to ``PAIRED_MAX_PAIRS`` two row blocks of one
-      expert per program (``pair_blocks``; 2026-12-03, two processes: T=320 gate/up 857-863 us against 885-886,
-      down 411-427 against 406-470; T=512 1046 against 1231-1245, 514-516 against 626-650; T=192 not taken:
-      751 against 718, 447 against 333).
+      against 1324, 661 against 726); from ``PAIRED_MIN_PAIRS`` up to the prefill tiles two row blocks of one
+      expert per program (``pair_blocks``) over 128-row weight tiles of 4 warps, so each program's x rows meet
+      twice the weight rows (2026-12-03, against the 64-row 2-warp paired tiles up to T=512 and the 4-warp
+      unpaired ones above, two timings each: gate/up T=320 736-738 us against 827-833, T=512 866-868 against
+      1028-1045, T=640 1052-1064 against 1481-1489, T=768 1236-1238 against 1729-1790, T=960 1424-1483 against
+      2077-2095; down even at T=320 (398-400 / 397-401), T=512 475-486 against 488-534, T=768 667-674 against
+      933-942, T=960 802-809 against 1075-1087; bit for bit the same outputs). Below T=320 not taken: T=192 paired
+      751 against 718 / 447 against 333 (64-row tiles), 128-row tiles 722-737 against 714 / 335-414 against 347
+      (one timing of 15 replays).
+      128-row tiles of 2 or 8 warps, 256-row tiles of 8 warps and 4 stages were slower at every T from 64 to 768.
 
     Measured and not taken: 16-row blocks (T=256: gate/up 968-1568 us against 858; the 16-wide MMA operand costs
     more than the 15% of blocks it saves), 4-row blocks, 128-row tiles of 8 warps, 128-wide K tiles, 2 or 4
@@ -138,8 +145,8 @@ def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> Mo
             return MoeConfig(block_m=64, block_k13=128, block_k2=128, block_n2=128, num_warps2=8, kperm=True)
         wide = {"block_m": 128, "num_warps13": 8, "num_warps2": 8} if n_pairs >= BF16_WIDE_MIN_PAIRS else {}
         return MoeConfig(**{"block_m": 64, "swap_ab": False, "block_k13": 128, "block_k2": 128, **wide})
-    if fp4 and shuffled and PAIRED_MIN_PAIRS <= n_pairs <= PAIRED_MAX_PAIRS:
-        base = replace(base, pair_blocks=True)
+    if fp4 and shuffled and n_pairs >= PAIRED_MIN_PAIRS:
+        return replace(base, pair_blocks=True, block_n13=128, block_n2=128)
     if n_pairs <= (SHUFFLED_NARROW_WARPS_MAX_PAIRS if fp4 and shuffled else NARROW_WARPS_MAX_PAIRS):
         return replace(base, num_warps13=2, num_warps2=2)
     return base

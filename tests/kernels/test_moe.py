@@ -457,9 +457,10 @@ def test_default_config_tiles_fit_inkling_small():
         if cfg.swap_ab and t * k < moe_module.PREFILL_MIN_PAIRS:  # decode: the block's rows as the MMA's N <= 8
             assert (cfg.block_m if t * k >= cfg.sorted_min_pairs else cfg.identity_block_m) <= 8
         assert not cfg.kperm or (fp4 and cfg.block_k13 % 32 == 0 and cfg.block_k2 % 32 == 0)
-        # paired blocks: the shuffled NVFP4 sorted tiles of the MTP verify sizes measured (T = 320..512) only
-        paired = fp4 and shuffled_layout and 320 <= t <= 512
+        # paired blocks: the shuffled NVFP4 sorted tiles from T = 320 (the MTP verify's sizes) to the prefill tiles
+        paired = fp4 and shuffled_layout and 320 <= t < 1024
         assert cfg.pair_blocks == paired and not (paired and (cfg.split_k13 > 1 or cfg.split_acc))
+        assert not paired or (cfg.block_n13, cfg.block_n2, cfg.num_warps13, cfg.num_warps2) == (128, 128, 4, 4)
 
 
 def test_bf16_weight_moe_matches_reference(cpu_interpreter):
@@ -555,7 +556,7 @@ def test_nvfp4_moe_gpu_code_paths(cuda_device, t, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 8, 64, 256])
+@pytest.mark.parametrize("t", [1, 8, 64, 256, 320, 768])
 def test_shuffled_nvfp4_moe_gpu(cuda_device, t):
     """Full widths, ``default_config``'s tiles for the shuffled layout: the reference result, and each kernel bit for
     bit the canonical layout's on inputs whose fp32 sums are exact in any order (``exact_stack``). Exactness is what
@@ -578,7 +579,7 @@ def test_shuffled_nvfp4_moe_gpu(cuda_device, t):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [192, 320, 512])
+@pytest.mark.parametrize("t", [192, 320, 512, 768])
 def test_paired_blocks_gpu(cuda_device, t):
     """Full widths, the shuffled layout's default tiles at the MTP verify's sizes, uniform and skewed routes: with
     ``pair_blocks`` each kernel's output is bit for bit the one-block-per-program launch's (the same MMAs per
