@@ -53,10 +53,15 @@ lm_head once either way. The measured figures are therefore a lower bound for th
 acceptance. What full depth would give is printed as an estimate ("at 42 layers"): the lm_head is timed alone over
 the plain and the verify rows, the rest of each trunk step is scaled by 42 / 6 and the draft chain kept as measured
 (first order: the proxy's layer mix, 5 sliding / 1 global and 3 of 6 NVFP4, stands for the full 35 / 7 split).
+That scales layer 2's bf16 experts (one of 40 MoE layers in the model, a third of the proxy's expert bytes) and
+the two dense layers with the rest, so it understates what full depth gives. `--deep-layers N` (N > 6) measures
+instead: it also builds the first N layers of Inkling-Small (layers 6..N-1: NVFP4 experts, every 6th global, the mix
+of the model's remaining layers) and times their plain and verify steps the same way; "from the N-layer proxy" is
+then each step at 6 layers plus (42 - 6) / (N - 6) times what layers 6..N-1 add, the draft chain as measured.
 Acceptance itself is not measured (random weights), only assumed.
 
     python3 -m bench.bench_mtp [--device cuda|cpu] [--batches 1 8 64] [--ctx 1024] [--depths 1 2 ... 8]
-        [--draft-head bf16|fp8] [--skip-eager-chain] [--host-only] [--breakdown]
+        [--draft-head bf16|fp8] [--skip-eager-chain] [--host-only] [--breakdown] [--deep-layers N]
 
 `--breakdown` (CUDA) also prints one verify step's and one chain round's GPU time by kernel (the torch profiler's
 CUDA events of a call, as bench_decode's breakdown). `--host-only` times only the host side of a chain round
@@ -77,11 +82,11 @@ import torch
 
 from bench.floors import Ceilings, count_launches, measure_ceilings, time_host_ms, time_ms
 from bench.proxy import (
-    NVFP4_LAYERS,
     PAGE,
-    SMALL_L6,
     chain_ops,
     paged_decode_batch,
+    proxy_nvfp4_layers,
+    proxy_shapes,
     random_proxy,
     roofline_us,
     step_bytes,
@@ -105,6 +110,7 @@ from tools.model_shapes import INKLING_MTP
 # vLLM, Inkling, GSM8K, concurrency 64, greedy: cumulative acceptance of draft position k = 1..8.
 VLLM_RATES = (0.757, 0.601, 0.498, 0.411, 0.354, 0.298, 0.261, 0.223)
 FULL_LAYERS = 42  # Inkling-Small (spec 1.5), for the full-depth estimate
+PROXY_LAYERS = 6  # the trunk's layers (Small-L6 on CUDA)
 GOALS = {1: 1.5, 64: 2.0}  # issue 16: tokens/s per sequence vs no speculation at these B, best D
 
 
@@ -125,16 +131,20 @@ def ceilings(device: str) -> Ceilings:
     return ceil
 
 
-def build(device: str, num_depths: int, head: str = "bf16") -> tuple[InklingDecoder, MTPDrafter]:
-    """The trunk (Small-L6 on CUDA, make-tiny on CPU) and `num_depths` random MTP depths of the real block, drafting
-    through `head` (`MTP_DRAFT_HEADS`: the shared bf16 lm_head or its FP8 copy)."""
+def build(
+    device: str, num_depths: int, head: str = "bf16", layers: int = PROXY_LAYERS
+) -> tuple[InklingDecoder, MTPDrafter]:
+    """The trunk (the first `layers` layers of Inkling-Small on CUDA, Small-L6 by default; make-tiny shapes with as
+    many layers on CPU) and `num_depths` random MTP depths of the real block, drafting through `head`
+    (`MTP_DRAFT_HEADS`: the shared bf16 lm_head or its FP8 copy)."""
     mtp_block = dict(INKLING_MTP, num_nextn_predict_layers=num_depths)
     mtp_block["local_layer_ids"] = [i for i in INKLING_MTP["local_layer_ids"] if i < num_depths]
     if device == "cuda":
-        parsed = parse_model_config(raw_config(**SMALL_L6, mtp_config=mtp_block))
-        trunk = random_proxy(parsed.text, NVFP4_LAYERS, device).with_ops("fast")
-    else:
-        parsed = parse_model_config(raw_config(mtp_config=mtp_block))
+        parsed = parse_model_config(raw_config(**proxy_shapes(layers), mtp_config=mtp_block))
+        trunk = random_proxy(parsed.text, proxy_nvfp4_layers(layers), device).with_ops("fast")
+    else:  # make-tiny, every 6th layer global as in proxy_shapes
+        local = [i for i in range(layers) if (i + 1) % 6]
+        parsed = parse_model_config(raw_config(num_hidden_layers=layers, local_layer_ids=local, mtp_config=mtp_block))
         trunk = random_proxy(parsed.text, frozenset(), device)
     assert parsed.mtp is not None
     drafter = random_drafter(parsed.mtp, trunk)
@@ -366,6 +376,16 @@ def host_only(device: str, batches: Sequence[int], ctx: int, depths: Sequence[in
     return results
 
 
+def step_ms(model: InklingDecoder, batch: int, ctx: int, width: int, device: str, reps: int) -> float:
+    """A plain (`width` 1) or verify step of B sequences at `ctx` as the run times the trunk's: on CUDA from the
+    engine's graphs (`plain_graph_ms`, `graph_step`), on the CPU the packed path, eager."""
+    if device != "cuda":
+        return time_ms(trunk_step(model, paged_batch(model, batch, ctx, width)), device, reps)
+    if width == 1:
+        return plain_graph_ms(model, batch, ctx, reps)
+    return time_ms(graph_step(model, batch, ctx, width), "cuda", reps, warmup=3)
+
+
 def plain_graph_ms(model: InklingDecoder, batch: int, ctx: int, reps: int) -> float:
     """The engine's plain greedy decode step for B sequences at `ctx` (`DecodeGraphs` replay, then the lm_head and
     argmax from the head graph and the B token ids read), as in `bench.bench_decode`."""
@@ -420,6 +440,9 @@ class Row:
     lm_verify_ms: float = 0.0  # ... over the verify step's B(D+1) rows
     chain_graph_ms: float | None = None  # the chain as the engine runs it (paged pools, CUDA graph); None: eager
     pre_replay_ms: float | None = None  # its host time from the call to the graph replay (CUDA)
+    deep_layers: int = 0  # `--deep-layers`: the deeper proxy's layers (0: not run)
+    deep_plain_ms: float | None = None  # its plain step, timed as `baseline_ms`
+    deep_verify_ms: float | None = None  # its verify step, timed as `verify_ms`
 
     @property
     def draft_ms(self) -> float:
@@ -491,6 +514,17 @@ class Row:
         verify = self.lm_verify_ms + (self.verify_ms - self.lm_verify_ms) * layer_scale
         return baseline / ((verify + self.draft_ms) / self.tokens_per_round)
 
+    def marginal_speedup(self, full_layers: int, layers: int = PROXY_LAYERS) -> float | None:
+        """The speedup at `full_layers` from the deeper proxy: each step at the proxy's `layers` plus
+        (full - layers) / (deep - layers) times what the deeper proxy's extra layers add, the draft chain as
+        measured. None: no deeper proxy timed."""
+        if self.deep_plain_ms is None or self.deep_verify_ms is None:
+            return None
+        k = (full_layers - layers) / (self.deep_layers - layers)
+        baseline = self.baseline_ms + k * (self.deep_plain_ms - self.baseline_ms)
+        verify = self.verify_ms + k * (self.deep_verify_ms - self.verify_ms)
+        return baseline / ((verify + self.draft_ms) / self.tokens_per_round)
+
 
 def round_floors(
     trunk: InklingDecoder, drafter: MTPDrafter, batch: int, ctx: int, depth: int, rows: int, ceil: Ceilings
@@ -530,13 +564,17 @@ def run(
     head: str = "bf16",
     eager_chain: bool = True,
     breakdown: bool = False,
+    deep_layers: int = 0,
 ) -> list[Row]:
     if not depths or min(depths) < 1 or max(depths) > len(VLLM_RATES):
         raise ValueError(f"--depths: expected values in 1..{len(VLLM_RATES)}, got {list(depths)}")
     if ctx < 1:
         raise ValueError(f"--ctx: expected >= 1, got {ctx}")
+    if deep_layers and not PROXY_LAYERS < deep_layers < full_layers:
+        raise ValueError(f"--deep-layers: expected {PROXY_LAYERS} < N < {full_layers}, got {deep_layers}")
     ceil = ceilings(device)
     trunk, drafter = build(device, max(depths), head)
+    deep = build(device, 1, layers=deep_layers)[0] if deep_layers else None
     print(f"# draft head: {head}", flush=True)
     layer_scale = full_layers / trunk.config.num_layers
     results = []
@@ -547,6 +585,7 @@ def run(
         plain = time_ms(trunk_step(trunk, plain_fb), device, reps)
         floor = ceil.floor_us(step_bytes(trunk, b, ctx, touched_experts(trunk, plain_fb))) / 1e3
         graphed = plain_graph_ms(trunk, b, ctx, reps) if device == "cuda" else None
+        deep_plain = step_ms(deep, b, ctx, 1, device, reps) if deep is not None else None
         lm_plain = lm_head_ms(trunk, b, device, reps)
         chain = DraftChain(drafter, b, ctx) if eager_chain else None
         growth = 4 * (reps + 4) * sum(1 + round(expected_accepted(d)) for d in depths)
@@ -571,12 +610,14 @@ def run(
             pre = host_before_replay_ms(graphed_chain.step(d, rows), reps) if graphed_round else None
             tokens = 1.0 + simulate_accepted(d, b, rounds)
             lm_verify = lm_head_ms(trunk, b * (d + 1), device, reps)
+            deep_verify = step_ms(deep, b, ctx, d + 1, device, reps) if deep is not None else None
             verify_floor, chain_floor, verify_roof, chain_roof = round_floors(trunk, drafter, b, ctx, d, rows, ceil)
             row = Row(
                 batch=b, depth=d, verify_ms=verify, chain_ms=chain_ms, rows=rows, tokens_per_round=tokens,
                 plain_ms=plain, floor_ms=floor, verify_floor_ms=verify_floor, chain_floor_ms=chain_floor,
                 verify_roofline_ms=verify_roof, chain_roofline_ms=chain_roof, plain_graph_ms=graphed,
                 lm_plain_ms=lm_plain, lm_verify_ms=lm_verify, chain_graph_ms=chain_graph, pre_replay_ms=pre,
+                deep_layers=deep_layers, deep_plain_ms=deep_plain, deep_verify_ms=deep_verify,
             )  # fmt: skip
             results.append(row)
             eager_text = f" (eager per request {chain_ms:.3f} ms)" if chain is not None else ""
@@ -593,7 +634,13 @@ def run(
                 f"{1e3 / row.per_token_ms:.0f} tokens/s per sequence = {row.speedup:.2f}x no speculation "
                 f"({1e3 / row.baseline_ms:.0f}); "
                 f"per-token {row.per_token_ms:.3f} ms vs floor {floor:.3f} ms ({row.per_token_ms / floor:.2f}x); "
-                f"at {full_layers} layers ~{row.full_depth_speedup(layer_scale):.2f}x",
+                f"at {full_layers} layers ~{row.full_depth_speedup(layer_scale):.2f}x"
+                + (
+                    f" (from the {deep_layers}-layer proxy, plain {deep_plain:.3f} ms, verify {deep_verify:.3f} ms: "
+                    f"~{row.marginal_speedup(full_layers):.2f}x)"
+                    if deep is not None
+                    else ""
+                ),
                 flush=True,
             )
             if breakdown:
@@ -625,6 +672,13 @@ def run(
             f"{bound.floor_speedup:.2f}x",
             flush=True,
         )
+        if deep is not None:
+            deepest = max((r for r in results if r.batch == b), key=lambda r: r.marginal_speedup(full_layers) or 0)
+            print(
+                f"# B={b}: at {full_layers} layers from the {deep_layers}-layer proxy best D={deepest.depth}, "
+                f"~{deepest.marginal_speedup(full_layers):.2f}x",
+                flush=True,
+            )
         del plain_fb, chain, graphed_chain
     return results
 
@@ -648,6 +702,9 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument(
         "--breakdown", action="store_true", help="also the verify step's and the chain round's GPU time by kernel"
     )
+    parser.add_argument(
+        "--deep-layers", type=int, default=0, help="also time the first N layers' steps for the full-depth estimate"
+    )
     args = parser.parse_args(argv)
     if args.host_only:
         host_only(args.device, args.batches, args.ctx, args.depths, args.reps)
@@ -658,7 +715,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         raise SystemExit("--skip-eager-chain, --breakdown: the CPU run has only the eager chain and no GPU kernels")
     return run(
         args.device, args.batches, args.ctx, args.depths, args.reps, args.rounds, args.full_layers, args.draft_head,
-        not args.skip_eager_chain, args.breakdown,
+        not args.skip_eager_chain, args.breakdown, args.deep_layers,
     )  # fmt: skip
 
 

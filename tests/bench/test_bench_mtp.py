@@ -42,6 +42,22 @@ def test_tiny_cpu_run_reports_every_batch_and_depth(capsys) -> None:
     assert len(floor_lines) == 4 and all(("goal 1.5x: round <=" in line) == ("B=1 " in line) for line in floor_lines)
 
 
+def test_deep_proxy_gives_the_marginal_layers_estimate(capsys) -> None:
+    """`--deep-layers`: the deeper trunk's plain and verify steps are timed per (B, D), and the estimate is the
+    extrapolation of what its extra layers add (at the deep trunk's own depth it is that trunk's figure)."""
+    (r,) = main(["--device", "cpu", "--batches", "2", "--ctx", "12", "--depths", "2", "--deep-layers", "12"])
+    out = capsys.readouterr().out
+    assert r.deep_layers == 12 and r.deep_plain_ms > 0 and r.deep_verify_ms > 0
+    assert r.marginal_speedup(6) == pytest.approx(r.speedup)  # no extra layers: the measured figure
+    own = r.deep_plain_ms / ((r.deep_verify_ms + r.draft_ms) / r.tokens_per_round)
+    assert r.marginal_speedup(12) == pytest.approx(own)
+    k = (42 - 6) / (12 - 6)
+    base, verify = r.plain_ms + k * (r.deep_plain_ms - r.plain_ms), r.verify_ms + k * (r.deep_verify_ms - r.verify_ms)
+    assert r.marginal_speedup(42) == pytest.approx(base * r.tokens_per_round / (verify + r.draft_ms))
+    assert "(from the 12-layer proxy, plain" in out and "# B=2: at 42 layers from the 12-layer proxy best D=2" in out
+    assert build("cpu", 1, layers=12)[0].config.num_layers == 12
+
+
 def test_verify_floor_reads_each_sequence_history_once() -> None:
     """D+1 rows per sequence add only the new rows' terms to the plain step's floor: their embeddings, their K/V
     written (the history is read once per sequence, not once per row) and their fp32 logits; weights and the
@@ -124,5 +140,7 @@ def test_bad_arguments_name_the_flag() -> None:
         main(["--device", "cpu", "--depths", "9"])
     with pytest.raises(ValueError, match="--ctx"):
         main(["--device", "cpu", "--ctx", "0"])
+    with pytest.raises(ValueError, match="--deep-layers"):
+        main(["--device", "cpu", "--deep-layers", "6"])
     with pytest.raises(SystemExit, match="--breakdown"):
         main(["--device", "cpu", "--breakdown"])  # no GPU kernels to break down
