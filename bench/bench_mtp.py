@@ -58,10 +58,11 @@ the two dense layers with the rest, so it understates what full depth gives. `--
 instead: it also builds the first N layers of Inkling-Small (layers 6..N-1: NVFP4 experts, every 6th global, the mix
 of the model's remaining layers) and times their plain and verify steps the same way; "from the N-layer proxy" is
 then each step at 6 layers plus (42 - 6) / (N - 6) times what layers 6..N-1 add, the draft chain as measured.
-Acceptance itself is not measured (random weights), only assumed.
+Acceptance itself is not measured (random weights), only assumed. `--full-floors` prints, without a GPU, what the
+whole model's byte floors allow (`full_depth_floors`).
 
     python3 -m bench.bench_mtp [--device cuda|cpu] [--batches 1 8 64] [--ctx 1024] [--depths 1 2 ... 8]
-        [--draft-head bf16|fp8] [--skip-eager-chain] [--host-only] [--breakdown] [--deep-layers N]
+        [--draft-head bf16|fp8] [--skip-eager-chain] [--host-only] [--breakdown] [--deep-layers N] [--full-floors]
 
 `--breakdown` (CUDA) also prints one verify step's and one chain round's GPU time by kernel (the torch profiler's
 CUDA events of a call, as bench_decode's breakdown). `--host-only` times only the host side of a chain round
@@ -111,6 +112,7 @@ from tools.model_shapes import INKLING_MTP
 VLLM_RATES = (0.757, 0.601, 0.498, 0.411, 0.354, 0.298, 0.261, 0.223)
 FULL_LAYERS = 42  # Inkling-Small (spec 1.5), for the full-depth estimate
 PROXY_LAYERS = 6  # the trunk's layers (Small-L6 on CUDA)
+NOMINAL_GBS = 4200.0  # H200 copy bandwidth as measured in these runs, for `--full-floors`' times (not its ratios)
 GOALS = {1: 1.5, 64: 2.0}  # issue 16: tokens/s per sequence vs no speculation at these B, best D
 
 
@@ -348,6 +350,54 @@ def host_before_replay_ms(fn: Callable[[], None], reps: int) -> float:
     finally:
         torch.cuda.CUDAGraph.replay = replay
     return statistics.median(times)
+
+
+def full_depth_floors(
+    batches: Sequence[int], ctx: int, depths: Sequence[int], head: str, gbs: float = NOMINAL_GBS
+) -> dict[tuple[int, int], float]:
+    """`--full-floors`: the byte floors of the whole model, no GPU: Inkling-Small's 42 layers and 8 MTP depths built
+    on the meta device, the routed experts a step touches as uniform routing's expected count (E (1 - (1 - k/E)^rows)
+    distinct experts per MoE layer), the draft head `head`; per B the plain step's floor, per D the verify step's
+    and the chain's (`step_bytes`, `chain_ops`: the round's floors as `round_floors` counts them) and "speedup at
+    floors" = plain floor x tokens per round (vLLM's rates, expected) / round floor: the most speculation can give
+    when every step runs at its floor. Times at `gbs` GB/s; the ratio does not depend on it. -> {(B, D): ratio}."""
+    mtp_block = dict(INKLING_MTP, num_nextn_predict_layers=max(depths))
+    mtp_block["local_layer_ids"] = [i for i in INKLING_MTP["local_layer_ids"] if i < max(depths)]
+    parsed = parse_model_config(raw_config(**proxy_shapes(FULL_LAYERS), mtp_config=mtp_block))
+    assert parsed.mtp is not None
+    config = parsed.text
+    with torch.device("meta"):
+        trunk = InklingDecoder(config, proxy_nvfp4_layers(FULL_LAYERS))
+        drafter = MTPDrafter(parsed.mtp, trunk)
+        if head == "fp8":
+            drafter.use_fp8_head()
+    moe = [i for i, layer in enumerate(trunk.layers) if hasattr(layer.mlp, "experts")]
+    e, k = config.n_routed_experts, config.num_experts_per_tok
+
+    def ms(ops_or_bytes) -> float:
+        return ops_or_bytes / (gbs * 1e9) * 1e3
+
+    def touched(rows: int) -> dict[int, int]:
+        return dict.fromkeys(moe, round(e * (1 - (1 - k / e) ** rows)))
+
+    results = {}
+    for b in batches:
+        plain = ms(step_bytes(trunk, b, ctx, touched(b)))
+        parts = []
+        for d in depths:
+            rows = 1 + round(expected_accepted(d))
+            verify = ms(step_bytes(trunk, b, ctx, touched(b * (d + 1)), d + 1))
+            chain = ms(sum(n for n, _ in chain_ops(drafter, b, ctx, rows, d)))
+            tokens = 1 + expected_accepted(d)
+            results[b, d] = ratio = plain * tokens / (verify + chain)
+            parts.append(f"D={d} verify {verify:.3f} + chain {chain:.3f} ms, {tokens:.2f} tokens/round: {ratio:.2f}x")
+        best = max(depths, key=lambda d: results[b, d])
+        print(
+            f"# full depth ({FULL_LAYERS} layers, {head} draft head, byte floors at {gbs:.0f} GB/s, ctx {ctx}): B={b} "
+            f"plain {plain:.3f} ms; " + "; ".join(parts) + f"; best D={best}, {results[b, best]:.2f}x at floors",
+            flush=True,
+        )
+    return results
 
 
 def host_only(device: str, batches: Sequence[int], ctx: int, depths: Sequence[int], reps: int) -> dict:
@@ -705,9 +755,15 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument(
         "--deep-layers", type=int, default=0, help="also time the first N layers' steps for the full-depth estimate"
     )
+    parser.add_argument(
+        "--full-floors", action="store_true", help="only the whole model's byte floors per B and D (no GPU), then exit"
+    )
     args = parser.parse_args(argv)
     if args.host_only:
         host_only(args.device, args.batches, args.ctx, args.depths, args.reps)
+        return []
+    if args.full_floors:
+        full_depth_floors(args.batches, args.ctx, args.depths, args.draft_head)
         return []
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device (use --device cpu for the tiny shapes)")

@@ -8,7 +8,15 @@ import math
 
 import pytest
 
-from bench.bench_mtp import VLLM_RATES, build, expected_accepted, host_only, main, simulate_accepted
+from bench.bench_mtp import (
+    VLLM_RATES,
+    build,
+    expected_accepted,
+    full_depth_floors,
+    host_only,
+    main,
+    simulate_accepted,
+)
 from bench.proxy import cache_ops, chain_ops, depth_ops, step_bytes
 from kernels.fp8_head import preferred as fp8_preferred
 
@@ -56,6 +64,21 @@ def test_deep_proxy_gives_the_marginal_layers_estimate(capsys) -> None:
     assert r.marginal_speedup(42) == pytest.approx(base * r.tokens_per_round / (verify + r.draft_ms))
     assert "(from the 12-layer proxy, plain" in out and "# B=2: at 42 layers from the 12-layer proxy best D=2" in out
     assert build("cpu", 1, layers=12)[0].config.num_layers == 12
+
+
+def test_full_floors_bound_the_whole_model(capsys) -> None:
+    """`--full-floors` (the 42-layer model on the meta device): at B=1 each draft's verify row routes to more experts,
+    so the bound falls again past a few drafts, at B=64 the rows share the experts the batch already reads; the FP8
+    head's half bytes per depth raise it; the ratio does not depend on the bandwidth the times are printed at."""
+    fp8 = full_depth_floors([1, 64], 1024, [1, 4, 8], "fp8")
+    out = capsys.readouterr().out
+    assert fp8[1, 8] < fp8[1, 4] and fp8[64, 1] < fp8[64, 4] < fp8[64, 8]
+    assert max(fp8[64, d] for d in (1, 4, 8)) > max(fp8[1, d] for d in (1, 4, 8)) > 1
+    bf16 = full_depth_floors([1], 1024, [4], "bf16")
+    assert bf16[1, 4] < fp8[1, 4]
+    assert full_depth_floors([1], 1024, [4], "fp8", gbs=1000.0)[1, 4] == pytest.approx(fp8[1, 4])
+    assert "# full depth (42 layers, fp8 draft head" in out and "B=64 plain" in out and "best D=8" in out
+    assert main(["--full-floors", "--batches", "1", "--depths", "2"]) == []
 
 
 def test_verify_floor_reads_each_sequence_history_once() -> None:
