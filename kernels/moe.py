@@ -93,7 +93,6 @@ BF16_WIDE_MIN_PAIRS = 24576  # bf16 weights from here on (T = 4096, 96 pairs per
 # (144 registers: 7 per SM) stay within one wave of the 132 SMs
 SPLIT_K13_MAX_PAIRS = 8
 NARROW_WARPS_MAX_PAIRS = 767  # sorted decode below T = 128 at k = 6: 2-warp tiles (32 weight rows per warp)
-SHUFFLED_NARROW_WARPS_MAX_PAIRS = 3072  # the shuffled layout: 2-warp tiles up to T = 512 (the largest size measured)
 # the shuffled layout's sorted tiles from T = 320 at k = 6 (7.5 pairs per expert) up to the prefill tiles: row
 # blocks in pairs, 128-row weight tiles of 4 warps
 PAIRED_MIN_PAIRS = 1920
@@ -119,7 +118,7 @@ def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> Mo
       789/815/1561 against 976/1017/2006); bf16 weights: the 64-row tiles as before up to ``BF16_WIDE_MIN_PAIRS``,
       then 128-row blocks of 8 warps (T=4096: gate/up 2502 us against 3464, down 1831 against 1796).
     * ``shuffled`` (``shuffle_nvfp4``'s layout, the model's): the same, but 2-warp sorted tiles up to
-      ``SHUFFLED_NARROW_WARPS_MAX_PAIRS`` (T=256: gate/up 771 us against 822 with 4 warps, down 398 against 468;
+      ``PAIRED_MIN_PAIRS`` (T=256: gate/up 771 us against 822 with 4 warps, down 398 against 468;
       2026-12-03, the MTP verify's T = B(D+1): T=320 gate/up 887 against 943, down 434 against 490; T=512 1245
       against 1324, 661 against 726); from ``PAIRED_MIN_PAIRS`` up to the prefill tiles two row blocks of one
       expert per program (``pair_blocks``) over 128-row weight tiles of 4 warps, so each program's x rows meet
@@ -147,7 +146,7 @@ def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> Mo
         return MoeConfig(**{"block_m": 64, "swap_ab": False, "block_k13": 128, "block_k2": 128, **wide})
     if fp4 and shuffled and n_pairs >= PAIRED_MIN_PAIRS:
         return replace(base, pair_blocks=True, block_n13=128, block_n2=128)
-    if n_pairs <= (SHUFFLED_NARROW_WARPS_MAX_PAIRS if fp4 and shuffled else NARROW_WARPS_MAX_PAIRS):
+    if (fp4 and shuffled) or n_pairs <= NARROW_WARPS_MAX_PAIRS:
         return replace(base, num_warps13=2, num_warps2=2)
     return base
 
