@@ -302,6 +302,26 @@ def test_fast_path_matches_reference_in_the_interpreter(cpu_interpreter, width):
         assert torch.equal(f.argmax(-1), r.argmax(-1))
 
 
+def test_paired_expert_blocks_match_reference_in_the_interpreter(cpu_interpreter):
+    """A batch of 1000 tokens (2000 (token, slot) pairs, ~250 per expert) on the shuffled layout takes the paired
+    row blocks over the model's shrunk tiles; its routed experts equal the reference's reading of the same tensors."""
+    from decode_service.model.fast_path import _moe_config
+
+    model = tiny_model(intermediate_size=64)
+    model = InklingDecoder.from_weights(model.config, model.state_dict(), torch.float32, "cpu", ops="reference")
+    fast = model.with_ops("fast")
+    t, h = 1000, model.config.hidden_size
+    assert _moe_config(t * model.config.num_experts_per_tok, h, 64, True, True, True).pair_blocks
+    layer = min(NVFP4_LAYERS)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        ids, weights, _ = model.layers[layer].mlp.gate(x)
+        ref = model.layers[layer].mlp.experts(x, ids, weights)
+        out = fast.layers[layer].mlp.experts(x, ids, weights)
+    assert fast.layers[layer].mlp.experts.w13_weight_scale.dtype == torch.uint8  # the shuffled layout
+    assert rel_err(out, ref) < 1e-5
+
+
 def test_chunked_prefill_matches_reference_in_the_interpreter(cpu_interpreter):
     """Prefill in chunks of 6 (later chunks start past the window of 8, the bias extent of 12 and tau's floor of
     6): the prefill attention kernel against `Attention.attend`."""
@@ -365,8 +385,9 @@ def tiny_checkpoint(tmp_path, dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_shuffled_experts_match_reference_on_the_gpu(cuda_device, dtype):
     """I = 64, where the fast model re-lays its NVFP4 stacks (the tiny checkpoint's I = 32 keeps them as loaded):
-    its routed experts against the reference's reading of the same tensors, one (token, slot) pair per row block
-    and pairs sorted by expert; bounds as for the tiny checkpoint's modules (bf16) and its fp32 run (TF32)."""
+    its routed experts against the reference's reading of the same tensors, one (token, slot) pair per row block,
+    pairs sorted by expert, and sorted blocks in pairs (T=1000); bounds as for the tiny checkpoint's modules (bf16)
+    and its fp32 run (TF32)."""
     model = tiny_model(intermediate_size=64)
     model = InklingDecoder.from_weights(model.config, model.state_dict(), dtype, "cuda", ops="reference")
     built = {ops: model.with_ops(ops) for ops in ("reference", "fast")}
@@ -375,7 +396,7 @@ def test_shuffled_experts_match_reference_on_the_gpu(cuda_device, dtype):
     with torch.inference_mode():
         for layer in sorted(NVFP4_LAYERS):
             assert built["fast"].layers[layer].mlp.experts.w13_weight_scale.dtype == torch.uint8
-            for t in (2, 200):
+            for t in (2, 200, 1000):  # 1000: paired row blocks
                 x = torch.randn(t, model.config.hidden_size, generator=gen).to("cuda", dtype)
                 ids, weights, _ = model.layers[layer].mlp.gate(x)
                 outs = [m.layers[layer].mlp.experts(x, ids, weights) for m in built.values()]
