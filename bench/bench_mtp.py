@@ -94,7 +94,7 @@ from bench.proxy import (
     step_ops,
     touched_experts,
 )
-from common.config import MtpConfig, parse_model_config
+from common.config import ModelConfig, MtpConfig, parse_model_config
 from common.settings import MTP_DRAFT_HEADS
 from decode_service.engine.core.pages import KVAllocator
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
@@ -133,21 +133,32 @@ def ceilings(device: str) -> Ceilings:
     return ceil
 
 
+def model_config(num_depths: int, layers: int = PROXY_LAYERS, small: bool = True) -> ModelConfig:
+    """The first `layers` layers of Inkling-Small (`small`) or make-tiny shapes with as many layers (every 6th
+    global, as `proxy_shapes`), with the first `num_depths` depths of the released MTP block."""
+    mtp = dict(INKLING_MTP, num_nextn_predict_layers=num_depths)
+    mtp["local_layer_ids"] = [i for i in INKLING_MTP["local_layer_ids"] if i < num_depths]
+    if small:
+        return parse_model_config(raw_config(**proxy_shapes(layers), mtp_config=mtp))
+    local = [i for i in range(layers) if (i + 1) % 6]
+    return parse_model_config(raw_config(num_hidden_layers=layers, local_layer_ids=local, mtp_config=mtp))
+
+
+def build_trunk(device: str, layers: int = PROXY_LAYERS, num_depths: int = 1) -> tuple[InklingDecoder, ModelConfig]:
+    """The random trunk of `model_config` (Inkling-Small's first `layers` layers with its NVFP4 experts and the fast
+    ops on CUDA, make-tiny shapes on CPU) and the config it was built from."""
+    parsed = model_config(num_depths, layers, small=device == "cuda")
+    if device == "cuda":
+        return random_proxy(parsed.text, proxy_nvfp4_layers(layers), device).with_ops("fast"), parsed
+    return random_proxy(parsed.text, frozenset(), device), parsed
+
+
 def build(
     device: str, num_depths: int, head: str = "bf16", layers: int = PROXY_LAYERS
 ) -> tuple[InklingDecoder, MTPDrafter]:
-    """The trunk (the first `layers` layers of Inkling-Small on CUDA, Small-L6 by default; make-tiny shapes with as
-    many layers on CPU) and `num_depths` random MTP depths of the real block, drafting through `head`
-    (`MTP_DRAFT_HEADS`: the shared bf16 lm_head or its FP8 copy)."""
-    mtp_block = dict(INKLING_MTP, num_nextn_predict_layers=num_depths)
-    mtp_block["local_layer_ids"] = [i for i in INKLING_MTP["local_layer_ids"] if i < num_depths]
-    if device == "cuda":
-        parsed = parse_model_config(raw_config(**proxy_shapes(layers), mtp_config=mtp_block))
-        trunk = random_proxy(parsed.text, proxy_nvfp4_layers(layers), device).with_ops("fast")
-    else:  # make-tiny, every 6th layer global as in proxy_shapes
-        local = [i for i in range(layers) if (i + 1) % 6]
-        parsed = parse_model_config(raw_config(num_hidden_layers=layers, local_layer_ids=local, mtp_config=mtp_block))
-        trunk = random_proxy(parsed.text, frozenset(), device)
+    """The trunk (`build_trunk`: Small-L6 by default) and `num_depths` random MTP depths of the real block,
+    drafting through `head` (`MTP_DRAFT_HEADS`: the shared bf16 lm_head or its FP8 copy)."""
+    trunk, parsed = build_trunk(device, layers, num_depths)
     assert parsed.mtp is not None
     drafter = random_drafter(parsed.mtp, trunk)
     if head == "fp8":
@@ -361,9 +372,7 @@ def full_depth_floors(
     and the chain's (`step_bytes`, `chain_ops`: the round's floors as `round_floors` counts them) and "speedup at
     floors" = plain floor x tokens per round (vLLM's rates, expected) / round floor: the most speculation can give
     when every step runs at its floor. Times at `gbs` GB/s; the ratio does not depend on it. -> {(B, D): ratio}."""
-    mtp_block = dict(INKLING_MTP, num_nextn_predict_layers=max(depths))
-    mtp_block["local_layer_ids"] = [i for i in INKLING_MTP["local_layer_ids"] if i < max(depths)]
-    parsed = parse_model_config(raw_config(**proxy_shapes(FULL_LAYERS), mtp_config=mtp_block))
+    parsed = model_config(max(depths), FULL_LAYERS)
     assert parsed.mtp is not None
     config = parsed.text
     with torch.device("meta"):
@@ -408,9 +417,7 @@ def host_only(device: str, batches: Sequence[int], ctx: int, depths: Sequence[in
     not depend on the layer shapes). -> {(B, D): median ms}."""
     if min(depths) < 1 or ctx < 1 or min(batches) < 1:
         raise ValueError(f"--host-only: expected depths, ctx and batches >= 1, got {depths}, {ctx}, {batches}")
-    mtp_block = dict(INKLING_MTP, num_nextn_predict_layers=max(depths))
-    mtp_block["local_layer_ids"] = [i for i in INKLING_MTP["local_layer_ids"] if i < max(depths)]
-    parsed = parse_model_config(raw_config(mtp_config=mtp_block))
+    parsed = model_config(max(depths), small=False)
     assert parsed.mtp is not None
     drafter = random_drafter(parsed.mtp, random_proxy(parsed.text, frozenset(), device))
     drafter.forward = lambda depth, hidden, batch: hidden  # rows in, rows out: only the host work is left
@@ -624,7 +631,7 @@ def run(
         raise ValueError(f"--deep-layers: expected {PROXY_LAYERS} < N < {full_layers}, got {deep_layers}")
     ceil = ceilings(device)
     trunk, drafter = build(device, max(depths), head)
-    deep = build(device, 1, layers=deep_layers)[0] if deep_layers else None
+    deep = build_trunk(device, deep_layers)[0] if deep_layers else None
     print(f"# draft head: {head}", flush=True)
     layer_scale = full_layers / trunk.config.num_layers
     results = []

@@ -11,6 +11,7 @@ import pytest
 from bench.bench_mtp import (
     VLLM_RATES,
     build,
+    build_trunk,
     expected_accepted,
     full_depth_floors,
     host_only,
@@ -63,7 +64,7 @@ def test_deep_proxy_gives_the_marginal_layers_estimate(capsys) -> None:
     base, verify = r.plain_ms + k * (r.deep_plain_ms - r.plain_ms), r.verify_ms + k * (r.deep_verify_ms - r.verify_ms)
     assert r.marginal_speedup(42) == pytest.approx(base * r.tokens_per_round / (verify + r.draft_ms))
     assert "(from the 12-layer proxy, plain" in out and "# B=2: at 42 layers from the 12-layer proxy best D=2" in out
-    assert build("cpu", 1, layers=12)[0].config.num_layers == 12
+    assert build_trunk("cpu", 12)[0].config.num_layers == 12
 
 
 def test_full_floors_bound_the_whole_model(capsys) -> None:
