@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.floors import measure_ceilings, row, time_graph_ms
-from kernels.attention import DecodeConfig, paged_attention_reference, paged_decode_attention
+from inkling_kernels.attention import DecodeConfig, paged_attention_reference, paged_decode_attention
 
 NH, NKV, HD, DREL, PAGE = 32, 8, 128, 16, 16
 WINDOW, REL_SLIDING, REL_GLOBAL = 512, 512, 1024

@@ -11,7 +11,7 @@ bandwidth measured in the same run; at B=1 a launch is latency-bound (~2 us) wel
 
 `--sweep` times every candidate tile per B, the one the wrapper picks marked, and checks each against that one's
 results bit for bit. `--baseline MODULE` also times a module with the same `conv_decode` / `kv_prologue` (an
-earlier `kernels/short_conv.py` with its `_triton_short_conv`, say) on the checkpoint's `[C, K]` weights, the
+earlier `inkling_kernels/short_conv.py` with its `_triton_short_conv`, say) on the checkpoint's `[C, K]` weights, the
 layout it ran on, next to this tree's kernels on those and on the tap-major weights they are loaded in, and says
 whether its results are bitwise this tree's (a norm's statistics may round differently in another reduction
 order: the elements that differ are counted, with the largest difference in units of the last place).
@@ -30,8 +30,8 @@ import torch
 
 from bench.floors import Ceilings, measure_ceilings, time_graph_ms
 from decode_service.model.layers import tap_major
-from kernels import short_conv
-from kernels.short_conv import CONV_TILES, KV_TILES, tiles_for
+from inkling_kernels import short_conv
+from inkling_kernels.short_conv import CONV_TILES, KV_TILES, tiles_for
 
 C, K, N_KV, HEAD_DIM, N_HEADS = 4096, 4, 8, 128, 32
 SETS = 12  # launches per graph, each on its own operands

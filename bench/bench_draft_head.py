@@ -1,4 +1,4 @@
-"""The MTP drafter's lm_head alone: the bf16 shared head against its FP8 copy (`kernels.fp8_head`), per row count.
+"""The MTP drafter's lm_head alone: the bf16 shared head against its FP8 copy (`inkling_kernels.fp8_head`) by rows.
 
 Shapes: Inkling-Small's unembedding (`bench.proxy`: 201024 x 4096, the unpadded vocabulary rows read), the muP division
 and fp32 logits as the drafter computes them. Per M rows (default 1 / 8 / 64, the drafter's batch buckets): "bf16
@@ -25,7 +25,7 @@ from bench.proxy import proxy_config
 from decode_service.model.collectives import SINGLE
 from decode_service.model.fast_path import TritonOps
 from decode_service.model.ops import REFERENCE
-from kernels.fp8_head import (
+from inkling_kernels.fp8_head import (
     Fp8HeadConfig,
     default_config,
     dot_block_rows,

@@ -1,4 +1,4 @@
-"""The decode step's dense linears at M = 1..64 rows: cuBLAS against `kernels.skinny_gemm`, next to the byte floor.
+"""The decode step's dense linears at M = 1..64 rows: cuBLAS against `inkling_kernels.skinny_gemm`, by the byte floor.
 
 Shapes are the Small-L6 proxy's (`bench.proxy`, exact Inkling-Small layers): per decoder layer the stacked q/k/v/r
 projection and the output projection, the dense MLP's gate+up and down (layers 0-1), the two shared experts'
@@ -30,7 +30,7 @@ import torch
 from bench.floors import measure_ceilings, row, time_graph_ms
 from bench.proxy import proxy_config
 from common.config import TextConfig
-from kernels.skinny_gemm import (
+from inkling_kernels.skinny_gemm import (
     MAX_ROWS,
     SkinnyConfig,
     default_config,

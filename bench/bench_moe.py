@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from bench.floors import Ceilings, measure_ceilings, row, time_eager_ms, time_graph_ms
 from common.nvfp4 import dequant_nvfp4
-from kernels.moe import (
+from inkling_kernels.moe import (
     MoeConfig,
     bf16_moe,
     default_config,

@@ -41,14 +41,14 @@ from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceVi
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.fast_path import TritonOps
 from decode_service.model.inkling import InklingDecoder
-from kernels.float_rows import float_rows, float_rows_reference
-from kernels.moe import PREFILL_MIN_PAIRS, MoeConfig, bf16_moe, kperm_x, kperm_x_reference, nvfp4_moe
-from kernels.prefill_attention import (
+from inkling_kernels.float_rows import float_rows, float_rows_reference
+from inkling_kernels.moe import PREFILL_MIN_PAIRS, MoeConfig, bf16_moe, kperm_x, kperm_x_reference, nvfp4_moe
+from inkling_kernels.prefill_attention import (
     PrefillConfig,
     prefill_attention,
     prefill_attention_reference,
 )
-from kernels.rel_bias import rel_bias_table, rel_bias_table_reference
+from inkling_kernels.rel_bias import rel_bias_table, rel_bias_table_reference
 
 
 class TilesOps(TritonOps):

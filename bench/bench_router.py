@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from bench.floors import Ceilings, measure_ceilings, row, time_graph_ms
-from kernels.router import GateTiles, default_tiles, route, route_reference
+from inkling_kernels.router import GateTiles, default_tiles, route, route_reference
 
 H, E, S, TOPK, ROUTE_SCALE = 4096, 256, 2, 6, 8.0
 SETS = 32  # 32 x 2.1 MB of gate weights > L2

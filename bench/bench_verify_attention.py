@@ -27,7 +27,7 @@ from functools import partial
 import torch
 
 from bench.floors import measure_ceilings, row, time_graph_ms
-from kernels.attention import default_config, paged_decode_attention
+from inkling_kernels.attention import default_config, paged_decode_attention
 
 NH, NKV, HD, DREL, PAGE = 32, 8, 128, 16, 16
 CASES = (("global", 1024, None), ("global", 8192, None), ("sliding", 1024, 512))  # layer, ctx, window

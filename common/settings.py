@@ -314,7 +314,8 @@ MTP_AUTO = "auto"  # --mtp-depth auto: the drafts per step chosen by batch size 
 VLLM_MTP_ACCEPTANCE = (0.757, 0.601, 0.498, 0.411, 0.354, 0.298, 0.261, 0.223)
 # --mtp-draft-head: the drafter's logits through the shared bf16 lm_head, or through an FP8 copy of it (+V*H bytes)
 MTP_DRAFT_HEADS = ("bf16", "fp8")
-DEFAULT_MTP_DRAFT_HEAD = "fp8"  # faster at 1-2 rows, bf16 above either way (kernels/fp8_head.preferred, decisions)
+# fp8: faster at 1-2 rows, bf16 above either way (inkling_kernels/fp8_head.preferred, decisions)
+DEFAULT_MTP_DRAFT_HEAD = "fp8"
 
 
 def mtp_depth_arg(text: str) -> int | str:

@@ -1,7 +1,7 @@
 """Root test options: `--run-slow` enables the soak/load tests marked `@pytest.mark.slow` (skipped by default).
 
 Without CUDA, Triton kernels run in its CPU interpreter: TRITON_INTERPRET is set here, at configuration time,
-before any test imports a private `kernels._triton_*` module (the public kernel functions import them lazily).
+before any test imports a private `inkling_kernels._triton_*` module (the public kernel functions import them lazily).
 """
 
 import os

@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("decode_service", "common", "encoder_service", "kernels", "tools", "deploy", "bench")
+PACKAGES = ("decode_service", "common", "encoder_service", "inkling_kernels", "tools", "deploy", "bench")
 
 
 def module_name(path: Path) -> str:

@@ -39,7 +39,7 @@ class PagedDecode:
     max_seq_len: int  # static upper bound on seq_lens (sizes the attention grid)
     width: int = 1  # W
     # W > 1: per (layer, conv index) `[B, K-1+W, C]`: the convs leave the states as they are and write each
-    # sequence's window (state ++ W inputs) here, committed once acceptance is known (`kernels.conv_verify`).
+    # sequence's window (state ++ W inputs) here, committed once acceptance is known (`inkling_kernels.conv_verify`).
     conv_windows: dict[tuple[int, int], torch.Tensor] | None = None
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.moe import MASKED_ROUTE
+from inkling_kernels.moe import MASKED_ROUTE
 
 
 @dataclass(frozen=True, eq=False)

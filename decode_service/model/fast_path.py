@@ -1,12 +1,12 @@
 """The decoder's Triton op bundle (`TritonOps`), and which bundle a model is built with (`resolve_ops`).
 
-`TritonOps` is `Ops` with the hot ops on the kernels of `kernels/`: the dense linears where `skinny_gemm` beats
+`TritonOps` is `Ops` with the hot ops on the kernels of `inkling_kernels/`: the dense linears where `skinny_gemm` beats
 cuBLAS (`skinny_gemm.preferred`: one row), i.e. the projections, the dense MLP and the shared experts with their
-SwiGLU, scale and gammas in the epilogue (for more rows cuBLAS, the SwiGLU in one pass of `kernels.swiglu`), and
+SwiGLU, scale and gammas in the epilogue (for more rows cuBLAS, the SwiGLU in one pass of `inkling_kernels.swiglu`), and
 the lm_head with its muP division and fp32 logits (the MTP drafter's FP8 copy of it on `fp8_head`, any rows);
 `rms_norm`, `route` (the MoE gate in two launches), the routed experts (`nvfp4_moe` on the packed weights re-laid
-at load by `kernels.moe.shuffle_nvfp4`, or `bf16_moe`, tiles shrunk to divide H and I; layers whose widths no tile
-divides keep the reference, decided when the layer is built), the shared experts as two GEMMs over the stacked
+at load by `inkling_kernels.moe.shuffle_nvfp4`, or `bf16_moe`, tiles shrunk to divide H and I; layers whose widths no
+tile divides keep the reference, decided when the layer is built), the shared experts as two GEMMs over the stacked
 experts (the routed experts' sum adds their output: `plus`), and `attention_kernels`, which gives the attention
 backends their kernels (`packed.py`: prefill / one-token-per-sequence attention over each `LayerCache`'s visible
 keys; `paged.py`: the decode step over the engine's pools, which the engine captures in CUDA graphs).
@@ -55,7 +55,7 @@ def _fit(tile: int, dim: int) -> int | None:
 def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False, fp4: bool = True, shuffled: bool = False):
     """The kernels' measured default tiles for this many (token, slot) pairs (and layout), shrunk to divide H and I;
     fp32 activations get two pipeline stages (three overflow the H200's shared memory at Inkling-Small widths)."""
-    from kernels.moe import MoeConfig, default_config
+    from inkling_kernels.moe import MoeConfig, default_config
 
     base = default_config(n_pairs, fp4, shuffled)
     tiles = {
@@ -76,7 +76,7 @@ def _moe_config(n_pairs: int, hidden: int, width: int, fp32: bool = False, fp4: 
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `x @ weight^T` takes the skinny-GEMM kernel: rows and weight rows where it beat cuBLAS
     (`skinny_gemm.preferred`), one float dtype, unit last strides."""
-    from kernels.skinny_gemm import preferred
+    from inkling_kernels.skinny_gemm import preferred
 
     return (
         x.dim() == 2
@@ -96,14 +96,14 @@ def _bf16_moe(
     w2: torch.Tensor,
     plus: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    from kernels.moe import bf16_moe
+    from inkling_kernels.moe import bf16_moe
 
     config = _moe_config(ids.numel(), x.shape[1], w2.shape[-1], x.dtype == torch.float32, fp4=False)
     return bf16_moe(x, ids, weights.float(), w13, w2, config=config, plus=plus)
 
 
 def _nvfp4_moe(x, ids, weights, w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2, plus=None) -> torch.Tensor:
-    from kernels.moe import nvfp4_moe
+    from inkling_kernels.moe import nvfp4_moe
 
     shuffled = w13_scale.dtype == torch.uint8
     config = _moe_config(ids.numel(), x.shape[1], 2 * w2.shape[-1], x.dtype == torch.float32, shuffled=shuffled)
@@ -122,7 +122,7 @@ class TritonOps(Ops):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """One launch; x `[..., C]` (per-head norms pass `[T, nH, hd]`, read in place from a projection's view)."""
-        from kernels.rms_norm import rms_norm
+        from inkling_kernels.rms_norm import rms_norm
 
         if x.dim() == 3 and x.stride(-1) == 1:
             return rms_norm(x, weight, eps)
@@ -131,7 +131,7 @@ class TritonOps(Ops):
 
     def linear(self, x, weight, scale=None):
         """One launch for decode rows (`skinny_linear`, the scale fused); cuBLAS for more rows."""
-        from kernels.skinny_gemm import skinny_linear
+        from inkling_kernels.skinny_gemm import skinny_linear
 
         if _skinny(x, weight) and (scale is None or (scale.numel() == 1 and scale.dtype == x.dtype)):
             return skinny_linear(x, weight, scale=scale)
@@ -141,9 +141,9 @@ class TritonOps(Ops):
         self, x: torch.Tensor, w13: torch.Tensor, width: int, gammas: torch.Tensor | None = None
     ) -> torch.Tensor:
         """One launch for decode rows (`skinny_swiglu`: both products and the SwiGLU); for more rows cuBLAS, then
-        the SwiGLU (and gammas) in one pass (`kernels.swiglu`)."""
-        from kernels.skinny_gemm import skinny_swiglu
-        from kernels.swiglu import swiglu
+        the SwiGLU (and gammas) in one pass (`inkling_kernels.swiglu`)."""
+        from inkling_kernels.skinny_gemm import skinny_swiglu
+        from inkling_kernels.swiglu import swiglu
 
         if x.dim() != 2 or (gammas is not None and gammas.dtype != torch.float32):
             return super().swiglu(x, w13, width, gammas)
@@ -155,8 +155,8 @@ class TritonOps(Ops):
         """One launch for decode rows on one rank (`skinny_linear` over the unpadded vocabulary rows, the division
         fused, the rounded logits stored as fp32); for more rows the reference's product (`unembed`), its unpadded
         columns cast by `float_rows` (one pass over the strided view, exact)."""
-        from kernels.float_rows import float_rows
-        from kernels.skinny_gemm import skinny_linear
+        from inkling_kernels.float_rows import float_rows
+        from inkling_kernels.skinny_gemm import skinny_linear
 
         if tp.size == 1 and _skinny(hidden, weight):
             return skinny_linear(hidden, weight[:vocab], divisor=divisor, out_dtype=torch.float32)
@@ -168,9 +168,9 @@ class TritonOps(Ops):
     def argmax_logits(self, hidden, weight, divisor, tp, vocab):
         """On one rank: for decode rows the argmax fused into the lm_head's launch (`skinny_argmax`: the products of
         `logits`' kernel, per program the largest, and a reduce launch; no logits stored), for more rows
-        `kernels.argmax.argmax_rows` over `unembed` (the reference's product); the reference otherwise."""
-        from kernels.argmax import argmax_rows
-        from kernels.skinny_gemm import skinny_argmax
+        `inkling_kernels.argmax.argmax_rows` over `unembed` (the reference's product); the reference otherwise."""
+        from inkling_kernels.argmax import argmax_rows
+        from inkling_kernels.skinny_gemm import skinny_argmax
 
         if tp.size > 1 or hidden.dim() != 2 or hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return super().argmax_logits(hidden, weight, divisor, tp, vocab)
@@ -179,18 +179,18 @@ class TritonOps(Ops):
         return argmax_rows(self.unembed(hidden, weight, divisor, tp, vocab))
 
     def argmax_rows(self, values):
-        """One reduction over each row in place (`kernels.argmax.argmax_rows`: torch.argmax's ties and NaN order,
-        no copy of a strided view such as the product's unpadded columns)."""
-        from kernels.argmax import argmax_rows
-        from kernels.float_rows import is_float_rows
+        """One reduction over each row in place (`inkling_kernels.argmax.argmax_rows`: torch.argmax's ties and NaN
+        order, no copy of a strided view such as the product's unpadded columns)."""
+        from inkling_kernels.argmax import argmax_rows
+        from inkling_kernels.float_rows import is_float_rows
 
         if is_float_rows(values) and values.shape[1]:
             return argmax_rows(values)
         return super().argmax_rows(values)
 
     def fp8_logits(self, hidden, weight, scale, divisor, tp, vocab):
-        """One launch for any number of rows (`kernels.fp8_head`: the division fused, fp32 logits)."""
-        from kernels.fp8_head import fp8_logits
+        """One launch for any number of rows (`inkling_kernels.fp8_head`: the division fused, fp32 logits)."""
+        from inkling_kernels.fp8_head import fp8_logits
 
         if hidden.dtype in (torch.float32, torch.float16, torch.bfloat16) and hidden.stride(-1) == 1:
             return tp.gather_vocab(fp8_logits(hidden, weight, scale, divisor=divisor))[:, :vocab]
@@ -198,7 +198,7 @@ class TritonOps(Ops):
 
     def route(self, x, weight, bias, top_k, route_scale, global_scale):
         """Two launches: fp32 logits GEMV, then sigmoid/top-k/sink renorm/scales."""
-        from kernels.router import route
+        from inkling_kernels.router import route
 
         return route(x, weight, bias, top_k, route_scale, global_scale)
 
@@ -215,7 +215,7 @@ class TritonOps(Ops):
         """The kernels' layout wherever they run the experts on K tiles it takes (~25% fewer instructions per weight
         than the checkpoint's; decisions 2026-12-01, issue 17): every default K tile (128 or 256) shrinks to
         `SHUFFLED_MIN_BLOCK_K` or more exactly when H and I are multiples of it."""
-        from kernels.moe import SHUFFLED_MIN_BLOCK_K
+        from inkling_kernels.moe import SHUFFLED_MIN_BLOCK_K
 
         return self.moe_kernels(hidden, width) and hidden % SHUFFLED_MIN_BLOCK_K == width % SHUFFLED_MIN_BLOCK_K == 0
 

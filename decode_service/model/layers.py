@@ -222,8 +222,9 @@ class Bf16Experts(nn.Module):
 class NVFP4Experts(nn.Module):
     """Routed SwiGLU experts as the checkpoint stores them in NVFP4 (`common/nvfp4.py`): per stack the packed codes
     (uint8 `[E, R, C/2]`), e4m3 block scales `[E, R, C/16]` and an fp32 scale per expert `[E]`. Where the ops ask
-    for it (`Ops.nvfp4_shuffled`), the stacks are re-laid in `kernels.moe.shuffle_nvfp4`'s layout when loaded (the
-    same values; uint8 block scales say so): adopted tensors in the checkpoint's layout are replaced by new ones."""
+    for it (`Ops.nvfp4_shuffled`), the stacks are re-laid in `inkling_kernels.moe.shuffle_nvfp4`'s layout when loaded
+    (the same values; uint8 block scales say so): adopted tensors in the checkpoint's layout are replaced by new
+    ones."""
 
     def __init__(self, config: TextConfig, ops: Ops = REFERENCE, tp: TPGroup = SINGLE):
         super().__init__()
@@ -239,7 +240,7 @@ class NVFP4Experts(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if not self.shuffled:
             return
-        from kernels.moe import shuffle_nvfp4
+        from inkling_kernels.moe import shuffle_nvfp4
 
         for stack in ("w13_weight", "w2_weight"):
             packed, scale = getattr(self, stack), getattr(self, f"{stack}_scale")

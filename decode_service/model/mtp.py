@@ -36,8 +36,8 @@ from decode_service.model.inkling import InklingDecoder
 from decode_service.model.layers import DecoderLayer, RMSNorm
 from decode_service.model.ops import Ops
 from decode_service.model.state import SequenceState
-from kernels.fp8_head import preferred as fp8_preferred
-from kernels.fp8_head import quantize_rows_fp8
+from inkling_kernels.fp8_head import preferred as fp8_preferred
+from inkling_kernels.fp8_head import quantize_rows_fp8
 
 _ATTN_INPUTS = ("wq_du", "wk_dv", "wv_dv", "wr_du")  # the checkpoint's rows of `attn.qkvr`, in this order
 _FP32 = "sconv.weight"  # conv weights stay fp32 (spec 4.2)
@@ -130,8 +130,8 @@ class MTPDrafter(nn.Module):
     @torch.no_grad()
     def use_fp8_head(self) -> None:
         """Draft logits from now on through an FP8 copy of the shared lm_head (e4m3, one fp32 scale per vocabulary
-        row: `kernels.fp8_head`), half the bytes the chain reads per depth. Memory: +V*H bytes (+4V), e.g. 0.82 GB
-        for Inkling-Small's 201024 x 4096 (0.8 GB on one rank: only the unpadded rows; a vocab-parallel rank keeps
+        row: `inkling_kernels.fp8_head`), half the bytes the chain reads per depth. Memory: +V*H bytes (+4V), e.g. 0.82
+        GB for Inkling-Small's 201024 x 4096 (0.8 GB on one rank: only the unpadded rows; a vocab-parallel rank keeps
         its whole shard). The served output does not depend on it: drafts are verified against the trunk."""
         weight = self.unembed.weight
         rows = weight if self.tp.size > 1 else weight[: self.config.unpadded_vocab_size]
@@ -171,7 +171,7 @@ class MTPDrafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, H]` depth outputs -> fp32 draft logits `[N, unpadded_vocab]` (no final norm, spec 7.1 step 6): the
         shared lm_head, or its FP8 copy after `use_fp8_head` for the row counts where it is faster
-        (`kernels.fp8_head.preferred`: up to 64 rows; the same muP division). Every draft and its distribution q
+        (`inkling_kernels.fp8_head.preferred`: up to 64 rows; the same muP division). Every draft and its distribution q
         come from these logits."""
         mup, vocab = self.config.mup_multiplier, self.config.unpadded_vocab_size
         if self.uses_fp8_head(hidden.shape[0]):
@@ -194,5 +194,5 @@ class MTPDrafter(nn.Module):
 
     def uses_fp8_head(self, rows: int) -> bool:
         """Whether `logits` of `rows` rows reads the FP8 copy (after `use_fp8_head`, for the rows where it is
-        measured faster: `kernels.fp8_head.preferred`) rather than the shared bf16 lm_head."""
+        measured faster: `inkling_kernels.fp8_head.preferred`) rather than the shared bf16 lm_head."""
         return self.fp8_head is not None and fp8_preferred(rows)

@@ -2,7 +2,7 @@
 
 `Ops` is the torch reference (the math of spec/inkling-text.md sections 2-5, what test_parity compares with
 transformers); `decode_service.model.fast_path.TritonOps` overrides the same methods with the Triton kernels of
-`kernels/`. The modules of `layers.py` take their bundle at construction and never ask which one it is; where a
+`inkling_kernels/`. The modules of `layers.py` take their bundle at construction and never ask which one it is; where a
 kernel does not take a layer's shapes, the bundle hands that layer the reference at build time
 (`bf16_experts`, `nvfp4_experts`).
 Attention and the short convs run through an attention backend instead (`backend.py`), which asks only
@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from common.nvfp4 import dequant_nvfp4
-from kernels.fp8_head import fp8_logits_reference
-from kernels.moe import MASKED_ROUTE, unshuffle_nvfp4
-from kernels.rms_norm import rms_norm_reference
-from kernels.router import route_reference
-from kernels.skinny_gemm import skinny_linear_reference, skinny_swiglu_reference
+from inkling_kernels.fp8_head import fp8_logits_reference
+from inkling_kernels.moe import MASKED_ROUTE, unshuffle_nvfp4
+from inkling_kernels.rms_norm import rms_norm_reference
+from inkling_kernels.router import route_reference
+from inkling_kernels.skinny_gemm import skinny_linear_reference, skinny_swiglu_reference
 
 if TYPE_CHECKING:
     from decode_service.model.collectives import TPGroup
@@ -95,7 +95,7 @@ class Ops:
         vocab: int,
     ) -> torch.Tensor:
         """`logits` through an FP8 copy of the unembedding (e4m3 `[V/n, H]`, fp32 row scales `[V/n]`,
-        `kernels.fp8_head.quantize_rows_fp8`): the same division, products in fp32, logits not rounded."""
+        `inkling_kernels.fp8_head.quantize_rows_fp8`): the same division, products in fp32, logits not rounded."""
         return tp.gather_vocab(fp8_logits_reference(hidden, weight, scale, divisor=divisor))[:, :vocab]
 
     def route(
@@ -124,7 +124,7 @@ class Ops:
         return nvfp4_experts_reference
 
     def nvfp4_shuffled(self, hidden: int, width: int) -> bool:
-        """Whether `NVFP4Experts` of these widths keep their stacks in `kernels.moe.shuffle_nvfp4`'s layout (the
+        """Whether `NVFP4Experts` of these widths keep their stacks in `inkling_kernels.moe.shuffle_nvfp4`'s layout (the
         kernels'; every NVFP4 op also takes it, told by its uint8 block scales)."""
         return False
 

@@ -147,7 +147,7 @@ class PackedBatch:
     def _conv(self, layer: int, index: int, weight: torch.Tensor, x: torch.Tensor, residual=None, norm=None):
         """One `conv_prefill` launch over every sequence's rows, the states gathered from and stored back into
         their caches; `norm` the per-head RMSNorm applied to the output."""
-        from kernels.short_conv_prefill import conv_prefill
+        from inkling_kernels.short_conv_prefill import conv_prefill
 
         caches = [seq.layers[layer] for seq in self.sequences]
         if len(caches) == 1:
@@ -178,7 +178,7 @@ def decode_attention(attn: Attention, q: torch.Tensor, r: torch.Tensor, visible:
     Keys are re-addressed from their first visible position: the relative bias and the window depend only on
     query-key distances, so sequence b's query sits at slot `m_b - 1` of a `[B, max m, nKV, hd]` buffer.
     """
-    from kernels.attention import decode_attention as kernel
+    from inkling_kernels.attention import decode_attention as kernel
 
     keys = pad_sequence([k for k, _, _ in visible], batch_first=True).to(q.dtype)  # [B, S, nKV, hd]
     values = pad_sequence([v for _, v, _ in visible], batch_first=True).to(q.dtype)
@@ -196,7 +196,7 @@ def prefill_attention(
 ) -> torch.Tensor:
     """`Attention.attend` on the prefill kernel: q `[n, nH, hd]` (q-normed) and r `[n, nH, d_rel]` of the queries at
     `start..`, the visible keys/values `[m, nKV, hd]` from position `first` (cast to q's dtype) -> `[n, nH, hd]`."""
-    from kernels.prefill_attention import prefill_attention as kernel
+    from inkling_kernels.prefill_attention import prefill_attention as kernel
 
     rel_proj, r = rel_bank(attn, r)
     return kernel(
@@ -210,7 +210,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """`Attention.attend` of every sequence in one launch, the visible keys read in place from the layer's pools
     (one pool for all: the sequences share the engine's cache); q `[T, nH, hd]` (q-normed), r `[T, nH, d_rel]`."""
-    from kernels.prefill_attention import paged_prefill_attention as kernel
+    from inkling_kernels.prefill_attention import paged_prefill_attention as kernel
 
     k_pool, v_pool, page_size = paged[0].k_pool, paged[0].v_pool, paged[0].page_size
     assert all(kv.k_pool.data_ptr() == k_pool.data_ptr() for kv in paged), "sequences of one batch share the pools"

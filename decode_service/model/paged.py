@@ -6,8 +6,8 @@ syncs, so the engine captures the step in CUDA graphs (`engine/decode_graphs.py`
 k/v short convs with their states updated in place, q- and k-norms, the KV write into the layer's pool) and
 `paged_decode_attention` (split-KV attention through the block tables); the residual-stream convs run
 `conv_decode`. A verify step (W > 1) runs the same attention with W query rows per sequence (each with its own
-seq_len), and the `kernels.conv_verify` variants of the prologue and the convs, which leave the conv states to the
-engine's commit. A model is built with this backend only when its ops have the attention kernels and every layer's
+seq_len), and the `inkling_kernels.conv_verify` variants of the prologue and the convs, which leave the conv states to
+the engine's commit. A model is built with this backend only when its ops have the attention kernels and every layer's
 shapes fit them (`InklingDecoder.paged`).
 """
 
@@ -46,9 +46,9 @@ class PagedBatch:
         """q `[B*W, nH, hd]` (q-normed in the prologue), r `[B*W, nH, d_rel]`, k0/v0 `[B*W, nKV*hd]` ->
         `[B*W, nH, hd]`. The prologue writes the k/v of all W rows first; attention then serves the W rows of a
         sequence in one program over its block table, each row's seq_len hiding the later rows' keys."""
-        from kernels.attention import paged_decode_attention
-        from kernels.conv_verify import kv_prologue_verify
-        from kernels.short_conv import kv_prologue
+        from inkling_kernels.attention import paged_decode_attention
+        from inkling_kernels.conv_verify import kv_prologue_verify
+        from inkling_kernels.short_conv import kv_prologue
 
         decode = self.decode
         pools, layer = decode.pools, attn.layer
@@ -77,8 +77,8 @@ class PagedBatch:
     def conv(self, conv: ShortConv, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x `[B*W, C]`, the states read and written in their pool (W = 1) or read, with the windows written
         (W > 1); the residual add fused into the launch."""
-        from kernels.conv_verify import conv_verify
-        from kernels.short_conv import conv_decode
+        from inkling_kernels.conv_verify import conv_verify
+        from inkling_kernels.short_conv import conv_decode
 
         decode = self.decode
         pool = decode.pools.conv_pool(conv.layer, conv.index)

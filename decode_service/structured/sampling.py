@@ -5,7 +5,7 @@ on CUDA) and its device mirror, allocated on the first constrained step and reus
 
 * `apply(logits, requests)`, at sampling: each constrained row's mask for its next token is filled on the host
   (xgrammar, rows in parallel, the GIL released), only the rows used are copied to the device with an index of
-  each logits row's bitmask row (-1: unconstrained), and `kernels.token_mask` masks the logits in place (Triton
+  each logits row's bitmask row (-1: unconstrained), and `inkling_kernels.token_mask` masks the logits in place (Triton
   on CUDA, torch elsewhere);
 * `advance(requests, tokens)` moves the matchers.
 
@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from decode_service.structured.matcher import ConstraintMatcher, fill_bitmasks
-from kernels.token_mask import apply_token_mask, token_mask_reference
+from inkling_kernels.token_mask import apply_token_mask, token_mask_reference
 
 
 class Constrained(Protocol):

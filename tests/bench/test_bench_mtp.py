@@ -19,7 +19,7 @@ from bench.bench_mtp import (
     simulate_accepted,
 )
 from bench.proxy import cache_ops, chain_ops, depth_ops, step_bytes
-from kernels.fp8_head import preferred as fp8_preferred
+from inkling_kernels.fp8_head import preferred as fp8_preferred
 
 
 def test_tiny_cpu_run_reports_every_batch_and_depth(capsys) -> None:

@@ -4,6 +4,7 @@ share."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -104,6 +105,19 @@ def test_constraint_pins_satisfy_pyproject_and_cover_every_runtime_dependency():
     torch_docker = set(re.findall(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M))
     assert torch_docker == {torch_make}
     assert requirements(extras["encoder"])["torch"].specifier.contains(torch_make)
+
+
+def test_no_installed_distribution_ships_a_top_level_package_of_ours():
+    """Our top-level import names are ours alone in this environment (the test extras included): transformers
+    >= 5.25 installs the `kernels` hub package, which our former top-level `kernels` shadowed (and which shadowed
+    it outside the checkout), so transformers failed to import."""
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    ours = {pattern.rstrip("*") for pattern in patterns}
+    assert "inkling_kernels" in ours and "kernels" not in ours
+    shipped = importlib.metadata.packages_distributions()
+    for name in sorted(ours):
+        others = {dist for dist in shipped.get(name, ()) if dist != "inkling-epd"}
+        assert not others, f"top-level package {name!r} is also shipped by {sorted(others)}"
 
 
 def test_router_role_needs_no_model_libraries():

@@ -10,8 +10,8 @@ width (their outputs are never read, their conv inputs never committed).
 
 A verify step (W > 1) leaves the conv states untouched and writes each sequence's conv windows (state ++ W inputs,
 one static buffer per conv pool); once the sampler knows how many rows each sequence accepted, `commit` installs
-the states after exactly those rows (`kernels.conv_verify.conv_commit`, a graph of its own per bucket and width).
-KV of the rejected rows stays in the pool past the sequence's length, where later steps overwrite it.
+the states after exactly those rows (`inkling_kernels.conv_verify.conv_commit`, a graph of its own per bucket and
+width). KV of the rejected rows stays in the pool past the sequence's length, where later steps overwrite it.
 
 Greedy steps (`greedy_tokens`): when every row of a step takes the argmax of its logits (the runner decides), a
 second graph per bucket and width runs `model.argmax_logits` (the tokens of `model.logits(...).argmax(-1)`, no
@@ -277,7 +277,7 @@ class DecodeGraphs:
 
     def _commit(self, size: int, width: int) -> None:
         """Every conv state of the first `size` slots from its window and the accepted rows (what a graph records)."""
-        from kernels.conv_verify import conv_commit
+        from inkling_kernels.conv_verify import conv_commit
 
         slots, accepted = self._meta[_SLOTS, :size], self._meta[_ACCEPTED, :size]
         for (layer, index), windows in self._windows_of(size, width).items():

@@ -28,7 +28,7 @@ every request (`PagedMTPSpeculator._packed_catch_up`), then the same graph with 
 
 A multi-row step (`_step`) is the trunk's verify step over the depth: attention with the rows of a sequence in
 one program (`rows_per_seq`, each row seeing the keys through its own position, all rows' KV written first) and
-the per-row conv windows of `kernels.conv_verify`, which read a sequence's conv states and write its window
+the per-row conv windows of `inkling_kernels.conv_verify`, which read a sequence's conv states and write its window
 (state ++ its inputs, `windows`) without touching the states; `conv_commit` then installs `window[n : n+K-1]`
 for the n rows the sequence committed at that depth (0 for a provisional-only step). So a request's conv states
 never see a provisional row and nothing is restored afterwards. Provisional KV rows are written at their
@@ -380,7 +380,7 @@ class DraftGraphs:
 
     def _commit(self, depth: int, slots: torch.Tensor, rows: torch.Tensor, width: int) -> None:
         """Depth `depth`'s conv states after the first `rows[b]` (0..W) rows of the last `_step` of width W."""
-        from kernels.conv_verify import conv_commit
+        from inkling_kernels.conv_verify import conv_commit
 
         k1 = self.cache.config.conv_kernel_size - 1
         for i in range(NUM_CONVS):

@@ -23,7 +23,7 @@ from decode_service.engine.request import MultimodalItem, Request, SamplingParam
 from decode_service.engine.worker.mtp import DraftInput
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.mtp import MTPDrafter
-from kernels.fp8_head import fp8_logits_reference
+from inkling_kernels.fp8_head import fp8_logits_reference
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

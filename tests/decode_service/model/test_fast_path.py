@@ -20,9 +20,9 @@ from decode_service.model.fast_path import FAST, resolve_ops, supports_batched_d
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.layers import Bf16Experts, NVFP4Experts, SharedExperts, ShortConv
 from decode_service.model.ops import REFERENCE, bf16_experts_reference, nvfp4_experts_reference
-from kernels import skinny_gemm
-from kernels.moe import unshuffle_nvfp4
-from kernels.skinny_gemm import MAX_ROWS
+from inkling_kernels import skinny_gemm
+from inkling_kernels.moe import unshuffle_nvfp4
+from inkling_kernels.skinny_gemm import MAX_ROWS
 
 # Window 8 and rel_extent 12 below the decoded lengths, tau active (n_floor 6), d_rel 4 (zero-padded to 16 for the
 # kernel), bf16 experts in layer 1 and NVFP4 experts in layers 2-3, layer 3 global.
@@ -251,8 +251,8 @@ def test_linearised_shared_experts_match_the_per_expert_sum(cpu_interpreter):
 @pytest.mark.parametrize("rows", [1, 3])
 def test_dense_ops_take_the_skinny_kernel_where_it_beats_cublas(cpu_interpreter, monkeypatch, rows):
     """Where `skinny_gemm.preferred` says so (one row here: the tiny weights are narrow) the linears, the SwiGLU
-    (gammas fused) and the lm_head run `kernels.skinny_gemm`; elsewhere the reference ops (cuBLAS on a GPU), bit
-    for bit, but the SwiGLU: cuBLAS, then `kernels.swiglu` (its exp may differ from torch's in the last bit)."""
+    (gammas fused) and the lm_head run `inkling_kernels.skinny_gemm`; elsewhere the reference ops (cuBLAS on a GPU), bit
+    for bit, but the SwiGLU: cuBLAS, then `inkling_kernels.swiglu` (its exp may differ from torch's in the last bit)."""
     calls = []
     for name in ("skinny_linear", "skinny_swiglu"):
         kernel = getattr(skinny_gemm, name)

@@ -26,8 +26,8 @@ from common.errors import CheckpointError
 from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.mtp import MTPDrafter, depth_config
-from kernels.fp8_head import FP8, fp8_logits_reference, quantize_rows_fp8
-from kernels.fp8_head import preferred as fp8_preferred
+from inkling_kernels.fp8_head import FP8, fp8_logits_reference, quantize_rows_fp8
+from inkling_kernels.fp8_head import preferred as fp8_preferred
 from tests.reference.hf_mtp import build_hf_mtp, depth_forward
 from tools.make_tiny_checkpoint import make_tiny_checkpoint, raw_config
 
@@ -218,7 +218,7 @@ def test_bf16_drafter_keeps_convs_fp32(pair):
 
 @torch.no_grad()
 def test_fp8_head_logits_are_the_fp8_copys(pair):
-    """`head="fp8"`: the draft logits of the rows `kernels.fp8_head.preferred` takes are the FP8 copy's (its
+    """`head="fp8"`: the draft logits of the rows `inkling_kernels.fp8_head.preferred` takes are the FP8 copy's (its
     reference over the unpadded rows, the muP division first), not the bf16 head's; more rows take the bf16 head;
     the trunk's lm_head is untouched."""
     drafter = MTPDrafter.from_weights(pair.mtp_weights, pair.config.mtp, pair.trunk, head="fp8")
@@ -231,7 +231,7 @@ def test_fp8_head_logits_are_the_fp8_copys(pair):
     batch = ForwardBatch(pair.depth_tokens(0)[:6], [SequenceSlice(0, 6, drafter.new_state().layers)])
     hidden = drafter(0, pair.hidden[:6], batch)
     assert fp8_preferred(6)
-    logits = drafter.logits(hidden)  # the FP8 copy (kernels.fp8_head.preferred)
+    logits = drafter.logits(hidden)  # the FP8 copy (inkling_kernels.fp8_head.preferred)
     torch.testing.assert_close(logits, fp8_logits_reference(hidden, w8, scale, divisor=mup), rtol=0, atol=0)
     bf16_head = pair.drafter.logits(hidden)
     assert logits.shape == bf16_head.shape and (logits - bf16_head).abs().max() > 1e-4 * bf16_head.abs().max()

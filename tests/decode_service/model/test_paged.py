@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-import kernels.rms_norm
-import kernels.short_conv
+import inkling_kernels.rms_norm
+import inkling_kernels.short_conv
 from decode_service.engine.worker.decode_graphs import DecodeGraphs
 from decode_service.engine.worker.kv_cache import CacheSpec, KVCache
 from tests.decode_service.model.test_fast_path import tiny_model
@@ -19,10 +19,12 @@ def test_a_paged_step_norms_the_queries_in_the_prologue(cpu_interpreter, monkeyp
     cache = KVCache(config, CacheSpec(4, 16, 16, 3, torch.float32, "cpu"))
     graphs = DecodeGraphs(model, cache, max_num_seqs=2, max_model_len=16)
     norms, prologues = [], []
-    rms_norm, kv_prologue = kernels.rms_norm.rms_norm, kernels.short_conv.kv_prologue
-    monkeypatch.setattr(kernels.rms_norm, "rms_norm", lambda x, *a: norms.append(tuple(x.shape)) or rms_norm(x, *a))
+    rms_norm, kv_prologue = inkling_kernels.rms_norm.rms_norm, inkling_kernels.short_conv.kv_prologue
     monkeypatch.setattr(
-        kernels.short_conv, "kv_prologue", lambda *a: prologues.append(a[12] is not None) or kv_prologue(*a)
+        inkling_kernels.rms_norm, "rms_norm", lambda x, *a: norms.append(tuple(x.shape)) or rms_norm(x, *a)
+    )
+    monkeypatch.setattr(
+        inkling_kernels.short_conv, "kv_prologue", lambda *a: prologues.append(a[12] is not None) or kv_prologue(*a)
     )
     with torch.inference_mode():
         graphs.warm_up(2)

@@ -27,7 +27,7 @@ from decode_service.model.inkling import InklingDecoder
 from decode_service.model.mtp import MTPDrafter
 from decode_service.model.ops import bf16_experts_reference
 from decode_service.model.parallel import build_rank_decoder, local_text_config, tp_group
-from kernels.moe import MASKED_ROUTE
+from inkling_kernels.moe import MASKED_ROUTE
 from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 # 7 routed experts: uneven under expert parallelism over 2 (4 + 3) and 4 ranks (2 + 2 + 2 + 1). The tiny

@@ -1,0 +1,139 @@
+"""Triton code that groups an MoE call's (token, slot) pairs by expert into row blocks
+(``inkling_kernels.moe.moe_align``): ``moe_align_kernel`` in one program for a few pairs, ``moe_align_count_kernel``
+then ``moe_align_place_kernel`` over a grid for many. The blocks feed ``_triton_moe``'s sorted routing."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["n_pairs", "n_slots", "n_blocks"])
+def moe_align_kernel(
+    Ids,
+    SortedPairs,
+    BlockExpert,
+    Scratch,
+    n_pairs,
+    n_slots,
+    n_blocks,
+    EXPERT_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """One program: count the pairs per expert (atomics into ``Scratch[:EXPERT_ROWS]``), lay the experts' padded
+    row spans out in expert order, fill every row with the pad id and every block with -1, then place each pair
+    at its expert's cursor (``Scratch[EXPERT_ROWS:]``; pairs of one expert in pair order, as a stable sort) and
+    name the block it lands in; pairs of a negative (masked) id are counted and placed nowhere. Scratch is int32
+    ``[2 * EXPERT_ROWS]``; cursors are read past L1 (``.cg``), since the atomics that advance them act in L2."""
+    experts = tl.arange(0, EXPERT_ROWS)
+    Counts = Scratch
+    Cursor = Scratch + EXPERT_ROWS
+    tl.store(Counts + experts, tl.zeros([EXPERT_ROWS], dtype=tl.int32))
+    fill = tl.arange(0, FILL)
+    for start in range(0, n_slots, FILL):
+        tl.store(SortedPairs + start + fill, tl.full([FILL], 0, tl.int32) + n_pairs, mask=start + fill < n_slots)
+    for start in range(0, n_blocks, FILL):
+        tl.store(BlockExpert + start + fill, tl.full([FILL], -1, tl.int32), mask=start + fill < n_blocks)
+    tl.debug_barrier()
+
+    offs = tl.arange(0, CHUNK)
+    for start in range(0, n_pairs, CHUNK):
+        valid = start + offs < n_pairs
+        ids = tl.load(Ids + start + offs, mask=valid, other=0).to(tl.int32)
+        tl.atomic_add(Counts + ids, tl.full([CHUNK], 1, tl.int32), mask=valid & (ids >= 0))
+    tl.debug_barrier()
+    counts = tl.load(Counts + experts, cache_modifier=".cg")
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(Cursor + experts, tl.cumsum(padded, axis=0) - padded)
+    tl.debug_barrier()  # pads, block ids and cursors are in memory before any pair is placed
+
+    earlier = offs[None, :] < offs[:, None]  # [i, j]: pair j comes before pair i in the chunk
+    for start in range(0, n_pairs, CHUNK):
+        pairs = start + offs
+        valid = pairs < n_pairs
+        ids = tl.load(Ids + pairs, mask=valid, other=-1).to(tl.int32)
+        valid = valid & (ids >= 0)  # masked routes are placed nowhere
+        rank = tl.sum(((ids[None, :] == ids[:, None]) & earlier).to(tl.int32), axis=1)
+        pos = tl.load(Cursor + ids, mask=valid, other=0, cache_modifier=".cg") + rank
+        tl.store(SortedPairs + pos, pairs.to(tl.int32), mask=valid)
+        tl.store(BlockExpert + pos // BLOCK_M, ids, mask=valid)  # every used block holds a pair (pads trail)
+        tl.debug_barrier()  # every thread has read this chunk's cursors
+        tl.atomic_add(Cursor + ids, tl.full([CHUNK], 1, tl.int32), mask=valid)
+        tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def moe_align_count_kernel(Ids, Counts, n_pairs, EXPERT_ROWS: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+    """Program p: ``Counts[p, e]`` = pairs of expert e among pairs ``[p * CHUNK, (p + 1) * CHUNK)`` (masked ids
+    and ids past ``n_pairs`` match no expert), ``SUB`` pairs per step as one-hot rows."""
+    p = tl.program_id(0)
+    experts = tl.arange(0, EXPERT_ROWS)
+    offs = tl.arange(0, SUB)
+    counts = tl.zeros([EXPERT_ROWS], dtype=tl.int32)
+    for s in range(0, CHUNK, SUB):
+        pairs = p * CHUNK + s + offs
+        ids = tl.load(Ids + pairs, mask=pairs < n_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(Counts + p * EXPERT_ROWS + experts, counts)
+
+
+@triton.jit(do_not_specialize=["n_pairs", "n_blocks"])
+def moe_align_place_kernel(
+    Ids,
+    Counts,
+    SortedPairs,
+    BlockExpert,
+    n_pairs,
+    n_blocks,
+    EXPERT_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    ROWS: tl.constexpr,
+    FILL_BLOCKS: tl.constexpr,
+):
+    """Program p (after ``moe_align_count_kernel`` over the same grid): from the count table, every expert's
+    padded row span (experts in order) and where this program's pairs of it start (after those of the programs
+    before p); then its pairs at their expert's cursor, in pair order (a stable sort: the rank of a pair among
+    its step's pairs of the same expert is a cumulative sum of one-hot rows). Then, over blocks
+    ``p * FILL_BLOCKS`` + a stride of the grid, each block's expert (-1 past the used blocks) and the pad id
+    ``n_pairs`` in its rows past its expert's pairs (disjoint from every pair's row: no ordering needed)."""
+    p = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    experts = tl.arange(0, EXPERT_ROWS)
+    total = tl.zeros([EXPERT_ROWS], dtype=tl.int32)
+    before = tl.zeros([EXPERT_ROWS], dtype=tl.int32)
+    for r in range(0, n_programs, ROWS):
+        rows = r + tl.arange(0, ROWS)
+        counts = tl.load(Counts + rows[:, None] * EXPERT_ROWS + experts[None, :], mask=rows[:, None] < n_programs,
+                         other=0)  # fmt: skip
+        total += tl.sum(counts, axis=0)
+        before += tl.sum(tl.where(rows[:, None] < p, counts, 0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    span_end = tl.cumsum(padded, axis=0)
+    span_start = span_end - padded
+    cursor = span_start + before
+
+    offs = tl.arange(0, SUB)
+    for s in range(0, CHUNK, SUB):
+        pairs = p * CHUNK + s + offs
+        ids = tl.load(Ids + pairs, mask=pairs < n_pairs, other=-1).to(tl.int32)
+        hit = ids[:, None] == experts[None, :]  # [SUB, EXPERT_ROWS]; masked and absent pairs hit nothing
+        rank = tl.cumsum(hit.to(tl.int32), axis=0)  # 1 + earlier pairs of the same expert in this step
+        pos = tl.sum(tl.where(hit, cursor[None, :] + rank - 1, 0), axis=1)
+        tl.store(SortedPairs + pos, pairs.to(tl.int32), mask=ids >= 0)
+        cursor += tl.sum(hit.to(tl.int32), axis=0)
+
+    used_end = tl.sum(padded, axis=0)
+    pairs_end = span_start + total
+    rows_m = tl.arange(0, BLOCK_M)
+    for b in range(p * FILL_BLOCKS, n_blocks, n_programs * FILL_BLOCKS):
+        blocks = b + tl.arange(0, FILL_BLOCKS)
+        first = blocks * BLOCK_M
+        expert = tl.sum((span_end[None, :] <= first[:, None]).to(tl.int32), axis=1)  # EXPERT_ROWS when unused
+        in_blocks = blocks < n_blocks
+        tl.store(BlockExpert + blocks, tl.where(first < used_end, expert, -1), mask=in_blocks)
+        end = tl.sum(tl.where(experts[None, :] == expert[:, None], pairs_end[None, :], 0), axis=1)
+        slots = first[:, None] + rows_m[None, :]
+        pad = tl.full([FILL_BLOCKS, BLOCK_M], 0, tl.int32) + n_pairs
+        tl.store(SortedPairs + slots, pad, mask=(slots >= end[:, None]) & in_blocks[:, None])
