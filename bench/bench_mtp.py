@@ -74,44 +74,30 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from bench.floors import Ceilings, count_launches, measure_ceilings, time_host_ms, time_ms
+from bench.mtp_models import FULL_LAYERS, PROXY_LAYERS, build, build_trunk, full_model, model_config, random_drafter
+from bench.mtp_steps import DraftChain, GraphedChain, graph_step, host_before_replay_ms, paged_batch, trunk_step
 from bench.proxy import (
-    PAGE,
     chain_ops,
     paged_decode_batch,
-    proxy_nvfp4_layers,
-    proxy_shapes,
     random_proxy,
     roofline_us,
     step_bytes,
     step_ops,
     touched_experts,
 )
-from common.config import ModelConfig, MtpConfig, parse_model_config
 from common.settings import MTP_DRAFT_HEADS
-from decode_service.engine.core.pages import KVAllocator
-from decode_service.engine.worker.decode_graphs import DecodeGraphs
-from decode_service.engine.worker.draft_graphs import DepthPools, DraftGraphs
-from decode_service.engine.worker.kv_cache import CacheSpec, KVCache, SequenceView
-from decode_service.engine.worker.mtp import DraftInput, PagedMTPSpeculator, Tokens
 from decode_service.model import fast_path
-from decode_service.model.batch import ForwardBatch, SequenceSlice
 from decode_service.model.inkling import InklingDecoder
 from decode_service.model.mtp import MTPDrafter
-from tools.make_tiny_checkpoint import raw_config
-from tools.model_shapes import INKLING_MTP
 
 # vLLM, Inkling, GSM8K, concurrency 64, greedy: cumulative acceptance of draft position k = 1..8.
 VLLM_RATES = (0.757, 0.601, 0.498, 0.411, 0.354, 0.298, 0.261, 0.223)
-FULL_LAYERS = 42  # Inkling-Small (spec 1.5), for the full-depth estimate
-PROXY_LAYERS = 6  # the trunk's layers (Small-L6 on CUDA)
 NOMINAL_GBS = 4200.0  # H200 copy bandwidth as measured in these runs, for `--full-floors`' times (not its ratios)
 GOALS = {1: 1.5, 64: 2.0}  # issue 16: tokens/s per sequence vs no speculation at these B, best D
 
@@ -131,248 +117,6 @@ def ceilings(device: str) -> Ceilings:
         ceil = Ceilings(copy_gbs=gbs, bf16_tflops=tflops, device="cpu")
     print(ceil.line(), flush=True)
     return ceil
-
-
-def model_config(num_depths: int, layers: int = PROXY_LAYERS, small: bool = True) -> ModelConfig:
-    """The first `layers` layers of Inkling-Small (`small`) or make-tiny shapes with as many layers (every 6th
-    global, as `proxy_shapes`), with the first `num_depths` depths of the released MTP block."""
-    mtp = dict(INKLING_MTP, num_nextn_predict_layers=num_depths)
-    mtp["local_layer_ids"] = [i for i in INKLING_MTP["local_layer_ids"] if i < num_depths]
-    if small:
-        return parse_model_config(raw_config(**proxy_shapes(layers), mtp_config=mtp))
-    local = [i for i in range(layers) if (i + 1) % 6]
-    return parse_model_config(raw_config(num_hidden_layers=layers, local_layer_ids=local, mtp_config=mtp))
-
-
-def build_trunk(device: str, layers: int = PROXY_LAYERS, num_depths: int = 1) -> tuple[InklingDecoder, ModelConfig]:
-    """The random trunk of `model_config` (Inkling-Small's first `layers` layers with its NVFP4 experts and the fast
-    ops on CUDA, make-tiny shapes on CPU) and the config it was built from."""
-    parsed = model_config(num_depths, layers, small=device == "cuda")
-    if device == "cuda":
-        return random_proxy(parsed.text, proxy_nvfp4_layers(layers), device).with_ops("fast"), parsed
-    return random_proxy(parsed.text, frozenset(), device), parsed
-
-
-def build(
-    device: str, num_depths: int, head: str = "bf16", layers: int = PROXY_LAYERS
-) -> tuple[InklingDecoder, MTPDrafter]:
-    """The trunk (`build_trunk`: Small-L6 by default) and `num_depths` random MTP depths of the real block,
-    drafting through `head` (`MTP_DRAFT_HEADS`: the shared bf16 lm_head or its FP8 copy)."""
-    trunk, parsed = build_trunk(device, layers, num_depths)
-    assert parsed.mtp is not None
-    drafter = random_drafter(parsed.mtp, trunk)
-    if head == "fp8":
-        drafter.use_fp8_head()
-    return trunk, drafter
-
-
-@torch.no_grad()
-def random_drafter(mtp: MtpConfig, trunk: InklingDecoder) -> MTPDrafter:
-    """The drafter's own tensors drawn like `random_proxy`'s (unit-variance linear outputs), in the dtypes
-    `MTPDrafter.from_weights` gives them (convs fp32, the rest the trunk's dtype); embed and lm_head shared."""
-    with torch.device("meta"):
-        drafter = MTPDrafter(mtp, trunk)
-    device, dtype = trunk.embed.weight.device, trunk.dtype
-    state = {}
-    for name, meta in drafter.state_dict().items():
-        if name.startswith(("embed.", "embed_norm.", "unembed.")):
-            continue
-        shape = tuple(meta.shape)
-        if name.endswith("sconv.weight"):
-            t = 0.1 * torch.randn(shape, device=device)
-        elif name.endswith("norm.weight"):
-            t = (1.0 + 0.1 * torch.randn(shape, device=device)).to(dtype)
-        elif name.endswith("rel_logits_proj.proj"):
-            t = (0.5 * torch.randn(shape, device=device)).to(dtype)
-        else:
-            t = torch.randn(shape, device=device, dtype=dtype).mul_(1.0 / math.sqrt(shape[-1]))
-        state[name] = t
-    missing = drafter.load_state_dict(state, strict=False, assign=True).missing_keys
-    assert all(name.startswith(("embed.", "embed_norm.", "unembed.")) for name in missing), missing
-    return drafter.eval()
-
-
-def paged_sequences(
-    model: InklingDecoder, batch: int, ctx: int, width: int, graph_widths: Sequence[int] = ()
-) -> tuple[list[SequenceView], DecodeGraphs | None]:
-    """B sequences with `ctx` committed tokens of random K/V in the engine's paged cache, with the pages of `width`
-    new tokens each; `graph_widths`: also the engine's `DecodeGraphs` of those widths over the same cache."""
-    config, device = model.config, model.embed.weight.device
-    window_pages = math.ceil((config.sliding_window + width) / PAGE) + 2
-    ctx_pages = math.ceil((ctx + width) / PAGE)
-    spec = CacheSpec(PAGE, batch * window_pages + ctx_pages, batch * ctx_pages, batch, model.dtype, device)
-    cache, allocator = KVCache(config, spec), KVAllocator(config, spec)
-    for pool in (*cache.k.values(), *cache.v.values()):
-        pool.normal_()
-    graphs = None
-    if graph_widths:  # block tables before the sequences' pages
-        graphs = DecodeGraphs(model, cache, max_num_seqs=batch, max_model_len=ctx + width, widths=graph_widths)
-    handles = []
-    for _ in range(batch):
-        pages = allocator.new_sequence()
-        pages.grow(ctx + width)
-        pages.commit(ctx)  # drops the sliding pages before the window
-        handle = SequenceView(cache, pages.slot)
-        for sliding, update in zip((True, False), pages.take_updates(), strict=True):
-            handle.update(sliding, update)
-        handle.num_tokens = ctx
-        handles.append(handle)
-    return handles, graphs
-
-
-def paged_batch(model: InklingDecoder, batch: int, ctx: int, width: int) -> ForwardBatch:
-    """The packed batch that brings `width` new tokens to each of `paged_sequences` (re-running it rewrites the
-    same slots)."""
-    handles, _ = paged_sequences(model, batch, ctx, width)
-    seqs = [SequenceSlice(ctx, width, handle.layers) for handle in handles]
-    tokens = torch.randint(0, model.config.unpadded_vocab_size, (batch * width,), device=model.embed.weight.device)
-    return ForwardBatch(tokens, seqs)
-
-
-def graph_step(model: InklingDecoder, batch: int, ctx: int, width: int) -> Callable[[], list[int]]:
-    """The engine's step of B sequences at `ctx` with `width` tokens each from its CUDA graph (`DecodeGraphs`):
-    width 1 the plain decode, else the verify of width-1 drafts followed by the conv commit of its accepted rows
-    (all of them: the commit costs the same whatever it keeps); plus the greedy tokens of the B*width rows (the
-    lm_head and argmax from the head graph, the ids read on the host), as the engine runs greedy rows."""
-    handles, graphs = paged_sequences(model, batch, ctx, width, graph_widths=(width,))
-    tokens = torch.randint(0, model.config.unpadded_vocab_size, (batch, width)).tolist()
-
-    def step() -> list[int]:
-        with torch.inference_mode():
-            if width == 1:
-                return graphs.greedy_tokens(graphs.run([t[0] for t in tokens], handles)).tolist()
-            hidden, _ = graphs.verify(tokens, handles)
-            ids = graphs.greedy_tokens(hidden).tolist()
-            graphs.commit([width] * batch)
-            return ids
-
-    return step  # its first run captures the graphs
-
-
-def trunk_step(model: InklingDecoder, fb: ForwardBatch) -> Callable[[], torch.Tensor]:
-    def run() -> torch.Tensor:
-        with torch.inference_mode():
-            return model.logits(model(fb))
-
-    return run
-
-
-class DraftChain:
-    """B sequences' drafter states, each depth prefilled with `ctx` rows; `run(depth, rows)` times one round's
-    chain: depths 0..D-1 each over `rows` new rows per sequence, then the draft logits of each sequence's last row.
-    The states grow by the timed rows (a few per call, against `ctx` of history)."""
-
-    def __init__(self, drafter: MTPDrafter, batch: int, ctx: int):
-        self.drafter, self.batch = drafter, batch
-        self.device = drafter.embed.weight.device
-        self.states = [drafter.new_state() for _ in range(batch)]
-        self.positions = [ctx] * drafter.num_depths  # each depth's next row
-        with torch.inference_mode():
-            for depth in range(drafter.num_depths):
-                self._forward(depth, 0, ctx)
-
-    def _forward(self, depth: int, start: int, rows: int) -> torch.Tensor:
-        h, vocab = self.drafter.config.hidden_size, self.drafter.config.unpadded_vocab_size
-        tokens = torch.randint(0, vocab, (self.batch * rows,), device=self.device)
-        slices = [SequenceSlice(start, rows, state.layers) for state in self.states]
-        hidden = torch.randn(self.batch * rows, h, device=self.device, dtype=self.drafter.embed.weight.dtype)
-        return self.drafter(depth, hidden, ForwardBatch(tokens, slices))
-
-    def step(self, depths: int, rows: int) -> Callable[[], None]:
-        def run() -> None:
-            with torch.inference_mode():
-                for depth in range(depths):
-                    out = self._forward(depth, self.positions[depth], rows)
-                    self.drafter.logits(out.view(self.batch, rows, -1)[:, -1]).argmax(-1)
-                    self.positions[depth] += rows
-
-        return run
-
-
-class GraphedChain:
-    """The same B sequences as the engine keeps them (`PagedMTPSpeculator`: the depths' paged pools), each depth
-    prefilled with `ctx` rows; `step(depth, rows)` times one round as the engine runs it: `rows` verified trunk rows
-    per sequence through every depth with the provisional rows and the D drafts, replayed from the chain's CUDA
-    graph for (B's bucket, D, rows). The inputs arrive as the runner hands them over: each sequence's rows a slice
-    of one trunk output for the batch, its tokens its prompt and output lists as `Tokens` (the appended tokens
-    drawn before the timed calls), so the figure is the speculator's cost alone. The sequences grow by the timed
-    rows (`growth`)."""
-
-    def __init__(self, drafter: MTPDrafter, batch: int, ctx: int, growth: int, use_graphs: bool = True):
-        config, device = drafter.config, drafter.embed.weight.device
-        self.hidden, self.vocab = config.hidden_size, config.unpadded_vocab_size
-        pages = batch * math.ceil((ctx + growth) / PAGE)
-        spec = CacheSpec(PAGE, pages, pages, batch, drafter.embed.weight.dtype, str(device))
-        pools = DepthPools(drafter, spec, ctx + growth)
-        self.depth = drafter.num_depths  # the prefill runs every depth
-        graphs = DraftGraphs(drafter, pools, batch, ctx + growth, use_graphs)
-        self.graphs = graphs
-        self.speculator = PagedMTPSpeculator(drafter, drafter.num_depths, pools, graphs, lambda _: self.depth)
-        self.device, self.dtype = device, drafter.embed.weight.dtype
-        self.tokens = {f"s{i}": torch.randint(0, self.vocab, (ctx + 1,)).tolist() for i in range(batch)}
-        self.output: dict[str, list[int]] = {rid: [] for rid in self.tokens}  # the tokens the rounds appended
-        self.rows = dict.fromkeys(self.tokens, ctx)
-        self.new_tokens = torch.randint(0, self.vocab, (growth + 1,)).tolist()  # the tokens the rounds append
-        with torch.inference_mode():
-            for rid, tokens in self.tokens.items():
-                self.speculator.reset(rid, 0, tokens, [])
-            self.speculator.extend([DraftInput(rid, 0, self._hidden(ctx), t, False) for rid, t in self.tokens.items()])
-
-    def _hidden(self, rows: int) -> torch.Tensor:
-        return torch.randn(rows, self.hidden, device=self.device, dtype=self.dtype)
-
-    def step(self, depth: int, rows: int) -> Callable[[], None]:
-        trunk = self._hidden(len(self.tokens) * rows)  # the verify step's output rows, `rows` per sequence
-
-        def run() -> None:
-            self.depth = depth
-            inputs = []
-            for i, (rid, prompt) in enumerate(self.tokens.items()):
-                output = self.output[rid]
-                at = len(output) % (len(self.new_tokens) - rows)
-                output += self.new_tokens[at : at + rows]
-                hidden = trunk[i * rows : (i + 1) * rows]
-                inputs.append(DraftInput(rid, self.rows[rid], hidden, Tokens(prompt, output), True))
-                self.rows[rid] += rows
-            with torch.inference_mode():
-                self.speculator.extend(inputs)
-
-        return run
-
-
-def host_before_replay_ms(fn: Callable[[], None], reps: int) -> float:
-    """Median host time from the call of `fn` (the device idle) to its first CUDA graph replay: what the device
-    waits through before the round starts."""
-    replay, marks = torch.cuda.CUDAGraph.replay, []
-
-    def timed(graph: torch.cuda.CUDAGraph) -> None:
-        marks.append(time.perf_counter())
-        replay(graph)
-
-    times = []
-    torch.cuda.CUDAGraph.replay = timed
-    try:
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            marks.clear()
-            start = time.perf_counter()
-            fn()
-            times.append((marks[0] - start) * 1e3)
-    finally:
-        torch.cuda.CUDAGraph.replay = replay
-    return statistics.median(times)
-
-
-def full_model(num_depths: int, head: str) -> tuple[InklingDecoder, MTPDrafter]:
-    """Inkling-Small's 42 layers and `num_depths` MTP depths drafting through `head`, on the meta device in the
-    dtypes the served model has (bf16; convs and the gate's bias and scale fp32): shapes and bytes, no memory."""
-    parsed = model_config(num_depths, FULL_LAYERS)
-    assert parsed.mtp is not None
-    trunk = random_proxy(parsed.text, proxy_nvfp4_layers(FULL_LAYERS), "meta")
-    drafter = random_drafter(parsed.mtp, trunk)
-    if head == "fp8":
-        drafter.use_fp8_head()
-    return trunk, drafter
 
 
 def full_depth_floors(

@@ -7,19 +7,9 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
-from bench.bench_mtp import (
-    VLLM_RATES,
-    build,
-    build_trunk,
-    expected_accepted,
-    full_depth_floors,
-    full_model,
-    host_only,
-    main,
-    simulate_accepted,
-)
+from bench.bench_mtp import VLLM_RATES, expected_accepted, full_depth_floors, host_only, main, simulate_accepted
+from bench.mtp_models import build, build_trunk
 from bench.proxy import cache_ops, chain_ops, depth_ops, step_bytes
 from inkling_kernels.fp8_head import preferred as fp8_preferred
 
@@ -82,18 +72,6 @@ def test_full_floors_bound_the_whole_model(capsys) -> None:
     assert full_depth_floors([1], 1024, [4], "fp8", gbs=1000.0)[1, 4] == pytest.approx(fp8[1, 4])
     assert "# full depth (42 layers, fp8 draft head" in out and "B=64 plain" in out and "best D=8" in out
     assert main(["--full-floors", "--batches", "1", "--depths", "2"]) == []
-
-
-def test_full_floors_model_has_the_served_dtypes() -> None:
-    """The floors count the bytes of the model as served: bf16 matrices (the meta device's default, fp32, doubled
-    every non-expert byte of an earlier version), NVFP4 codes and e4m3 scales in the experts of layers 3..41."""
-    trunk, drafter = full_model(2, "bf16")
-    assert trunk.config.num_layers == 42 and len(drafter.layers) == 2
-    matrices = [(n, t) for n, t in (*trunk.state_dict().items(), *drafter.state_dict().items()) if t.dim() >= 2]
-    floats = {t.dtype for n, t in matrices if "sconv" not in n and t.dtype != torch.uint8 and "_scale" not in n}
-    assert floats == {torch.bfloat16}, floats
-    assert trunk.layers[3].mlp.experts.w13_weight.dtype == torch.uint8
-    assert trunk.layers[2].mlp.experts.w13_weight.dtype == torch.bfloat16
 
 
 def test_verify_floor_reads_each_sequence_history_once() -> None:
