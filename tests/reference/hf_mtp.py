@@ -6,7 +6,8 @@ runs one depth uncached over a whole sequence (row positions 0..n-1, SG's conven
 what SG/VL (and our drafter) compute, replacing two of HF's choices (spec 7.6), each behind a flag:
 - `backbone_norm`: the token embedding goes through the backbone `embed_norm` (HF's own `InklingNormedEmbedding`)
   before the depth's `enorm`; HF's MtpModel feeds the raw embedding (False);
-- `window`: sliding depths get HF's sliding-window causal mask; HF's MtpModel masks them full-causal (False).
+- `window`: sliding depths get the sliding-window causal mask, as transformers >= 5.25's MtpModel gives them;
+  earlier MtpModels masked them full-causal, which `window=False` reproduces whatever the installed version.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def depth_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depth `depth` over one whole sequence: hidden `[n, H]`, token_ids `[n]` -> (output hidden `[n, H]` after the
     shared post-norm when enabled, logits `[n, Vu]`)."""
-    from transformers.masking_utils import create_sliding_window_causal_mask
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     ids = token_ids[None]
     positions = torch.arange(ids.shape[1])[None]
@@ -118,8 +119,9 @@ def depth_forward(
     else:
         embeds = F.embedding(ids, main.model.embed_tokens.weight)  # HF MtpModel: raw embedding
     masks = mtp.create_masks_for_mtp_layer(depth, embeds, None, positions)
-    if window and mtp.config.layer_types[depth] == "hybrid_sliding":
-        masks["attention_mask"] = create_sliding_window_causal_mask(
+    if mtp.config.layer_types[depth] == "hybrid_sliding":
+        make_mask = create_sliding_window_causal_mask if window else create_causal_mask
+        masks["attention_mask"] = make_mask(
             config=mtp.config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=positions
         )
     out = mtp.layers[depth](embeds, hidden[None], position_embeddings=None, position_ids=positions, cache=None, **masks)

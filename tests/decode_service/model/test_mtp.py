@@ -4,7 +4,8 @@ Reference: transformers' `MtpModel` / `MtpLayer` (modeling_layers.py) around `In
 from the same checkpoint files through `tests/reference/hf_mtp.py`. Two of HF's choices differ from the production
 implementations (spec 7.6) and the reference replaces them, each shown to matter below: HF's MtpModel feeds the
 RAW token embedding to the depth's embed_norm, while SG/VL (and the drafter) apply the backbone `embed_norm` first;
-HF's MtpModel masks sliding depths full-causal, while they get the real window. Both sides receive the same trunk
+HF's MtpModel before transformers 5.25 masked sliding depths full-causal, while they get the real window (5.25's
+MtpModel gives it too; the reference builds either mask itself). Both sides receive the same trunk
 hidden (our decoder's, itself checked against HF in test_parity.py), so this tests the drafter alone.
 
 Configs: the make-tiny checkpoint (2 depths: depth 0 sliding, depth 1 global; chain_hidden_post_norm off) and one
@@ -121,8 +122,8 @@ def test_chunked_depths_match_transformers(pair, chunks):
 
 
 def test_reference_divergences_matter(pair):
-    """The parity test checks the production choices: HF's raw embedding, or (for a sliding depth) its full-causal
-    mask, gives clearly different depth-0 logits."""
+    """The parity test checks the production choices: HF's raw embedding, or (for a sliding depth) a full-causal
+    mask (older MtpModels'), gives clearly different depth-0 logits."""
     ours = pair.ours([ROWS])[0]
     variants = [{"backbone_norm": False}]
     if pair.config.mtp.sliding_layers[0]:
