@@ -107,6 +107,19 @@ def test_constraint_pins_satisfy_pyproject_and_cover_every_runtime_dependency():
     assert requirements(extras["encoder"])["torch"].specifier.contains(torch_make)
 
 
+def test_constraints_pin_the_test_tools():
+    """`make venv` installs `.[test]` under the same constraints: every test tool is pinned at a version its floor
+    allows, so CI on two commits runs the same transformers, ruff and pytest (a new transformers broke it once);
+    the ones shared with the runtime libraries or torch's wheels are left to them."""
+    pins = constraint_pins()
+    unpinned = {"inkling-epd", "pyyaml", "packaging", "tomli", "triton"}
+    for requirement in requirements(project()["optional-dependencies"]["test"]).values():
+        if requirement.name in unpinned:
+            continue
+        assert requirement.name in pins, f"test tool {requirement.name} is not pinned in deploy/constraints.txt"
+        assert requirement.specifier.contains(pins[requirement.name]), (requirement, pins[requirement.name])
+
+
 def test_no_installed_distribution_ships_a_top_level_package_of_ours():
     """Our top-level import names are ours alone in this environment (the test extras included): transformers
     >= 5.25 installs the `kernels` hub package, which our former top-level `kernels` shadowed (and which shadowed
