@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from bench.floors import expected_experts
 from common.checkpoint import CheckpointFiles, load_decoder_weights
 from common.config import load_model_config
 from decode_service.engine.engine import Engine, EngineSettings
@@ -50,8 +51,8 @@ H200_BYTES_PER_S = 4.22e12
 
 def decode_step_floor_ms(batch: int) -> float:
     """HBM-traffic floor of one Inkling-Small decode step: expected distinct experts per layer for `batch` tokens
-    choosing top-6 of 256 uniformly, E * (1 - (1 - k/E)^B)."""
-    touched = SMALL_EXPERTS * (1 - (1 - SMALL_TOP_K / SMALL_EXPERTS) ** batch)
+    choosing top-6 of 256 uniformly (`expected_experts`)."""
+    touched = expected_experts(SMALL_EXPERTS, SMALL_TOP_K, batch)
     expert_bytes = touched * SMALL_EXPERT_PARAMS * SMALL_EXPERT_BYTES_PER_LAYER_PARAM
     return (SMALL_DENSE_BYTES + expert_bytes) / H200_BYTES_PER_S * 1e3
 

@@ -79,7 +79,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.floors import Ceilings, count_launches, measure_ceilings, time_host_ms, time_ms
+from bench.floors import Ceilings, count_launches, expected_experts, measure_ceilings, time_host_ms, time_ms
 from bench.mtp_models import FULL_LAYERS, PROXY_LAYERS, build, build_trunk, full_model, model_config, random_drafter
 from bench.mtp_steps import DraftChain, GraphedChain, graph_step, host_before_replay_ms, paged_batch, trunk_step
 from bench.proxy import (
@@ -123,8 +123,8 @@ def full_depth_floors(
     batches: Sequence[int], ctx: int, depths: Sequence[int], head: str, gbs: float = NOMINAL_GBS
 ) -> dict[tuple[int, int], float]:
     """`--full-floors`: the byte floors of the whole model, no GPU: Inkling-Small's 42 layers and 8 MTP depths built
-    on the meta device, the routed experts a step touches as uniform routing's expected count (E (1 - (1 - k/E)^rows)
-    distinct experts per MoE layer), the draft head `head`; per B the plain step's floor, per D the verify step's
+    on the meta device, the routed experts a step touches as uniform routing's expected count (`expected_experts`
+    per MoE layer), the draft head `head`; per B the plain step's floor, per D the verify step's
     and the chain's (`step_bytes`, `chain_ops`: the round's floors as `round_floors` counts them) and "speedup at
     floors" = plain floor x tokens per round (vLLM's rates, expected) / round floor: the most speculation can give
     when every step runs at its floor. Times at `gbs` GB/s; the ratio does not depend on it. -> {(B, D): ratio}."""
@@ -137,7 +137,7 @@ def full_depth_floors(
         return ops_or_bytes / (gbs * 1e9) * 1e3
 
     def touched(rows: int) -> dict[int, int]:
-        return dict.fromkeys(moe, round(e * (1 - (1 - k / e) ** rows)))
+        return dict.fromkeys(moe, round(expected_experts(e, k, rows)))
 
     results = {}
     for b in batches:

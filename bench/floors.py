@@ -126,6 +126,12 @@ def count_launches(fn: Callable[[], object]) -> tuple[int, int, float, list[tupl
     return len(events) - copies, copies, busy_ms, top
 
 
+def expected_experts(experts: int, top_k: int, rows: int) -> float:
+    """Distinct experts `rows` tokens touch in one MoE layer when each picks `top_k` of `experts` uniformly:
+    E (1 - (1 - k/E)^rows)."""
+    return experts * (1 - (1 - top_k / experts) ** rows)
+
+
 def row(cells: list[str], widths: list[int]) -> str:
     return "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
 
