@@ -86,17 +86,20 @@ def constraint_pins() -> dict[str, Version]:
     return pins
 
 
-def test_constraint_pins_satisfy_pyproject_and_cover_every_runtime_dependency():
+def assert_pinned_within_floors(specs: list[str], unpinned: set[str]) -> None:
+    """Each requirement of `specs` but `unpinned` has a pin in deploy/constraints.txt that its specifier allows."""
     pins = constraint_pins()
-    extras = project()["optional-dependencies"]
-    runtime = project()["dependencies"] + extras["router"] + extras["encoder"] + extras["decode"]
-    for requirement in requirements(runtime).values():
-        if requirement.name == "inkling-epd":
-            continue
-        if requirement.name == "torch":  # from a platform index, pinned by TORCH_VERSION
+    for requirement in requirements(specs).values():
+        if requirement.name in unpinned:
             continue
         assert requirement.name in pins, f"{requirement.name} is not pinned in deploy/constraints.txt"
         assert requirement.specifier.contains(pins[requirement.name]), (requirement, pins[requirement.name])
+
+
+def test_constraint_pins_satisfy_pyproject_and_cover_every_runtime_dependency():
+    extras = project()["optional-dependencies"]
+    runtime = project()["dependencies"] + extras["router"] + extras["encoder"] + extras["decode"]
+    assert_pinned_within_floors(runtime, {"inkling-epd", "torch"})  # torch: a platform index's, by TORCH_VERSION
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"pip\S* install .*-c deploy/constraints\.txt", makefile.replace("$(PIP)", "pip"))
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
@@ -111,13 +114,8 @@ def test_constraints_pin_the_test_tools():
     """`make venv` installs `.[test]` under the same constraints: every test tool is pinned at a version its floor
     allows, so CI on two commits runs the same transformers, ruff and pytest (a new transformers broke it once);
     the ones shared with the runtime libraries or torch's wheels are left to them."""
-    pins = constraint_pins()
-    unpinned = {"inkling-epd", "pyyaml", "packaging", "tomli", "triton"}
-    for requirement in requirements(project()["optional-dependencies"]["test"]).values():
-        if requirement.name in unpinned:
-            continue
-        assert requirement.name in pins, f"test tool {requirement.name} is not pinned in deploy/constraints.txt"
-        assert requirement.specifier.contains(pins[requirement.name]), (requirement, pins[requirement.name])
+    test = project()["optional-dependencies"]["test"]
+    assert_pinned_within_floors(test, {"inkling-epd", "pyyaml", "packaging", "tomli", "triton"})
 
 
 def test_no_installed_distribution_ships_a_top_level_package_of_ours():
