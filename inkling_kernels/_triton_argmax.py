@@ -10,6 +10,8 @@ reduces a row's keys and unpacks the column.
 import triton
 import triton.language as tl
 
+from inkling_kernels._triton_pdl import pdl_wait
+
 
 @triton.jit
 def argmax_key(y, cols):
@@ -23,8 +25,9 @@ def argmax_key(y, cols):
 
 
 @triton.jit(do_not_specialize=["N", "stride_vm", "stride_km"])
-def argmax_chunks_kernel(Values, Keys, N, stride_vm, stride_km, BLOCK: tl.constexpr):
+def argmax_chunks_kernel(Values, Keys, N, stride_vm, stride_km, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (chunk c, row m): the largest key of ``Values[m, c*BLOCK : (c+1)*BLOCK]`` into ``Keys[m, c]``."""
+    pdl_wait(PDL)
     chunk, row = tl.program_id(0), tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(Values + row.to(tl.int64) * stride_vm + cols, mask=cols < N, other=float("-inf"))
@@ -32,8 +35,9 @@ def argmax_chunks_kernel(Values, Keys, N, stride_vm, stride_km, BLOCK: tl.conste
 
 
 @triton.jit(do_not_specialize=["P", "stride_pm"])
-def argmax_reduce_kernel(Keys, Tokens, P, stride_pm, BLOCK: tl.constexpr):
+def argmax_reduce_kernel(Keys, Tokens, P, stride_pm, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row ``program_id(0)``: the largest of its ``P`` packed keys -> its column, as int64."""
+    pdl_wait(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     floor = argmax_key(tl.full((BLOCK,), float("-inf"), tl.float32), tl.full((BLOCK,), 0x7FFFFFFF, tl.int32))

@@ -27,6 +27,8 @@ read per pair. Only blocks that hold some pair closer than R read the table.
 import triton
 import triton.language as tl
 
+from inkling_kernels._triton_pdl import pdl_wait
+
 
 @triton.jit
 def _kv_rows(Table, b, slots, s_mask, stride_tb, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
@@ -94,7 +96,9 @@ def attn_decode_split_kernel(
     SPLIT: tl.constexpr,
     REL_PRECISION: tl.constexpr,
     BIAS_TABLE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)  # the sequence (its ROWS query rows are b*ROWS .. b*ROWS+ROWS-1)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -255,7 +259,9 @@ def attn_combine_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -315,7 +321,9 @@ def attn_prefill_kernel(
     USE_TAU: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     # Program (query head, query block): BLOCK_M queries of one sequence (absolute positions q_start + row) against
     # key rows j (position k_first + j) of the head's KV head, online softmax in fp32. Heads vary fastest over the
     # grid, so the GROUP heads of a KV head read the same K/V blocks at about the same time (L2 hits); query
@@ -446,7 +454,9 @@ def rel_bias_table_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     # Program (block of BLOCK_M (query, head) rows, block of BLOCK_N distances): Out[t, h, s] = R[t, h, :] @ P[:, s]
     # as one MMA with an fp32 accumulator, row t * n_heads + h of a contiguous [n, nH, extent] table; d_rel padded
     # to D_PAD with zeros.

@@ -12,6 +12,7 @@ rows ``n .. n+K-2`` of a sequence's window into its slot.
 import triton
 import triton.language as tl
 
+from inkling_kernels._triton_pdl import pdl_wait
 from inkling_kernels._triton_rms_norm import rms_apply
 
 
@@ -75,7 +76,9 @@ def conv_verify_kernel(
     KERNEL_SIZE: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * WIDTH + j
     b = row // WIDTH
     j = row % WIDTH
@@ -140,7 +143,9 @@ def kv_prologue_verify_kernel(
     NORM_DTYPE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * WIDTH + j
     head = tl.program_id(1)
     b = row // WIDTH
@@ -190,7 +195,9 @@ def conv_commit_kernel(
     KERNEL_SIZE: tl.constexpr,
     STATE_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = tl.arange(0, STATE_ROWS)

@@ -18,6 +18,8 @@ through fp16 and costs a quarter-rate F2F per weight (Triton 3.6, sm_90: 1 F2F +
 import triton
 import triton.language as tl
 
+from inkling_kernels._triton_pdl import pdl_wait
+
 # e4m3 bytes -> bf16 of the same values. A byte is spread to a 16-bit half with its sign replicated above it (prmt
 # mode 8), moved up 4 bits and masked to sign | 0000 | eeee mmm | 0000: the bf16 of value * 2^-120 for normal codes
 # (exponent e - 7 + 127 - 120) and subnormal ones (e = 0: bf16 subnormal m/8 * 2^-126) alike; one packed multiply by
@@ -72,7 +74,9 @@ def fp8_dot_kernel(
     EVEN_K: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     ASM_PACK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
     dtype: tl.constexpr = X.dtype.element_ty

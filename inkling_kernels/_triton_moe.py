@@ -33,6 +33,8 @@ unpack does not depend on how the MMA operand's registers group bytes (mma.sync 
 import triton
 import triton.language as tl
 
+from inkling_kernels._triton_pdl import pdl_wait
+
 
 @triton.jit
 def _e2m1_times_2pow_m14(c):
@@ -431,7 +433,9 @@ def moe_w13_kernel(
     KPERM: tl.constexpr = False,
     SHUFFLED: tl.constexpr = False,
     PAIR: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     if N_FAST:
         pid_m = tl.program_id(1)
         pid_n = tl.program_id(0)
@@ -579,7 +583,9 @@ def moe_w2_kernel(
     KPERM: tl.constexpr = False,
     SHUFFLED: tl.constexpr = False,
     PAIR: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     if N_FAST:
         pid_m = tl.program_id(1)
         pid_n = tl.program_id(0)
@@ -625,10 +631,21 @@ def moe_w2_kernel(
 
 
 @triton.jit
-def moe_sum_kernel(Part, TopkIds, Out, Plus, N, TOPK: tl.constexpr, BLOCK: tl.constexpr, HAS_PLUS: tl.constexpr):
+def moe_sum_kernel(
+    Part,
+    TopkIds,
+    Out,
+    Plus,
+    N,
+    TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_PLUS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """``Out[t, :] = sum_i Part[t * TOPK + i, :]`` over the slots whose id is not masked (< 0: no expert wrote
     their rows), an fp32 sum with one rounding to Out's dtype; with HAS_PLUS, ``+ Plus[t, :]`` after that rounding
     (torch's add of two tensors of Out's dtype: an fp32 sum, rounded)."""
+    pdl_wait(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -644,10 +661,20 @@ def moe_sum_kernel(Part, TopkIds, Out, Plus, N, TOPK: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
-def kperm_x_kernel(X, Out, n_rows, stride_xm, stride_om, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+def kperm_x_kernel(
+    X,
+    Out,
+    n_rows,
+    stride_xm,
+    stride_om,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """``Out[t, k0 + nib * BLOCK_K / 2 + 16c + 8h + 2l + b] = X[t, k0 + 32c + 8l + 4h + 2b + nib]`` for each BLOCK_K
     block of columns from k0 (``moe_w13``'s kperm order of x: the even and the odd columns as two halves, each in
     ``_fp4_tile``'s KPERM order); program (BLOCK_T rows, one K block)."""
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (rows < n_rows)[:, None]

@@ -5,6 +5,8 @@ then ``moe_align_place_kernel`` over a grid for many. The blocks feed ``_triton_
 import triton
 import triton.language as tl
 
+from inkling_kernels._triton_pdl import pdl_wait
+
 
 @triton.jit(do_not_specialize=["n_pairs", "n_slots", "n_blocks"])
 def moe_align_kernel(
@@ -19,12 +21,14 @@ def moe_align_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     FILL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: count the pairs per expert (atomics into ``Scratch[:EXPERT_ROWS]``), lay the experts' padded
     row spans out in expert order, fill every row with the pad id and every block with -1, then place each pair
     at its expert's cursor (``Scratch[EXPERT_ROWS:]``; pairs of one expert in pair order, as a stable sort) and
     name the block it lands in; pairs of a negative (masked) id are counted and placed nowhere. Scratch is int32
     ``[2 * EXPERT_ROWS]``; cursors are read past L1 (``.cg``), since the atomics that advance them act in L2."""
+    pdl_wait(PDL)
     experts = tl.arange(0, EXPERT_ROWS)
     Counts = Scratch
     Cursor = Scratch + EXPERT_ROWS
@@ -63,9 +67,18 @@ def moe_align_kernel(
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
-def moe_align_count_kernel(Ids, Counts, n_pairs, EXPERT_ROWS: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+def moe_align_count_kernel(
+    Ids,
+    Counts,
+    n_pairs,
+    EXPERT_ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program p: ``Counts[p, e]`` = pairs of expert e among pairs ``[p * CHUNK, (p + 1) * CHUNK)`` (masked ids
     and ids past ``n_pairs`` match no expert), ``SUB`` pairs per step as one-hot rows."""
+    pdl_wait(PDL)
     p = tl.program_id(0)
     experts = tl.arange(0, EXPERT_ROWS)
     offs = tl.arange(0, SUB)
@@ -91,6 +104,7 @@ def moe_align_place_kernel(
     SUB: tl.constexpr,
     ROWS: tl.constexpr,
     FILL_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program p (after ``moe_align_count_kernel`` over the same grid): from the count table, every expert's
     padded row span (experts in order) and where this program's pairs of it start (after those of the programs
@@ -98,6 +112,7 @@ def moe_align_place_kernel(
     its step's pairs of the same expert is a cumulative sum of one-hot rows). Then, over blocks
     ``p * FILL_BLOCKS`` + a stride of the grid, each block's expert (-1 past the used blocks) and the pad id
     ``n_pairs`` in its rows past its expert's pairs (disjoint from every pair's row: no ordering needed)."""
+    pdl_wait(PDL)
     p = tl.program_id(0)
     n_programs = tl.num_programs(0)
     experts = tl.arange(0, EXPERT_ROWS)

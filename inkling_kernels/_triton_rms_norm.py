@@ -11,6 +11,8 @@ holding the row.
 import triton
 import triton.language as tl
 
+from inkling_kernels._triton_pdl import pdl_wait
+
 
 @triton.jit
 def rms_apply(xf, rstd, w, ROUND: tl.constexpr):
@@ -63,7 +65,9 @@ def rms_norm_kernel(
     BLOCK_C: tl.constexpr,
     NUM_BLOCKS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < n_rows
     x_rows = (rows // HEADS) * stride_xm + (rows % HEADS) * stride_xh

@@ -16,6 +16,8 @@ Two launches per gate call:
 import triton
 import triton.language as tl
 
+from inkling_kernels._triton_pdl import pdl_wait
+
 
 @triton.jit
 def _load(ptrs, row_mask, k_mask, EVEN_K: tl.constexpr):
@@ -45,7 +47,9 @@ def router_logits_kernel(
     USE_DOT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid_n = tl.program_id(0)  # fastest: consecutive programs share a token block (x stays in L2)
     pid_t = tl.program_id(1)
     split = tl.program_id(2)
@@ -104,7 +108,9 @@ def router_topk_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_A: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)  # routed experts
     offs_a = tl.arange(0, BLOCK_A)  # active slots: k routed, then S shared, then padding

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from inkling_kernels._triton_pdl import pdl_wait
 from inkling_kernels._triton_rms_norm import rms_apply
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -137,7 +138,9 @@ def conv_decode_kernel(
     NUM_BLOCKS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_mask = rows < n_rows
     rows = rows.to(tl.int64)
@@ -226,7 +229,9 @@ def kv_prologue_kernel(
     HAS_Q: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_mask = rows < n_rows
     rows = rows.to(tl.int64)
@@ -296,7 +301,9 @@ def conv_prefill_kernel(
     BLOCK_C: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     # Program (row block, channel block) of the packed rows: row t of sequence b = SeqIds[t] sits at offset
     # pos = t - cu[b] of its n_b new rows; tap j reads input pos - (K-1) + j, a row of X or, before the chunk,
     # row K-1 + (pos - (K-1) + j) of the sequence's old state. New states go to their own tensor (other programs

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from inkling_kernels._triton_argmax import argmax_key
+from inkling_kernels._triton_pdl import pdl_wait
 
 
 @triton.jit
@@ -110,11 +111,13 @@ def _accumulate(
     PAIRED: tl.constexpr,
     PREFETCH: tl.constexpr,
     LANE_SUMS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """acc ``[BLOCK_N, BLOCK_M]`` += W[rows, :] @ X[m0 : m0 + BLOCK_M, :]^T over all of K in fp32 (and acc_up
     with W[up_rows, :] in the same loop when PAIRED: both weight tiles in flight at once). LANE_SUMS (one row of
     x): each lane sums its own products over the K blocks and the lanes are summed once after the loop, so the
-    loop has no cross-thread reduction (no barrier between one block's loads and the next's)."""
+    loop has no cross-thread reduction (no barrier between one block's loads and the next's). With PDL the first
+    K block's weight loads go out before ``pdl_wait``, while the kernel before this one still runs."""
     offs_k = tl.arange(0, BLOCK_K)
     if LANE_SUMS:
         tl.static_assert(BLOCK_M == 1, "lane sums are for one row of x")
@@ -124,6 +127,7 @@ def _accumulate(
     up_ptrs = W + up_rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     if PREFETCH:  # the next K block's loads go out before this block's products: two tiles in flight
         w, w_up = _weight_tiles(w_ptrs, up_ptrs, n_mask, offs_k, 0, K, EVEN_K, PAIRED)
+        pdl_wait(PDL)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             w_next, up_next = _weight_tiles(w_ptrs, up_ptrs, n_mask, offs_k, k0, K, EVEN_K, PAIRED)
             acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, k0 - BLOCK_K, m0, M, K, stride_xm, divisor,
@@ -132,8 +136,12 @@ def _accumulate(
         last = (K - 1) // BLOCK_K * BLOCK_K
         acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, last, m0, M, K, stride_xm, divisor,
                                 BLOCK_M, EVEN_K, DIVIDE_X, RECIPROCAL, PAIRED, LANE_SUMS)  # fmt: skip
-    else:
-        for k0 in range(0, K, BLOCK_K):
+    else:  # the first K block peeled: its loads go before the wait
+        w, w_up = _weight_tiles(w_ptrs, up_ptrs, n_mask, offs_k, 0, K, EVEN_K, PAIRED)
+        pdl_wait(PDL)
+        acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, 0, m0, M, K, stride_xm, divisor,
+                                BLOCK_M, EVEN_K, DIVIDE_X, RECIPROCAL, PAIRED, LANE_SUMS)  # fmt: skip
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             w, w_up = _weight_tiles(w_ptrs, up_ptrs, n_mask, offs_k, k0, K, EVEN_K, PAIRED)
             acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, k0, m0, M, K, stride_xm, divisor,
                                     BLOCK_M, EVEN_K, DIVIDE_X, RECIPROCAL, PAIRED, LANE_SUMS)  # fmt: skip
@@ -171,7 +179,8 @@ def skinny_gemm_kernel(
     ARGMAX: tl.constexpr,
     PREFETCH: tl.constexpr,
     LANE_SUMS: tl.constexpr,
-):
+    PDL: tl.constexpr,
+):  # PDL: waits inside ``_accumulate``, after its first weight loads (no kernel writes W; nothing before reads)
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
     dtype = X.dtype.element_ty
@@ -183,7 +192,7 @@ def skinny_gemm_kernel(
     group = offs_n // width if SWIGLU else offs_n  # column g * I + j: gate row g * 2I + j, up row g * 2I + I + j
     rows = offs_n + group * width if SWIGLU else offs_n
     acc, up = _accumulate(acc, acc, W, X, rows, rows + width, n_mask, m0, M, K, stride_wn, stride_xm, divisor,
-                          BLOCK_M, BLOCK_K, EVEN_K, DIVIDE_X, RECIPROCAL, SWIGLU, PREFETCH, LANE_SUMS)  # fmt: skip
+                          BLOCK_M, BLOCK_K, EVEN_K, DIVIDE_X, RECIPROCAL, SWIGLU, PREFETCH, LANE_SUMS, PDL)  # fmt: skip
     if SWIGLU:
         gate = _round(acc, dtype)
         silu = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)  # F.silu in the activation dtype

@@ -3,15 +3,18 @@
 import triton
 import triton.language as tl
 
+from inkling_kernels._triton_pdl import pdl_wait
+
 
 @triton.jit
 def swiglu_kernel(
     GateUp, Gammas, Out, n_cols, width, stride_gm, stride_cm, stride_om, HAS_GAMMAS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (t, c): output columns ``c * BLOCK ..`` of row t; column ``g * width + j`` reads gate column
     ``g * 2 * width + j`` and up column ``+ width``, rounding after silu, after the product and the gamma to
     Out's dtype."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols

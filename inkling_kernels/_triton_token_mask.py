@@ -9,6 +9,8 @@ share a word, so the loads hit the same cache lines), extracts the token's bit, 
 import triton
 import triton.language as tl
 
+from inkling_kernels._triton_pdl import pdl_wait
+
 
 @triton.jit
 def token_mask_kernel(
@@ -20,7 +22,9 @@ def token_mask_kernel(
     stride_bm,
     HAS_ROWS: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_row = row

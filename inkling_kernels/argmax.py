@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from inkling_kernels.float_rows import check_float_rows
+from inkling_kernels.pdl import pdl
 
 MAX_COLUMNS = 0x7FFFFFFF  # columns pack into 31 bits under the value
 CHUNK = 2048  # columns per program of the first launch
@@ -31,7 +32,16 @@ def argmax_rows(values: torch.Tensor) -> torch.Tensor:
     tokens = torch.empty(m, dtype=torch.int64, device=values.device)
     if m == 0:
         return tokens
-    tk.argmax_chunks_kernel[(chunks, m)](values, keys, n, values.stride(0), keys.stride(0), BLOCK=CHUNK, num_warps=4)
+    tk.argmax_chunks_kernel[(chunks, m)](
+        values,
+        keys,
+        n,
+        values.stride(0),
+        keys.stride(0),
+        BLOCK=CHUNK,
+        num_warps=4,
+        **pdl(values),
+    )
     return reduce_keys(keys, tokens)
 
 
@@ -41,7 +51,15 @@ def reduce_keys(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
     m, p = keys.shape
     if m:
-        tk.argmax_reduce_kernel[(m,)](keys, tokens, p, keys.stride(0), BLOCK=_REDUCE_BLOCK, num_warps=4)
+        tk.argmax_reduce_kernel[(m,)](
+            keys,
+            tokens,
+            p,
+            keys.stride(0),
+            BLOCK=_REDUCE_BLOCK,
+            num_warps=4,
+            **pdl(keys),
+        )
     return tokens
 
 

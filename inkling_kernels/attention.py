@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from inkling_kernels.pdl import pdl
 from inkling_kernels.rel_bias import rel_bias_table
 
 
@@ -226,6 +227,7 @@ def _launch(
         BIAS_TABLE=config.bias_table,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl(q),
     )
     if not split:
         return out
@@ -245,6 +247,7 @@ def _launch(
         HEAD_DIM=hd,
         BLOCK_S=max(2, 1 << (num_splits - 1).bit_length()),
         num_warps=4,
+        **pdl(acc),
     )
     return out
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from inkling_kernels.pdl import pdl
 from inkling_kernels.rms_norm import rms_norm_reference
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -90,7 +91,7 @@ def conv_verify(
         x.stride(0), states.stride(0), states.stride(1), windows.stride(0), windows.stride(1),
         weight.stride(0), weight.stride(1), residual.stride(0) if residual is not None else 0, out.stride(0),
         WIDTH=width, KERNEL_SIZE=k, BLOCK_C=block_c, HAS_RESIDUAL=residual is not None,
-        num_warps=min(16, max(1, block_c // 256)), enable_fp_fusion=False,
+        num_warps=min(16, max(1, block_c // 256)), enable_fp_fusion=False, **pdl(x),
     )  # fmt: skip
     return out
 
@@ -175,7 +176,7 @@ def kv_prologue_verify(
         WIDTH=width, KERNEL_SIZE=k, HEAD_DIM=hd,
         NORM_DTYPE=tsc.TL_DTYPES[torch.promote_types(k_norm_weight.dtype, k0.dtype)],
         GROUP=group, GROUP_ROWS=triton.next_power_of_2(group),
-        num_warps=max(1, hd // 128), enable_fp_fusion=False,
+        num_warps=max(1, hd // 128), enable_fp_fusion=False, **pdl(k0),
     )  # fmt: skip
     return q_out
 
@@ -242,7 +243,7 @@ def conv_commit(windows: torch.Tensor, states: torch.Tensor, slots: torch.Tensor
     tk.conv_commit_kernel[(b, triton.cdiv(c, block_c))](
         windows, states, slots, accepted, c, windows.stride(0), windows.stride(1), states.stride(0), states.stride(1),
         KERNEL_SIZE=k1 + 1, STATE_ROWS=triton.next_power_of_2(k1), BLOCK_C=block_c,
-        num_warps=min(16, max(1, block_c // 256)),
+        num_warps=min(16, max(1, block_c // 256)), **pdl(windows),
     )  # fmt: skip
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from inkling_kernels.pdl import pdl
+
 BLOCK = 4096  # columns per program
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -34,7 +36,15 @@ def float_rows(x: torch.Tensor) -> torch.Tensor:
     m, n = x.shape
     out = torch.empty((m, n), dtype=torch.float32, device=x.device)
     if m and n:
-        tk.float_rows_kernel[(m, triton.cdiv(n, BLOCK))](x, out, n, x.stride(0), BLOCK=BLOCK, num_warps=4)
+        tk.float_rows_kernel[(m, triton.cdiv(n, BLOCK))](
+            x,
+            out,
+            n,
+            x.stride(0),
+            BLOCK=BLOCK,
+            num_warps=4,
+            **pdl(x),
+        )
     return out
 
 

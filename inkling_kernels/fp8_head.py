@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inkling_kernels.pdl import pdl
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -127,6 +129,7 @@ def fp8_logits(
         z.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
         DOT_IEEE=x.dtype == torch.float32, ASM_PACK=asm_pack, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl(z),
     )  # fmt: skip
     return out
 

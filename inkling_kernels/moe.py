@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from common.nvfp4 import dequant_nvfp4
+from inkling_kernels.pdl import pdl
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     scratch = torch.empty((2 * expert_rows,), dtype=torch.int32, device=dev)  # counts, cursors
     tk.moe_align_kernel[(1,)](
         flat, sorted_pairs, block_expert, scratch, n_pairs, n_blocks * block_m, n_blocks,
-        EXPERT_ROWS=expert_rows, BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, FILL=1024, num_warps=4,
+        EXPERT_ROWS=expert_rows, BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, FILL=1024, num_warps=4, **pdl(flat),
     )  # fmt: skip
     return sorted_pairs, block_expert
 
@@ -300,11 +301,11 @@ def moe_align_grid(
     sorted_pairs = torch.empty((n_blocks * block_m,), dtype=torch.int32, device=dev)
     block_expert = torch.empty((n_blocks,), dtype=torch.int32, device=dev)
     tk.moe_align_count_kernel[(programs,)](flat, counts, n_pairs, EXPERT_ROWS=expert_rows, CHUNK=chunk, SUB=sub,
-                                           num_warps=4)  # fmt: skip
+                                           num_warps=4, **pdl(flat))  # fmt: skip
     tk.moe_align_place_kernel[(programs,)](
         flat, counts, sorted_pairs, block_expert, n_pairs, n_blocks,
         EXPERT_ROWS=expert_rows, BLOCK_M=block_m, CHUNK=chunk, SUB=sub, ROWS=_GRID_ROWS, FILL_BLOCKS=_GRID_FILL,
-        num_warps=4,
+        num_warps=4, **pdl(flat),
     )  # fmt: skip
     return sorted_pairs, block_expert
 
@@ -523,7 +524,15 @@ def kperm_x(x: torch.Tensor, block_k: int) -> torch.Tensor:
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t:
         tk.kperm_x_kernel[(triton.cdiv(t, KPERM_X_ROWS), h // block_k)](
-            x, out, t, x.stride(0), out.stride(0), BLOCK_T=KPERM_X_ROWS, BLOCK_K=block_k, num_warps=4
+            x,
+            out,
+            t,
+            x.stride(0),
+            out.stride(0),
+            BLOCK_T=KPERM_X_ROWS,
+            BLOCK_K=block_k,
+            num_warps=4,
+            **pdl(x),
         )
     return out
 
@@ -568,7 +577,7 @@ def moe_w13(
         TOPK=r.topk, BLOCK_M=r.block_m, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k13, IDENTITY=r.identity, FP4=fp4,
         ASM=asm, N_FAST=n_fast, SPLIT_ACC=cfg.split_acc, PRESPLIT_K=cfg.block_k2 if fp4 and cfg.presplit else 0,
         SWAP=cfg.swap_ab, SPLIT_K=splits, X_SPLIT=kperm, KPERM=kperm, SHUFFLED=fp4 and shuffled, PAIR=pair,
-        **_launch_opts(cfg, cfg.num_warps13),
+        **_launch_opts(cfg, cfg.num_warps13), **pdl(x),
     )  # fmt: skip
     return inter
 
@@ -593,7 +602,7 @@ def moe_w2(
         part.stride(0),
         BLOCK_M=r.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, IDENTITY=r.identity, FP4=fp4, ASM=asm,
         N_FAST=n_fast, PRESPLIT=fp4 and cfg.presplit, SWAP=cfg.swap_ab, KPERM=fp4 and cfg.kperm,
-        SHUFFLED=fp4 and shuffled, PAIR=_pair_blocks(cfg, fp4, r), **_launch_opts(cfg, cfg.num_warps2),
+        SHUFFLED=fp4 and shuffled, PAIR=_pair_blocks(cfg, fp4, r), **_launch_opts(cfg, cfg.num_warps2), **pdl(inter),
     )  # fmt: skip
     return part
 
@@ -617,7 +626,7 @@ def moe_sum(
     block = min(1024, triton.next_power_of_2(h))
     tk.moe_sum_kernel[(t, triton.cdiv(h, block))](
         part, routing.ids, out, plus if plus is not None else out, h, TOPK=routing.topk, BLOCK=block,
-        HAS_PLUS=plus is not None, num_warps=4,
+        HAS_PLUS=plus is not None, num_warps=4, **pdl(part),
     )  # fmt: skip
     return out
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from inkling_kernels.attention import _check_common
+from inkling_kernels.pdl import pdl
 from inkling_kernels.rel_bias import rel_bias_table
 
 
@@ -189,7 +190,7 @@ def _prefill_launch(q, r, rel_proj, keys, values, pages, page_size, q_start, k_f
         PAGED=paged,
         PAGE_SIZE=page_size,
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=config.num_stages, **pdl(q),
     )  # fmt: skip
     return out
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from inkling_kernels.pdl import pdl
+
 REL_TABLE_TILES = (128, 64, 4)  # (query-head rows, distances, warps) per program of ``rel_bias_table``
 
 
@@ -36,7 +38,7 @@ def rel_bias_table(
     tk.rel_bias_table_kernel[grid](
         r, rel_proj, out, rows, n_heads, d_rel, extent, r.stride(0), r.stride(1), rel_proj.stride(0),
         D_PAD=max(16, triton.next_power_of_2(d_rel)), BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION="ieee" if r.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        PRECISION="ieee" if r.dtype == torch.float32 else "tf32", num_warps=num_warps, **pdl(r),
     )  # fmt: skip
     return out
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from inkling_kernels.pdl import pdl
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BLOCK_C = 8192  # widest row a program holds in registers; wider rows loop over column blocks twice
 _ROW_ELEMS = 2048  # rows narrower than this share a program, up to this many elements per program
@@ -75,6 +77,7 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             num_warps=min(16, max(1, block_m * block_c // 512)),
             enable_fp_fusion=False,  # products rounded on their own, as torch computes them
+            **pdl(x),
         )
     return out if summed is None else (summed, out)
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inkling_kernels.pdl import pdl
+
 _TARGET_PROGRAMS = 264  # ~2 waves of the H200's 132 SMs
 _MAX_SPLIT = 8  # K splits of the logits launch (the top-k launch loads all of them at once)
 _MAX_BCAST_TOKENS = 2  # up to this many tokens: broadcast-multiply GEMV; more: tl.dot on 16+ token rows
@@ -139,6 +141,7 @@ def route(
         EVEN_K=h % cfg.block_k == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl(x),
     )
 
     block_e, block_s = _next_pow2(e), _next_pow2(split)
@@ -163,6 +166,7 @@ def route(
         BLOCK_A=_next_pow2(top_k + s),
         BLOCK_S=block_s,
         num_warps=min(4, max(1, block_e * block_s // 2048)),
+        **pdl(partial),
     )
     return ids, weights, gammas
 

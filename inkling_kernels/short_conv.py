@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from inkling_kernels.pdl import pdl
 from inkling_kernels.rms_norm import rms_norm_reference
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -137,6 +138,7 @@ def conv_decode(
         HAS_NORM=normed is not None,
         num_warps=num_warps,
         enable_fp_fusion=False,
+        **pdl(x),
     )
     return out, normed
 
@@ -288,6 +290,7 @@ def kv_prologue(
         GROUP_ROWS=triton.next_power_of_2(max(group, 1)),
         num_warps=num_warps,
         enable_fp_fusion=False,
+        **pdl(k0),
     )
     return q_out
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from inkling_kernels.pdl import pdl
 from inkling_kernels.rms_norm import rms_norm_reference
 
 _BLOCK_T = 16
@@ -96,7 +97,7 @@ def conv_prefill(
         HAS_RESIDUAL=residual is not None,
         HAS_NORM=norm_weight is not None,
         num_warps=4,
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl(x),
     )  # fmt: skip
     return out, new_states
 

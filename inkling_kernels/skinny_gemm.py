@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inkling_kernels.pdl import pdl
+
 MAX_ROWS = 16  # rows of x this kernel is for (bench/bench_gemm.py: cuBLAS at and above 64)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -133,6 +135,7 @@ def _launch(
         LANE_SUMS=config.lane_sums,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl(x),
     )
     return out
 

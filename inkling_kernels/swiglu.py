@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from inkling_kernels.pdl import pdl
+
 _BLOCK = 1024  # columns per program
 
 
@@ -36,7 +38,7 @@ def swiglu(gate_up: torch.Tensor, width: int, gammas: torch.Tensor | None = None
     tk.swiglu_kernel[grid](
         gate_up, gammas if gammas is not None else gate_up, out, groups * width, width,
         gate_up.stride(0), gammas.stride(0) if gammas is not None else 0, out.stride(0),
-        HAS_GAMMAS=gammas is not None, BLOCK=_BLOCK, num_warps=4,
+        HAS_GAMMAS=gammas is not None, BLOCK=_BLOCK, num_warps=4, **pdl(gate_up),
     )  # fmt: skip
     return out
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from inkling_kernels.pdl import pdl
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK_V = 4096
 
@@ -56,6 +58,7 @@ def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Te
         HAS_ROWS=rows is not None,
         BLOCK_V=block_v,
         num_warps=4,
+        **pdl(logits),
     )
 
 
