@@ -24,7 +24,6 @@ from encoder_service.service import load_engine
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc, media_pb2
 from tools.make_sample_media import draw_shapes, png_bytes, sample_media
-from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 pytestmark = pytest.mark.anyio
 
@@ -35,16 +34,6 @@ MAX_PROMPT_TOKENS = 1000
 MAX_MEDIA_ITEMS = 3
 MAX_IMAGE_PIXELS = 128 * 128  # the sample image (96x64) fits, a 256x256 one does not
 MAX_AUDIO_SECONDS = 1.0  # the 1.5 s sample clip does not fit
-
-
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), nvfp4=True, seed=0)
 
 
 @pytest.fixture(scope="module")

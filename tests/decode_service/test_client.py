@@ -21,19 +21,8 @@ from encoder_service.codebook import AudioCodebook
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from tools.cli import _generate_request, build_parser, main
 from tools.make_sample_media import sample_media
-from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), nvfp4=True, seed=0)
 
 
 @pytest.fixture(scope="module")

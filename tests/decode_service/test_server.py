@@ -33,7 +33,6 @@ from encoder_service.service import load_engine
 from proto.inkling_epd.v1 import generator_pb2 as pb
 from proto.inkling_epd.v1 import generator_pb2_grpc, media_pb2
 from tools.make_sample_media import sample_media
-from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 pytestmark = pytest.mark.anyio
 
@@ -43,25 +42,6 @@ MODEL = "tiny"
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), nvfp4=True, seed=0)
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint):
-    return build_engine(
-        checkpoint,
-        DecodeEngineSettings(
-            dtype="float32",
-            kv_cache_bytes=8 << 20,
-            max_num_seqs=4,
-            max_num_batched_tokens=256,
-            enable_prefix_cache=False,
-        ),
-    )
 
 
 @pytest.fixture

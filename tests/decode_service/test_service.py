@@ -23,7 +23,6 @@ from decode_service.local_encoder import LocalEncoder
 from decode_service.service import DecodeService
 from encoder_service.codebook import AudioCodebook
 from tools.make_sample_media import sample_media
-from tools.make_tiny_checkpoint import make_tiny_checkpoint
 
 PROMPT = (MESSAGE_USER, CONTENT_TEXT, *encode_text("Hello there"), END_MESSAGE)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -36,30 +35,11 @@ def anyio_backend():
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), nvfp4=True, seed=0)
-
-
 @pytest.fixture
 async def local_encoder(checkpoint):
     encoder = LocalEncoder.load(checkpoint, dtype="float32")  # its batchers belong to this test's event loop
     yield encoder
     await encoder.close()
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint):
-    return build_engine(
-        checkpoint,
-        DecodeEngineSettings(
-            dtype="float32",
-            kv_cache_bytes=8 << 20,
-            max_num_seqs=4,
-            max_num_batched_tokens=256,
-            enable_prefix_cache=False,
-        ),
-    )
 
 
 @pytest.fixture
