@@ -41,7 +41,8 @@ from inkling_kernels.skinny_gemm import (
 )
 
 _L2_BYTES = 50 << 20
-ONE_ROW_TILE = SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True, prefetch=True)  # part 2, M=1
+# part 2, M=1: the earlier one-row default, beside the current one
+ONE_ROW_TILE = SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True, prefetch=True)
 SWEEP = [  # the bytes in flight per program are block_n * block_k * 2 (twice that with prefetch)
     SkinnyConfig(block_n=8, block_k=512, num_warps=4),
     SkinnyConfig(block_n=4, block_k=1024, num_warps=4),
@@ -57,6 +58,13 @@ SWEEP = [  # the bytes in flight per program are block_n * block_k * 2 (twice th
     SkinnyConfig(block_n=8, block_k=1024, num_warps=8, lane_sums=True, prefetch=True),
     SkinnyConfig(block_n=16, block_k=512, num_warps=8, lane_sums=True, prefetch=True),
     SkinnyConfig(block_n=16, block_k=256, num_warps=4, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=4, block_k=2048, num_warps=4),  # long K blocks: most of a program's rows in flight
+    SkinnyConfig(block_n=4, block_k=2048, num_warps=8),
+    SkinnyConfig(block_n=2, block_k=2048, num_warps=4),
+    SkinnyConfig(block_n=2, block_k=4096, num_warps=4),
+    SkinnyConfig(block_n=2, block_k=4096, num_warps=8),
+    SkinnyConfig(block_n=4, block_k=4096, num_warps=8),
+    SkinnyConfig(block_n=1, block_k=4096, num_warps=4),
 ]
 
 
@@ -141,7 +149,8 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
             best = None
             if m <= MAX_ROWS:
                 chosen = default_config(m, lin.rows, lin.k)
-                for cfg in [c for c in (SWEEP if chosen in SWEEP else [*SWEEP, chosen]) if m == 1 or not c.lane_sums]:
+                tiles = SWEEP if chosen in SWEEP else [*SWEEP, chosen]
+                for cfg in [c for c in tiles if m == 1 or not c.lane_sums]:
                     us = per_launch_us(lambda w, x=x, cfg=cfg: skinny_linear(x, w, config=cfg), weights)
                     step_us[m][cfg] += us * lin.per_step
                     default_step[m] += us * lin.per_step if cfg == chosen else 0.0

@@ -49,21 +49,25 @@ _GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator column per row of x: beyond
 
 def preferred(m: int, n: int) -> bool:
     """Whether this kernel beat cuBLAS for ``m`` rows against ``n`` weight rows on an H200 (bench/bench_gemm.py,
-    Small-L6 decode linears): one row, at every shape (summed over a step 866 us against cuBLAS' 1020, floor 800).
-    At 2-16 rows cuBLAS' split-K kernels won every shape measured, the lm_head included at these tiles."""
+    Small-L6 decode linears): one row, at every shape (summed over a step 799 us against cuBLAS' 1018, floor
+    ~795). At 2-16 rows cuBLAS' split-K kernels: the GEMV lost every shape, and tensor-core tiles, tried, beat
+    cuBLAS alone but not inside a B=8 decode step (decisions, 2026-12-03)."""
     return m == 1
 
 
 def default_config(m: int, rows: int, k: int) -> SkinnyConfig:
     """Best measured on an H200 (bench/bench_gemm.py over the Small-L6 proxy's decode linears, bf16) for ``m``
-    rows of x against a weight of ``rows`` x ``k``: (8, 512, 4 warps); for one row, lane sums with prefetch on the
-    small 4096 x 4096 weights (wo, shared down: 11.6 against 12.2 us, floor 7.9) and prefetch on the long-K dense
-    down (4096 x 16384)."""
-    if m == 1 and rows * k <= 4096 * 4096:
-        return SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True, prefetch=True)
-    if m == 1 and k >= 16384:
-        return SkinnyConfig(block_n=8, block_k=512, num_warps=4, prefetch=True)
-    return SkinnyConfig(block_n=8, block_k=512, num_warps=4)
+    rows of x against a weight of ``rows`` x ``k``. One row: long K blocks, so that each program has most of its
+    weight rows in flight at once (a GEMV of a few MB per layer is bound by how many loads are in flight, not by
+    the bandwidth): 4 rows of 2048 columns on up to 6656 x 4096 weights (wo 11.2 -> 10.1 us, qkvr 16.8 -> 15.8,
+    floors 7.9 and 12.9), 2 rows of 4096 over 8 warps above (dense down 37.5 -> 34.4 us, floor 31.7; a 1 GB
+    lm_head 247 -> 239). K blocks are halved (down to 512) until they divide K. More rows: (8, 512, 4 warps)."""
+    if m != 1:
+        return SkinnyConfig(block_n=8, block_k=512, num_warps=4)
+    block_n, block_k, warps = (4, 2048, 4) if rows * k <= 6656 * 4096 else (2, 4096, 8)
+    while block_k > 512 and k % block_k:
+        block_k //= 2
+    return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=warps)
 
 
 def _next_pow2(n: int) -> int:

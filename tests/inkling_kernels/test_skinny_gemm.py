@@ -158,6 +158,19 @@ def test_default_config_runs(cpu_interpreter, m):
     assert_rounded_close(skinny_linear(x, weight), skinny_linear_reference(x, weight))
 
 
+@pytest.mark.parametrize("k", [4096, 6144])  # K a multiple of the 2048/4096-column blocks; halved to divide 6144
+def test_one_row_default_tiles_take_long_k_blocks(cpu_interpreter, k):
+    """One row: the long K blocks of the measured defaults (4 rows x 2048 columns on small weights, 2 x 4096 over 8
+    warps on large ones), halved until they divide K; they give the reference's rounded products."""
+    small, large = default_config(1, 4096, k), default_config(1, 32768, k)
+    assert (small.block_n, small.block_k, small.num_warps) == (4, 2048, 4)
+    assert (large.block_n, large.block_k, large.num_warps) == (2, 4096 if k == 4096 else 2048, 8)
+    gen = torch.Generator().manual_seed(k)
+    x, weight = operands(1, 12, k, torch.float16, gen)
+    for config in (small, large):
+        assert_rounded_close(skinny_linear(x, weight, config=config), skinny_linear_reference(x, weight))
+
+
 def test_empty_batch(cpu_interpreter):
     assert skinny_linear(torch.empty(0, 32), torch.randn(16, 32)).shape == (0, 16)
 
