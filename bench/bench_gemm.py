@@ -41,7 +41,7 @@ from inkling_kernels.skinny_gemm import (
 )
 
 _L2_BYTES = 50 << 20
-# part 2, M=1: the earlier one-row default, beside the current one
+# part 2, M=1: the tile the one-row default used on the 4096 x 4096 weights before the long K blocks
 ONE_ROW_TILE = SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True, prefetch=True)
 SWEEP = [  # the bytes in flight per program are block_n * block_k * 2 (twice that with prefetch)
     SkinnyConfig(block_n=8, block_k=512, num_warps=4),
