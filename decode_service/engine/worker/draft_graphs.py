@@ -99,6 +99,12 @@ class DepthLayer:
         self.view.cache.conv[self.depth][index][self.view.slot].copy_(state)
 
 
+# Pages a depth sequence takes past what a round needs, and sliding pages it keeps past its window: most rounds
+# then neither allocate nor release, and a full `DepthSequence.grow` (~15 us of page bookkeeping a request) runs
+# about once every AHEAD_PAGES * page_size / rows-per-round rounds for each of the two (decisions.md, issue 16).
+AHEAD_PAGES = 2
+
+
 class DepthSequence:
     """One request's pages, conv slot and per-depth `LayerCache`s in the depths' pools."""
 
@@ -108,6 +114,9 @@ class DepthSequence:
         self.view = SequenceView(pools.cache, self.pages.slot)
         self.layers = [DepthLayer(self.view, d) for d in range(pools.cache.config.num_layers)]
         pools.cache.zero_conv(self.pages.slot)
+        allocator = pools.allocator
+        self._kinds = [s for s, has in ((True, allocator.has_sliding), (False, allocator.has_global)) if has]
+        self._max_tokens = pools.cache.block_tables.max_pages * allocator.page_size
         # Most rounds neither need a page nor free one: positions below `_paged` have pages of every kind, and no
         # sliding page is released until the committed rows reach `_release_at` (both set by the last full `grow`).
         self._paged, self._release_at = 0, 0
@@ -117,27 +126,31 @@ class DepthSequence:
         return self.view.slot
 
     def grow(self, num_tokens: int, committed: int) -> bool:
-        """Pages for positions `< num_tokens`; sliding pages no row from `committed` on can see are released.
-        False, and nothing changed, when the pools cannot give the pages."""
+        """Pages for positions `< num_tokens` (and `AHEAD_PAGES` more where the pools have them); sliding pages no
+        row from `committed` on can see are released, `AHEAD_PAGES` + 1 at a time. False, and nothing changed,
+        when the pools cannot give the pages needed."""
         pages = self.pages
         committed = max(committed, pages.num_tokens)
-        if num_tokens <= self._paged:
-            if committed < self._release_at:  # nothing to allocate or release
-                pages.num_tokens = committed
-                return True
-        elif not self.pools.allocator.fits(pages.pages_needed(num_tokens)):
-            return False
-        pages.grow(num_tokens)
+        if num_tokens <= self._paged and committed < self._release_at:  # nothing to allocate or release
+            pages.num_tokens = committed
+            return True
+        allocator, page = pages.allocator, pages.allocator.page_size
+        if num_tokens > self._paged:
+            if not allocator.fits(pages.pages_needed(num_tokens)):
+                return False
+            ahead = max(num_tokens, min(num_tokens + AHEAD_PAGES * page, self._max_tokens))
+            pages.grow(ahead if allocator.fits(pages.pages_needed(ahead)) else num_tokens)
         pages.commit(committed)
         for sliding, update in zip((True, False), pages.take_updates(), strict=True):
             if update.pages or update.freed:
                 self.view.update(sliding, update)
-        allocator, page = pages.allocator, pages.allocator.page_size
-        kinds = [sliding for sliding, has in ((True, allocator.has_sliding), (False, allocator.has_global)) if has]
-        self._paged = min(len(pages.tables[sliding]) * page for sliding in kinds) if kinds else 1 << 62
-        # `commit` releases the sliding pages before (committed - (window - 1)) // page: the next one at this count.
+        self._paged = min(len(pages.tables[sliding]) * page for sliding in self._kinds) if self._kinds else 1 << 62
+        # `commit` releases the sliding pages before (committed - (window - 1)) // page: the next full call when
+        # AHEAD_PAGES + 1 more are releasable.
         released = max(0, committed - (allocator.window - 1)) // page
-        self._release_at = (released + 1) * page + allocator.window - 1 if allocator.has_sliding else 1 << 62
+        self._release_at = (
+            (released + 1 + AHEAD_PAGES) * page + allocator.window - 1 if allocator.has_sliding else 1 << 62
+        )
         return True
 
     def release(self) -> None:

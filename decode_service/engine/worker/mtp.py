@@ -29,7 +29,7 @@ from typing import NamedTuple, Protocol, overload
 import numpy as np
 import torch
 
-from decode_service.engine.worker.draft_graphs import DepthPools, DepthSequence, DraftGraphs, RoundRows
+from decode_service.engine.worker.draft_graphs import AHEAD_PAGES, DepthPools, DepthSequence, DraftGraphs, RoundRows
 from decode_service.engine.worker.kv_cache import CacheSpec
 from decode_service.engine.worker.sampler import to_device
 from decode_service.model.batch import ForwardBatch, SequenceSlice
@@ -343,11 +343,14 @@ class PagedMTPSpeculator(MTPSpeculator):
         """Pools for the trunk's sequences (`trunk`: its pool sizes, dtype and device): a conv slot per sequence,
         sliding pages for a window plus a chunk (`max_chunk`, the step's token budget) each, and the trunk's global
         page count plus one page per sequence (depth rows are not shared between requests; a request whose pages
-        run out stops speculating). Outside the KV budget, like the trunk rows kept for prefix hits."""
+        run out stops speculating), each with the pages `DepthSequence.grow` takes ahead and keeps past the window
+        (`AHEAD_PAGES`). Outside the KV budget, like the trunk rows kept for prefix hits."""
         page, seqs = trunk.page_size, trunk.num_conv_slots
         reach = drafter.config.sliding_window - 1 + max(max_chunk, _MAX_LAG) + num_depths + 1
-        sliding = seqs * (math.ceil(reach / page) + 2)
-        spec = CacheSpec(page, sliding, trunk.num_global_pages + seqs, seqs, trunk.dtype, trunk.device)
+        sliding = seqs * (math.ceil(reach / page) + 2 + 2 * AHEAD_PAGES)
+        spec = CacheSpec(
+            page, sliding, trunk.num_global_pages + seqs * (1 + AHEAD_PAGES), seqs, trunk.dtype, trunk.device
+        )
         pools = DepthPools(drafter, spec, max_model_len, num_depths)
         graphs = DraftGraphs(drafter, pools, seqs, max_model_len, use_graphs, seed)
         graphs.capture_all([num_depths], list(range(num_depths + 2)))  # fewer drafts (`depth_for`): on first use

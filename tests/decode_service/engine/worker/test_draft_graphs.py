@@ -13,7 +13,7 @@ import torch
 from common.checkpoint import CheckpointFiles, load_decoder_weights, load_mtp_weights
 from common.config import load_model_config
 from decode_service.engine.worker import mtp
-from decode_service.engine.worker.draft_graphs import DepthPools, DraftGraphs
+from decode_service.engine.worker.draft_graphs import AHEAD_PAGES, DepthPools, DepthSequence, DraftGraphs
 from decode_service.engine.worker.kv_cache import CacheSpec
 from decode_service.engine.worker.mtp import DraftInput, MTPSpeculator, PagedMTPSpeculator
 from decode_service.model.inkling import InklingDecoder
@@ -220,6 +220,36 @@ def test_a_request_without_a_free_depth_slot_runs_without_drafts(cpu_interpreter
     batched.remove("a")
     batched.reset("b", 0, [5, 6, 7], [])
     assert set(batched.extend(inputs[1:])) == {"b"}
+
+
+def test_depth_pages_are_taken_ahead_and_released_in_groups(drafter):
+    """Rounds of 3 rows: every position below the round's end has a page of each kind, no sliding page a committed
+    row's window sees is released, at most AHEAD_PAGES + 1 pages beyond those are held per kind, and the full page
+    bookkeeping runs in few rounds; with no page to spare the round still gets exactly the pages it needs."""
+    page, window = 4, drafter.config.sliding_window
+    spec = CacheSpec(page, 64, 64, 2, torch.float32, "cpu")
+    pools = DepthPools(drafter, spec, max_model_len=128, num_depths=2)
+    seq, full = DepthSequence(pools), 0
+    tables = seq.pages.tables
+    for end in range(3, 120, 3):
+        committed = end - 3
+        before = (len(tables[True]), len(tables[False]), tables[True].count(None))
+        assert seq.grow(end, committed)
+        full += before != (len(tables[True]), len(tables[False]), tables[True].count(None))
+        needed = -(-end // page)
+        assert needed <= len(tables[False]) <= needed + AHEAD_PAGES
+        assert needed <= len(tables[True]) <= needed + AHEAD_PAGES
+        first_seen = max(0, committed - (window - 1)) // page
+        assert None not in tables[True][first_seen:needed], "a page a committed row's window sees was released"
+        live = sum(p is not None for p in tables[True])
+        assert live <= needed - first_seen + 2 * AHEAD_PAGES + 1
+    assert full <= 20, f"{full} of 40 rounds changed pages"  # every round but 2 before the pages were taken ahead
+
+    tight = DepthPools(drafter, CacheSpec(page, 64, 3, 1, torch.float32, "cpu"), max_model_len=128, num_depths=2)
+    seq = DepthSequence(tight)
+    assert seq.grow(3 * page, 0)  # the whole global pool, nothing ahead
+    assert len(seq.pages.tables[False]) == 3
+    assert not seq.grow(3 * page + 1, 0)
 
 
 @pytest.mark.gpu
