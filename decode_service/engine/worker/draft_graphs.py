@@ -101,7 +101,7 @@ class DepthLayer:
 
 # Pages a depth sequence takes past what a round needs, and sliding pages it keeps past its window: most rounds
 # then neither allocate nor release, and a full `DepthSequence.grow` (~15 us of page bookkeeping a request) runs
-# about once every AHEAD_PAGES * page_size / rows-per-round rounds for each of the two (decisions.md, issue 16).
+# about once every (AHEAD_PAGES + 1) * page_size / rows-per-round rounds for each of the two (decisions.md, issue 16).
 AHEAD_PAGES = 2
 
 
