@@ -542,8 +542,8 @@ def bench_bf16(ceil: Ceilings, batches: list[int], gen: torch.Generator) -> None
         print(row([*cells, f"{us / floor:.2f}"], WIDTHS), flush=True)
 
 
-ALIGN_BATCHES = [64, 128, 170, 256, 682, 1024, 2048, 4096, 8192]  # T at k=6: 384 .. 49152 pairs
-ALIGN_GRID = [(128, 32), (256, 16), (256, 32), (512, 32)]  # (pairs per program, per step)
+ALIGN_BATCHES = [11, 32, 64, 128, 170, 256, 320, 512, 682, 1024, 2048, 4096, 8192]  # T at k=6: 66 .. 49152 pairs
+ALIGN_GRID = [(32, 16), (32, 32), (64, 32), (64, 64), (128, 64), (256, 32)]  # (pairs per program, per step)
 
 
 def bench_align(ceil: Ceilings, gen: torch.Generator) -> None:

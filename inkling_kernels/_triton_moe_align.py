@@ -1,69 +1,11 @@
 """Triton code that groups an MoE call's (token, slot) pairs by expert into row blocks
-(``inkling_kernels.moe.moe_align``): ``moe_align_kernel`` in one program for a few pairs, ``moe_align_count_kernel``
-then ``moe_align_place_kernel`` over a grid for many. The blocks feed ``_triton_moe``'s sorted routing."""
+(``inkling_kernels.moe.moe_align``): ``moe_align_count_kernel`` then ``moe_align_place_kernel`` over a grid. The
+blocks feed ``_triton_moe``'s sorted routing."""
 
 import triton
 import triton.language as tl
 
 from inkling_kernels._triton_pdl import pdl_wait
-
-
-@triton.jit(do_not_specialize=["n_pairs", "n_slots", "n_blocks"])
-def moe_align_kernel(
-    Ids,
-    SortedPairs,
-    BlockExpert,
-    Scratch,
-    n_pairs,
-    n_slots,
-    n_blocks,
-    EXPERT_ROWS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,
-    FILL: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One program: count the pairs per expert (atomics into ``Scratch[:EXPERT_ROWS]``), lay the experts' padded
-    row spans out in expert order, fill every row with the pad id and every block with -1, then place each pair
-    at its expert's cursor (``Scratch[EXPERT_ROWS:]``; pairs of one expert in pair order, as a stable sort) and
-    name the block it lands in; pairs of a negative (masked) id are counted and placed nowhere. Scratch is int32
-    ``[2 * EXPERT_ROWS]``; cursors are read past L1 (``.cg``), since the atomics that advance them act in L2."""
-    pdl_wait(PDL)
-    experts = tl.arange(0, EXPERT_ROWS)
-    Counts = Scratch
-    Cursor = Scratch + EXPERT_ROWS
-    tl.store(Counts + experts, tl.zeros([EXPERT_ROWS], dtype=tl.int32))
-    fill = tl.arange(0, FILL)
-    for start in range(0, n_slots, FILL):
-        tl.store(SortedPairs + start + fill, tl.full([FILL], 0, tl.int32) + n_pairs, mask=start + fill < n_slots)
-    for start in range(0, n_blocks, FILL):
-        tl.store(BlockExpert + start + fill, tl.full([FILL], -1, tl.int32), mask=start + fill < n_blocks)
-    tl.debug_barrier()
-
-    offs = tl.arange(0, CHUNK)
-    for start in range(0, n_pairs, CHUNK):
-        valid = start + offs < n_pairs
-        ids = tl.load(Ids + start + offs, mask=valid, other=0).to(tl.int32)
-        tl.atomic_add(Counts + ids, tl.full([CHUNK], 1, tl.int32), mask=valid & (ids >= 0))
-    tl.debug_barrier()
-    counts = tl.load(Counts + experts, cache_modifier=".cg")
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    tl.store(Cursor + experts, tl.cumsum(padded, axis=0) - padded)
-    tl.debug_barrier()  # pads, block ids and cursors are in memory before any pair is placed
-
-    earlier = offs[None, :] < offs[:, None]  # [i, j]: pair j comes before pair i in the chunk
-    for start in range(0, n_pairs, CHUNK):
-        pairs = start + offs
-        valid = pairs < n_pairs
-        ids = tl.load(Ids + pairs, mask=valid, other=-1).to(tl.int32)
-        valid = valid & (ids >= 0)  # masked routes are placed nowhere
-        rank = tl.sum(((ids[None, :] == ids[:, None]) & earlier).to(tl.int32), axis=1)
-        pos = tl.load(Cursor + ids, mask=valid, other=0, cache_modifier=".cg") + rank
-        tl.store(SortedPairs + pos, pairs.to(tl.int32), mask=valid)
-        tl.store(BlockExpert + pos // BLOCK_M, ids, mask=valid)  # every used block holds a pair (pads trail)
-        tl.debug_barrier()  # every thread has read this chunk's cursors
-        tl.atomic_add(Cursor + ids, tl.full([CHUNK], 1, tl.int32), mask=valid)
-        tl.debug_barrier()
 
 
 @triton.jit(do_not_specialize=["n_pairs"])

@@ -12,8 +12,7 @@ accumulation; dequantised weights are never materialised) or plain bf16 stacks (
 Routing: with few (token, slot) pairs each pair is its own row block (no metadata, duplicates of an expert
 re-read its weights); with many, ``moe_align`` groups the pairs by expert into blocks of ``block_m`` rows,
 on the device and without a host sync (CUDA-graph safe). Three launches (w13 + SwiGLU, w2 x routing weight
-into fp32 ``[pairs, H]``, slot sum) plus, for the sorted routing, ``moe_align``'s one launch (more than
-``ALIGN_KERNEL_MAX_PAIRS`` pairs: two, over a grid).
+into fp32 ``[pairs, H]``, slot sum) plus, for the sorted routing, ``moe_align``'s two (count, place) over a grid.
 
 Decode-size blocks hold 1-8 valid rows, so the kernels are grouped GEMVs whose cost is the in-register
 dequantisation (~2 instructions per weight) overlapping the weight stream. What the H200 measurements
@@ -236,14 +235,19 @@ def unshuffle_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Te
     return canon_bytes, torch.where(b == 0, 0.0, value).to(torch.float8_e4m3fn)
 
 
-# up to here one program walks the pairs in chunks, beyond it a grid (H200, CUDA graphs, bench_moe --align: 384
-# pairs 15.6 us against 35.6; 1536 pairs 54.2 against 31.1; 4092 146 against 29.4; 12288 the grid 27.8 against
-# 137 for the torch sort)
-ALIGN_KERNEL_MAX_PAIRS = 1024
-_ALIGN_CHUNK = 128  # pairs per step of the one-program kernel (a [CHUNK, CHUNK] comparison ranks them)
-# the grid's kernels: pairs per program (256: 26.7-35.6 us from 384 to 24576 pairs, 512: 47.7-65.5, 1024: ~100),
-# pairs per one-hot step (32; 16: 32.8-40.5), count-table rows per load, blocks per pad-fill step
-_GRID_CHUNK, _GRID_SUB, _GRID_ROWS, _GRID_FILL = 256, 32, 16, 16
+# Pairs per program and per one-hot step of ``moe_align``'s grid by size (H200, CUDA graphs, ``bench_moe --align``,
+# us per call at E=256, k=6, 2026-12-04): 32/32 up to 2048 pairs (384 pairs 6.9 us, 1920 8.4 against 9.8 at 64/64),
+# 64/64 up to 6144 (3072 10.3, 6144 14.5), 128/64 up to 24576 (12288 21.6, 24576 32.0), 256/32 beyond (49152 50.6
+# against 77.5). A program's time grows with its one-hot steps, and every program reads the whole count table, which
+# grows with the grid. The one-program kernel these replaced: 5.9 us at 66 pairs, 15.0 at 384, 28-37 at 768-1020.
+_GRID_TILES = ((2048, 32, 32), (6144, 64, 64), (24576, 128, 64))  # (up to n_pairs, chunk, sub)
+_GRID_LARGE = (256, 32)
+_GRID_ROWS, _GRID_FILL = 16, 16  # count-table rows per load, blocks per pad-fill step
+
+
+def align_tiles(n_pairs: int) -> tuple[int, int]:
+    """(pairs per program, pairs per one-hot step) of ``moe_align``'s grid for ``n_pairs`` pairs."""
+    return next(((chunk, sub) for most, chunk, sub in _GRID_TILES if n_pairs <= most), _GRID_LARGE)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,44 +255,27 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
     Returns ``sorted_pairs`` int32 ``[n_blocks * block_m]`` (pair ids ``t * k + i``, pad = n_pairs) and
     ``block_expert`` int32 ``[n_blocks]`` (-1 for blocks past the used ones). Pairs of id ``MASKED_ROUTE`` are in
-    no block. ``n_blocks`` is the static upper bound ``ceil(n_pairs / block_m) + min(n_pairs, E)``. Up to
-    ``ALIGN_KERNEL_MAX_PAIRS`` pairs one launch (``moe_align_kernel``), beyond that two over a grid
-    (``moe_align_grid``); the results equal ``moe_align_reference``'s stable sort.
+    no block. ``n_blocks`` is the static upper bound ``ceil(n_pairs / block_m) + min(n_pairs, E)``. Two launches
+    over a grid (``moe_align_grid``, tiles from ``align_tiles``); the results equal ``moe_align_reference``'s
+    stable sort.
     """
-    import triton
-
-    from inkling_kernels import _triton_moe_align as tk
-
     flat = _check_align(topk_ids, num_experts, block_m)
-    n_pairs = flat.numel()
-    if n_pairs == 0:
-        return moe_align_reference(flat, num_experts, block_m)
-    if n_pairs > ALIGN_KERNEL_MAX_PAIRS:
-        return moe_align_grid(flat, num_experts, block_m)
-    n_blocks = -(-n_pairs // block_m) + min(n_pairs, num_experts)
-    dev = flat.device
-    sorted_pairs = torch.empty((n_blocks * block_m,), dtype=torch.int32, device=dev)
-    block_expert = torch.empty((n_blocks,), dtype=torch.int32, device=dev)
-    expert_rows = triton.next_power_of_2(num_experts)
-    scratch = torch.empty((2 * expert_rows,), dtype=torch.int32, device=dev)  # counts, cursors
-    tk.moe_align_kernel[(1,)](
-        flat, sorted_pairs, block_expert, scratch, n_pairs, n_blocks * block_m, n_blocks,
-        EXPERT_ROWS=expert_rows, BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, FILL=1024, num_warps=4, **pdl(flat),
-    )  # fmt: skip
-    return sorted_pairs, block_expert
+    return moe_align_grid(flat, num_experts, block_m, *align_tiles(flat.numel()))
 
 
 def moe_align_grid(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = _GRID_CHUNK, sub: int = _GRID_SUB
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int, sub: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe_align`` for any number of pairs in two launches over ``ceil(n_pairs / chunk)`` programs: each counts
-    its ``chunk`` pairs per expert (``moe_align_count_kernel``), then each reads the count table, lays out the
-    experts' padded spans and places its pairs after those of the programs before it, and fills a share of the
-    pads and block ids (``moe_align_place_kernel``). ``sub``: pairs per one-hot step (powers of two)."""
+    """``moe_align`` in two launches over ``ceil(n_pairs / chunk)`` programs: each counts its ``chunk`` pairs per
+    expert (``moe_align_count_kernel``), then each reads the count table, lays out the experts' padded spans and
+    places its pairs after those of the programs before it, and fills a share of the pads and block ids
+    (``moe_align_place_kernel``). ``sub``: pairs per one-hot step; both powers of two, ``sub <= chunk``."""
     import triton
 
     from inkling_kernels import _triton_moe_align as tk
 
+    if chunk & (chunk - 1) or sub & (sub - 1) or not 0 < sub <= chunk:
+        raise ValueError(f"powers of two with 0 < sub <= chunk expected, got chunk={chunk}, sub={sub}")
     flat = _check_align(topk_ids, num_experts, block_m)
     n_pairs = flat.numel()
     if n_pairs == 0:

@@ -9,6 +9,7 @@ import inkling_kernels.moe as moe_module
 from inkling_kernels.moe import (
     MASKED_ROUTE,
     MoeConfig,
+    align_tiles,
     bf16_moe,
     default_config,
     kperm_x,
@@ -104,8 +105,8 @@ def skewed_ids(t, e, k, gen, device="cpu"):
 
 
 @pytest.mark.parametrize("t,e,k,block_m", [(1, 8, 2, 8), (37, 16, 3, 4), (70, 256, 6, 8), (9, 12, 4, 16)])
-def test_moe_align_kernel_equals_the_torch_sort(cpu_interpreter, t, e, k, block_m):
-    """One launch, every output element equal to the stable torch sort's (pads and unused blocks included)."""
+def test_moe_align_equals_the_torch_sort(cpu_interpreter, t, e, k, block_m):
+    """Every output element equal to the stable torch sort's (pads and unused blocks included)."""
     gen = torch.Generator().manual_seed(t * e + k)
     for ids in (routing(t, e, k, gen)[0], skewed_ids(t, e, k, gen)):
         got = moe_align(ids, e, block_m)
@@ -113,19 +114,30 @@ def test_moe_align_kernel_equals_the_torch_sort(cpu_interpreter, t, e, k, block_
         assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 
-def test_moe_align_takes_the_grid_beyond_the_kernel_size(cpu_interpreter, monkeypatch):
-    monkeypatch.setattr(moe_module, "ALIGN_KERNEL_MAX_PAIRS", 4)
+def test_moe_align_takes_its_grid_tiles_by_size(cpu_interpreter, monkeypatch):
+    """Small grids' programs take few pairs, large ones more (each program reads the whole count table)."""
+    assert [align_tiles(n) for n in (1, 2048, 2049, 6144, 6145, 24576, 24577)] == [
+        (32, 32), (32, 32), (64, 64), (64, 64), (128, 64), (128, 64), (256, 32)
+    ]  # fmt: skip
     calls = []
-    monkeypatch.setattr(moe_module, "moe_align_grid", lambda *a: calls.append(a) or moe_align_grid(*a))
+    monkeypatch.setattr(moe_module, "moe_align_grid", lambda *a: calls.append(a[3:]) or moe_align_grid(*a))
     ids = torch.tensor([[3, 1], [1, 0], [3, 2]])
-    got = moe_align(ids, 5, 2)  # 6 pairs > 4: the grid's two launches
-    assert len(calls) == 1
+    got = moe_align(ids, 5, 2)
+    assert calls == [(32, 32)]
     assert all(torch.equal(a, b) for a, b in zip(got, moe_align_reference(ids, 5, 2), strict=True))
 
 
 @pytest.mark.parametrize(
     "t,e,k,block_m,chunk,sub",
-    [(37, 16, 3, 4, 64, 8), (70, 256, 6, 8, 32, 16), (9, 12, 4, 16, 8, 8), (200, 5, 2, 2, 16, 16), (1, 8, 2, 8, 32, 8)],
+    [
+        (37, 16, 3, 4, 64, 8),
+        (70, 256, 6, 8, 32, 16),
+        (70, 256, 6, 8, 32, 32),
+        (9, 12, 4, 16, 8, 8),
+        (200, 5, 2, 2, 16, 16),
+        (200, 16, 3, 4, 64, 64),
+        (1, 8, 2, 8, 32, 8),
+    ],
 )
 def test_moe_align_grid_equals_the_torch_sort(cpu_interpreter, t, e, k, block_m, chunk, sub):
     """Several programs (chunk < pairs; their pairs of one expert follow each other), every output element equal
@@ -148,6 +160,9 @@ def test_moe_align_rejects_bad_arguments():
         moe_align(torch.zeros(2, 2), 4, 8)
     with pytest.raises(ValueError, match="block_m"):
         moe_align(torch.zeros(2, 2, dtype=torch.int32), 4, 6)
+    for chunk, sub in ((32, 64), (48, 16), (32, 0)):  # a step past its program's pairs would place them twice
+        with pytest.raises(ValueError, match="sub <= chunk"):
+            moe_align_grid(torch.zeros(2, 2, dtype=torch.int32), 4, 8, chunk, sub)
 
 
 def masked(ids: torch.Tensor, gen: torch.Generator, p: float = 0.5) -> torch.Tensor:
@@ -199,8 +214,8 @@ def test_moe_align_grid_gpu(cuda_device, t, block_m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [64, 256, 600])
-def test_moe_align_kernel_gpu(cuda_device, t):
+@pytest.mark.parametrize("t", [11, 64, 256, 320, 600])
+def test_moe_align_decode_sizes_gpu(cuda_device, t):
     gen = torch.Generator().manual_seed(t)
     for ids in (routing(t, 256, 6, gen, cuda_device)[0], skewed_ids(t, 256, 6, gen, cuda_device)):
         got = moe_align(ids, 256, 8)
