@@ -41,23 +41,14 @@ from inkling_kernels.skinny_gemm import (
 )
 
 _L2_BYTES = 50 << 20
-# part 2, M=1: the tile the one-row default used on the 4096 x 4096 weights before the long K blocks
-ONE_ROW_TILE = SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True, prefetch=True)
-SWEEP = [  # the bytes in flight per program are block_n * block_k * 2 (twice that with prefetch)
+# part 2, M=1: short K blocks (the multi-row default), against the one-row default's long ones
+ONE_ROW_TILE = SkinnyConfig(block_n=8, block_k=512, num_warps=4)
+SWEEP = [  # the bytes in flight per program are block_n * block_k * 2
     SkinnyConfig(block_n=8, block_k=512, num_warps=4),
     SkinnyConfig(block_n=4, block_k=1024, num_warps=4),
     SkinnyConfig(block_n=16, block_k=512, num_warps=8),
     SkinnyConfig(block_n=8, block_k=1024, num_warps=4),
-    SkinnyConfig(block_n=8, block_k=512, num_warps=4, prefetch=True),
-    SkinnyConfig(block_n=4, block_k=1024, num_warps=4, prefetch=True),
-    SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True),
-    SkinnyConfig(block_n=8, block_k=512, num_warps=4, lane_sums=True, prefetch=True),
-    SkinnyConfig(block_n=4, block_k=512, num_warps=4, lane_sums=True, prefetch=True),
-    SkinnyConfig(block_n=4, block_k=1024, num_warps=4, lane_sums=True, prefetch=True),
-    SkinnyConfig(block_n=2, block_k=1024, num_warps=4, lane_sums=True, prefetch=True),
-    SkinnyConfig(block_n=8, block_k=1024, num_warps=8, lane_sums=True, prefetch=True),
-    SkinnyConfig(block_n=16, block_k=512, num_warps=8, lane_sums=True, prefetch=True),
-    SkinnyConfig(block_n=16, block_k=256, num_warps=4, lane_sums=True, prefetch=True),
+    SkinnyConfig(block_n=16, block_k=256, num_warps=4),
     SkinnyConfig(block_n=4, block_k=2048, num_warps=4),  # long K blocks: most of a program's rows in flight
     SkinnyConfig(block_n=4, block_k=2048, num_warps=8),
     SkinnyConfig(block_n=2, block_k=2048, num_warps=4),
@@ -150,7 +141,7 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
             if m <= MAX_ROWS:
                 chosen = default_config(m, lin.rows, lin.k)
                 tiles = SWEEP if chosen in SWEEP else [*SWEEP, chosen]
-                for cfg in [c for c in tiles if m == 1 or not c.lane_sums]:
+                for cfg in tiles:
                     us = per_launch_us(lambda w, x=x, cfg=cfg: skinny_linear(x, w, config=cfg), weights)
                     step_us[m][cfg] += us * lin.per_step
                     default_step[m] += us * lin.per_step if cfg == chosen else 0.0
@@ -174,8 +165,7 @@ def sweep(lins: list[Linear], rows: list[int], ceil) -> None:
 
 
 def _tile(cfg: SkinnyConfig) -> str:
-    options = "".join(f", {name}" for name in ("prefetch", "lane_sums") if getattr(cfg, name))
-    return f"({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages}{options})"
+    return f"({cfg.block_n}, {cfg.block_k}, {cfg.num_warps}, {cfg.num_stages})"
 
 
 def model_ops(lins: list[Linear], rows: list[int], ceil) -> None:

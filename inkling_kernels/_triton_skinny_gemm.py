@@ -59,32 +59,22 @@ def _products(
     DIVIDE_X: tl.constexpr,
     RECIPROCAL: tl.constexpr,
     PAIRED: tl.constexpr,
-    LANE_SUMS: tl.constexpr,
 ):
-    """acc (and acc_up when PAIRED) += the weight tile(s) of the K block at ``k0`` times each row of x there:
-    summed along K into ``[BLOCK_N, BLOCK_M]``, or with LANE_SUMS (one row) kept per lane, ``[BLOCK_N, BLOCK_K]``."""
+    """acc (and acc_up when PAIRED) += the weight tile(s) of the K block at ``k0`` times each row of x there,
+    summed along K into ``[BLOCK_N, BLOCK_M]``."""
     dtype = X.dtype.element_ty
     for i in tl.static_range(BLOCK_M):
         x_mask = (m0 + i + offs_k * 0) < M  # a vector: the interpreter rejects a scalar mask
         if not EVEN_K:
             x_mask &= (k0 + offs_k) < K
-        x_ptrs = X + (m0 + i) * stride_xm + k0 + offs_k
-        if LANE_SUMS:  # x loaded in the weight tile's layout: no layout conversion (a barrier) in the loop
-            x = tl.load(x_ptrs[None, :] + tl.zeros(w.shape, tl.int32), mask=x_mask[None, :], other=0.0)
-        else:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)[None, :]
+        x = tl.load(X + (m0 + i) * stride_xm + k0 + offs_k, mask=x_mask, other=0.0)[None, :]
         if DIVIDE_X:  # divisor: its exact reciprocal with RECIPROCAL (a power of two: the same rounded quotient)
             x = (x.to(tl.float32) * divisor if RECIPROCAL else tl.math.div_rn(x.to(tl.float32), divisor)).to(dtype)
         x = x.to(tl.float32)
-        if LANE_SUMS:
-            acc += w.to(tl.float32) * x
-            if PAIRED:
-                acc_up += w_up.to(tl.float32) * x
-        else:
-            column = (tl.arange(0, BLOCK_M) == i)[None, :]
-            acc = tl.where(column, acc + tl.sum(w.to(tl.float32) * x, axis=1)[:, None], acc)
-            if PAIRED:
-                acc_up = tl.where(column, acc_up + tl.sum(w_up.to(tl.float32) * x, axis=1)[:, None], acc_up)
+        column = (tl.arange(0, BLOCK_M) == i)[None, :]
+        acc = tl.where(column, acc + tl.sum(w.to(tl.float32) * x, axis=1)[:, None], acc)
+        if PAIRED:
+            acc_up = tl.where(column, acc_up + tl.sum(w_up.to(tl.float32) * x, axis=1)[:, None], acc_up)
     return acc, acc_up
 
 
@@ -109,44 +99,22 @@ def _accumulate(
     DIVIDE_X: tl.constexpr,
     RECIPROCAL: tl.constexpr,
     PAIRED: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LANE_SUMS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """acc ``[BLOCK_N, BLOCK_M]`` += W[rows, :] @ X[m0 : m0 + BLOCK_M, :]^T over all of K in fp32 (and acc_up
-    with W[up_rows, :] in the same loop when PAIRED: both weight tiles in flight at once). LANE_SUMS (one row of
-    x): each lane sums its own products over the K blocks and the lanes are summed once after the loop, so the
-    loop has no cross-thread reduction (no barrier between one block's loads and the next's). With PDL the first
-    K block's weight loads go out before ``pdl_wait``, while the kernel before this one still runs."""
+    with W[up_rows, :] in the same loop when PAIRED: both weight tiles in flight at once). With PDL the first K
+    block's weight loads go out before ``pdl_wait``, while the kernel before this one still runs."""
     offs_k = tl.arange(0, BLOCK_K)
-    if LANE_SUMS:
-        tl.static_assert(BLOCK_M == 1, "lane sums are for one row of x")
-        lanes = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
-        acc, acc_up = lanes, lanes
     w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = W + up_rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    if PREFETCH:  # the next K block's loads go out before this block's products: two tiles in flight
-        w, w_up = _weight_tiles(w_ptrs, up_ptrs, n_mask, offs_k, 0, K, EVEN_K, PAIRED)
-        pdl_wait(PDL)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            w_next, up_next = _weight_tiles(w_ptrs, up_ptrs, n_mask, offs_k, k0, K, EVEN_K, PAIRED)
-            acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, k0 - BLOCK_K, m0, M, K, stride_xm, divisor,
-                                    BLOCK_M, EVEN_K, DIVIDE_X, RECIPROCAL, PAIRED, LANE_SUMS)  # fmt: skip
-            w, w_up = w_next, up_next
-        last = (K - 1) // BLOCK_K * BLOCK_K
-        acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, last, m0, M, K, stride_xm, divisor,
-                                BLOCK_M, EVEN_K, DIVIDE_X, RECIPROCAL, PAIRED, LANE_SUMS)  # fmt: skip
-    else:  # the first K block peeled: its loads go before the wait
-        w, w_up = _weight_tiles(w_ptrs, up_ptrs, n_mask, offs_k, 0, K, EVEN_K, PAIRED)
-        pdl_wait(PDL)
-        acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, 0, m0, M, K, stride_xm, divisor,
-                                BLOCK_M, EVEN_K, DIVIDE_X, RECIPROCAL, PAIRED, LANE_SUMS)  # fmt: skip
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            w, w_up = _weight_tiles(w_ptrs, up_ptrs, n_mask, offs_k, k0, K, EVEN_K, PAIRED)
-            acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, k0, m0, M, K, stride_xm, divisor,
-                                    BLOCK_M, EVEN_K, DIVIDE_X, RECIPROCAL, PAIRED, LANE_SUMS)  # fmt: skip
-    if LANE_SUMS:
-        acc, acc_up = tl.sum(acc, axis=1)[:, None], tl.sum(acc_up, axis=1)[:, None]
+    w, w_up = _weight_tiles(w_ptrs, up_ptrs, n_mask, offs_k, 0, K, EVEN_K, PAIRED)  # the first K block peeled
+    pdl_wait(PDL)
+    acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, 0, m0, M, K, stride_xm, divisor,
+                            BLOCK_M, EVEN_K, DIVIDE_X, RECIPROCAL, PAIRED)  # fmt: skip
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w, w_up = _weight_tiles(w_ptrs, up_ptrs, n_mask, offs_k, k0, K, EVEN_K, PAIRED)
+        acc, acc_up = _products(acc, acc_up, w, w_up, X, offs_k, k0, m0, M, K, stride_xm, divisor,
+                                BLOCK_M, EVEN_K, DIVIDE_X, RECIPROCAL, PAIRED)  # fmt: skip
     return acc, acc_up
 
 
@@ -177,8 +145,6 @@ def skinny_gemm_kernel(
     DIVIDE_X: tl.constexpr,
     RECIPROCAL: tl.constexpr,
     ARGMAX: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LANE_SUMS: tl.constexpr,
     PDL: tl.constexpr,
 ):  # PDL: waits inside ``_accumulate``, after its first weight loads (no kernel writes W; nothing before reads)
     pid_n = tl.program_id(0)
@@ -192,7 +158,7 @@ def skinny_gemm_kernel(
     group = offs_n // width if SWIGLU else offs_n  # column g * I + j: gate row g * 2I + j, up row g * 2I + I + j
     rows = offs_n + group * width if SWIGLU else offs_n
     acc, up = _accumulate(acc, acc, W, X, rows, rows + width, n_mask, m0, M, K, stride_wn, stride_xm, divisor,
-                          BLOCK_M, BLOCK_K, EVEN_K, DIVIDE_X, RECIPROCAL, SWIGLU, PREFETCH, LANE_SUMS, PDL)  # fmt: skip
+                          BLOCK_M, BLOCK_K, EVEN_K, DIVIDE_X, RECIPROCAL, SWIGLU, PDL)  # fmt: skip
     if SWIGLU:
         gate = _round(acc, dtype)
         silu = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), dtype)  # F.silu in the activation dtype

@@ -40,8 +40,6 @@ class SkinnyConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
-    prefetch: bool = False  # load the next K block's weight tile before this block's products
-    lane_sums: bool = False  # one row of x only: per-lane fp32 sums over K, one reduction after the loop
 
 
 _GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator column per row of x: beyond this, more row blocks
@@ -107,8 +105,6 @@ def _launch(
         return out
     block_m = min(_next_pow2(m), _GEMV_MAX_ROWS)
     exact_reciprocal = divisor is not None and abs(math.frexp(divisor)[0]) == 0.5  # x / 2^e == x * 2^-e
-    if config.lane_sums and block_m > 1:
-        raise ValueError(f"lane_sums tiles are for one row of x, got {m}")
     grid = (-(-n // config.block_n), -(-m // block_m))
     tk.skinny_gemm_kernel[grid](
         x,
@@ -135,8 +131,6 @@ def _launch(
         DIVIDE_X=divisor is not None,
         RECIPROCAL=exact_reciprocal,
         ARGMAX=argmax,
-        PREFETCH=config.prefetch,
-        LANE_SUMS=config.lane_sums,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl(x),
