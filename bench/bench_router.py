@@ -21,7 +21,7 @@ from inkling_kernels.router import GateTiles, default_tiles, route, route_refere
 
 H, E, S, TOPK, ROUTE_SCALE = 4096, 256, 2, 6, 8.0
 SETS = 32  # 32 x 2.1 MB of gate weights > L2
-BATCHES = [1, 8, 64, 256, 4096]
+BATCHES = [1, 8, 64, 256, 320, 512, 4096]  # 320, 512: MTP verify steps at B=64 (D=4, 7)
 WIDTHS = [5, 26, 7, 9, 8, 8, 7]
 SWEEP = [
     GateTiles(block_t=1, block_n=4, block_k=1024),
