@@ -369,6 +369,8 @@ PREFILL_VARIANTS = {
     "n128w8": {**W8, "block_n13": 128, "block_n2": 128},
     "w8": W8,
     "stages4": {"num_stages": 4},
+    "chosen_drain": {**KP, "block_n2": 128, "num_warps2": 8, "wgmma_drain": True},  # no wgmma across K steps
+    "chosen_drain_s4": {**KP, "block_n2": 128, "num_warps2": 8, "wgmma_drain": True, "num_stages": 4},
 }
 
 

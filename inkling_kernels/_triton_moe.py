@@ -266,6 +266,16 @@ def _mma(acc, x, w, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _wgmma_drain(ON: tl.constexpr):
+    """With ON (sm_90 only): wait for this K step's wgmma groups before the next step's dequantisation writes the
+    registers they read, so no group runs across the loop's back-edge (ptxas serialises every wgmma of a kernel where
+    one does: C7515, one group of 4 k16 instructions then issues as 4 waited ones)."""
+    if ON:
+        tl.inline_asm_elementwise("wgmma.wait_group.sync.aligned 0; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
+
+
+@triton.jit
 def _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M: tl.constexpr, IDENTITY: tl.constexpr):
     """(expert, pair ids [BLOCK_M], valid [BLOCK_M]) of row block ``pid_m``; expert < 0: nothing to do."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -324,9 +334,10 @@ def _w13_loop(W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, 
               stride_wn, stride_se, stride_sn, offs_n, offs_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr, X_SPLIT: tl.constexpr,
               SPLIT_ACC: tl.constexpr, SWAP: tl.constexpr, KPERM: tl.constexpr, SHUFFLED: tl.constexpr,
-              TWO: tl.constexpr):  # fmt: skip
+              TWO: tl.constexpr, DRAIN: tl.constexpr):  # fmt: skip
     """The gate/up kernel's reduction over K slice [k_lo, k_lo + K): (gate, up) accumulators of the row block, then
-    of the second block (TWO: its rows through the same dequantised tiles; else zeros)."""
+    of the second block (TWO: its rows through the same dequantised tiles; else zeros). DRAIN: ``_wgmma_drain``
+    after each K step."""
     DT: tl.constexpr = x_ptrs.dtype.element_ty
     ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
     acc_g = tl.zeros(ACC, dtype=tl.float32)
@@ -360,6 +371,7 @@ def _w13_loop(W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, 
                 acc_ub = _mma(acc_ub, xb_even, u_even, SWAP)
                 acc_gb = _mma(acc_gb, xb_odd, g_odd, SWAP)
                 acc_ub = _mma(acc_ub, xb_odd, u_odd, SWAP)
+            _wgmma_drain(DRAIN)
         else:
             x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
             w_ptrs = W + w_off + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
@@ -433,6 +445,7 @@ def moe_w13_kernel(
     KPERM: tl.constexpr = False,
     SHUFFLED: tl.constexpr = False,
     PAIR: tl.constexpr = False,
+    DRAIN: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -469,13 +482,13 @@ def moe_w13_kernel(
         acc_g, acc_u, acc_gb, acc_ub = _w13_loop(
             W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w_off, up_off, N_HALF, k_lo, K,
             stride_wn, stride_se, stride_sn, offs_n, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, FP4, ASM, X_SPLIT, SPLIT_ACC,
-            SWAP, KPERM, SHUFFLED, True,
+            SWAP, KPERM, SHUFFLED, True, DRAIN,
         )  # fmt: skip
     else:
         acc_g, acc_u, acc_gb, acc_ub = _w13_loop(
             W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w_off, up_off, N_HALF, k_lo, K,
             stride_wn, stride_se, stride_sn, offs_n, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, FP4, ASM, X_SPLIT, SPLIT_ACC,
-            SWAP, KPERM, SHUFFLED, False,
+            SWAP, KPERM, SHUFFLED, False, DRAIN,
         )  # fmt: skip
     if SPLIT_K > 1:
         # Each slice stores its fp32 partials; the last of the tile's SPLIT_K programs to arrive adds them all in
@@ -510,9 +523,9 @@ def moe_w13_kernel(
 def _w2_loop(W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w_off, K, stride_wn, stride_se,
              stride_sn, offs_n, offs_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              FP4: tl.constexpr, ASM: tl.constexpr, PRESPLIT: tl.constexpr, SWAP: tl.constexpr, KPERM: tl.constexpr,
-             SHUFFLED: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+             SHUFFLED: tl.constexpr, TWO: tl.constexpr, DRAIN: tl.constexpr):  # fmt: skip
     """The down kernel's reduction over K: the row block's accumulator, then the second block's (TWO: its rows
-    through the same dequantised tiles; else zeros)."""
+    through the same dequantised tiles; else zeros). DRAIN: ``_wgmma_drain`` after each K step."""
     DT: tl.constexpr = x_ptrs.dtype.element_ty
     ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
     acc = tl.zeros(ACC, dtype=tl.float32)
@@ -531,6 +544,7 @@ def _w2_loop(W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w
                 xb_even, xb_odd = _x_halves(xb_ptrs, xbh_ptrs, k0, valid_b, BLOCK_M, BLOCK_K, PRESPLIT)
                 acc_b = _mma(acc_b, xb_even, w_even, SWAP)
                 acc_b = _mma(acc_b, xb_odd, w_odd, SWAP)
+            _wgmma_drain(DRAIN)
         else:
             x = tl.load(x_ptrs + k0, mask=valid[:, None], other=0.0)
             w_ptrs = W + w_off + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
@@ -583,6 +597,7 @@ def moe_w2_kernel(
     KPERM: tl.constexpr = False,
     SHUFFLED: tl.constexpr = False,
     PAIR: tl.constexpr = False,
+    DRAIN: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -613,11 +628,13 @@ def moe_w2_kernel(
         acc, acc_b = _w2_loop(
             W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w_off, K, stride_wn, stride_se,
             stride_sn, offs_n, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, FP4, ASM, PRESPLIT, SWAP, KPERM, SHUFFLED, True,
+            DRAIN,
         )  # fmt: skip
     else:
         acc, acc_b = _w2_loop(
             W, S, x_ptrs, xh_ptrs, xb_ptrs, xbh_ptrs, valid, valid_b, expert, w_off, K, stride_wn, stride_se,
             stride_sn, offs_n, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, FP4, ASM, PRESPLIT, SWAP, KPERM, SHUFFLED, False,
+            DRAIN,
         )  # fmt: skip
     s2 = 1.0
     if FP4:

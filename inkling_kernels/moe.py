@@ -43,6 +43,7 @@ Excluded from this slice: fp8 activations, fusing the slot sum / shared experts 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -83,6 +84,8 @@ class MoeConfig:
     # NVFP4, sorted routing: a program takes two consecutive row blocks of one expert, each weight tile dequantised
     # once for both (``_block_pair``); the gate/up kernel with one K slice and one accumulator per projection
     pair_blocks: bool = False
+    # sm_90: wait for each K step's wgmma groups inside the step (``_triton_moe._wgmma_drain``); elsewhere no effect
+    wgmma_drain: bool = False
 
 
 MASKED_ROUTE = -1  # a route id that no expert computes and that contributes 0 to its token
@@ -130,6 +133,9 @@ def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> Mo
       751 against 718 / 447 against 333 (64-row tiles), 128-row tiles 722-737 against 714 / 335-414 against 347
       (one timing of 15 replays).
       128-row tiles of 2 or 8 warps, 256-row tiles of 8 warps and 4 stages were slower at every T from 64 to 768.
+      The prefill tiles wait for each K step's wgmma groups inside the step (``wgmma_drain``: ptxas otherwise
+      serialises every wgmma of the kernel, C7515; 2026-12-04, T=2048 gate/up 1742 -> 1633 us, down 723 -> 680; T=4096
+      3278 -> 3223, 1424 -> 1356; on the canonical layout slower, 1755 -> 1835 at T=2048: not taken there).
 
     Measured and not taken: 16-row blocks (T=256: gate/up 968-1568 us against 858; the 16-wide MMA operand costs
     more than the 15% of blocks it saves), 4-row blocks, 128-row tiles of 8 warps, 128-wide K tiles, 2 or 4
@@ -141,7 +147,8 @@ def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> Mo
         return replace(few, split_k13=2) if n_pairs <= SPLIT_K13_MAX_PAIRS else few
     if n_pairs >= PREFILL_MIN_PAIRS:
         if fp4:
-            return MoeConfig(block_m=64, block_k13=128, block_k2=128, block_n2=128, num_warps2=8, kperm=True)
+            return MoeConfig(block_m=64, block_k13=128, block_k2=128, block_n2=128, num_warps2=8, kperm=True,
+                             wgmma_drain=shuffled)  # fmt: skip
         wide = {"block_m": 128, "num_warps13": 8, "num_warps2": 8} if n_pairs >= BF16_WIDE_MIN_PAIRS else {}
         return MoeConfig(**{"block_m": 64, "swap_ab": False, "block_k13": 128, "block_k2": 128, **wide})
     if fp4 and shuffled and n_pairs >= PAIRED_MIN_PAIRS:
@@ -473,6 +480,16 @@ def _pair_blocks(cfg: MoeConfig, fp4: bool, routing: MoeRouting) -> bool:
     return cfg.pair_blocks and fp4 and not routing.identity
 
 
+def _drain(cfg: MoeConfig, t: torch.Tensor) -> bool:
+    """The kernels' DRAIN: ``cfg.wgmma_drain`` on an sm_90 GPU (the only one with wgmma; the interpreter has none)."""
+    return cfg.wgmma_drain and t.is_cuda and _is_sm90(t.device.index if t.device.index is not None else -1)
+
+
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index if device_index >= 0 else None)[0] == 9
+
+
 def _launch_opts(cfg: MoeConfig, num_warps: int) -> dict:
     opts = {"num_warps": num_warps, "num_stages": cfg.num_stages}
     return opts if cfg.maxnreg is None else {**opts, "maxnreg": cfg.maxnreg}
@@ -564,7 +581,7 @@ def moe_w13(
         TOPK=r.topk, BLOCK_M=r.block_m, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k13, IDENTITY=r.identity, FP4=fp4,
         ASM=asm, N_FAST=n_fast, SPLIT_ACC=cfg.split_acc, PRESPLIT_K=cfg.block_k2 if fp4 and cfg.presplit else 0,
         SWAP=cfg.swap_ab, SPLIT_K=splits, X_SPLIT=kperm, KPERM=kperm, SHUFFLED=fp4 and shuffled, PAIR=pair,
-        **_launch_opts(cfg, cfg.num_warps13), **pdl(x),
+        DRAIN=_drain(cfg, x), **_launch_opts(cfg, cfg.num_warps13), **pdl(x),
     )  # fmt: skip
     return inter
 
@@ -589,7 +606,8 @@ def moe_w2(
         part.stride(0),
         BLOCK_M=r.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, IDENTITY=r.identity, FP4=fp4, ASM=asm,
         N_FAST=n_fast, PRESPLIT=fp4 and cfg.presplit, SWAP=cfg.swap_ab, KPERM=fp4 and cfg.kperm,
-        SHUFFLED=fp4 and shuffled, PAIR=_pair_blocks(cfg, fp4, r), **_launch_opts(cfg, cfg.num_warps2), **pdl(inter),
+        SHUFFLED=fp4 and shuffled, PAIR=_pair_blocks(cfg, fp4, r), DRAIN=_drain(cfg, inter),
+        **_launch_opts(cfg, cfg.num_warps2), **pdl(inter),
     )  # fmt: skip
     return part
 

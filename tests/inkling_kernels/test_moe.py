@@ -669,8 +669,12 @@ def test_shuffled_nvfp4_moe_gpu_wgmma_tiles(cuda_device, variant):
     out = nvfp4_moe(x, ids, wts, *shuffled(w13), *shuffled(w2), config=cfg, shuffled=True)
     err = rel_err(out, moe_reference(x, ids, wts, *w13, *w2))
     same = torch.equal(out, nvfp4_moe(x, ids, wts, *w13, *w2, config=cfg))
-    print(f"shuffled nvfp4_moe wgmma tiles {variant}: rel {err:.2e}, equal to the canonical layout's: {same}")
-    assert err < 1e-2 and same
+    drained = replace(cfg, wgmma_drain=not cfg.wgmma_drain)  # the waits inside each K step change no sum
+    flipped = nvfp4_moe(x, ids, wts, *shuffled(w13), *shuffled(w2), config=drained, shuffled=True)
+    same_drained = torch.equal(out, flipped)
+    print(f"shuffled nvfp4_moe wgmma tiles {variant}: rel {err:.2e}, equal to the canonical layout's: {same}, with "
+          f"wgmma_drain={drained.wgmma_drain}: {same_drained}")  # fmt: skip
+    assert err < 1e-2 and same and same_drained
 
 
 @pytest.mark.gpu
