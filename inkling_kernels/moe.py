@@ -137,9 +137,11 @@ def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> Mo
       serialises every wgmma of the kernel, C7515; 2026-12-04, T=2048 gate/up 1742 -> 1633 us, down 723 -> 680; T=4096
       3278 -> 3223, 1424 -> 1356; on the canonical layout slower, 1755 -> 1835 at T=2048: not taken there).
 
-    Measured and not taken: 16-row blocks (T=256: gate/up 968-1568 us against 858; the 16-wide MMA operand costs
-    more than the 15% of blocks it saves), 4-row blocks, 128-row tiles of 8 warps, 128-wide K tiles, 2 or 4
-    pipeline stages, a 128-register cap, the e4m3 scales through an fp32 convert."""
+    Measured and not taken: 16-row blocks (T=256: gate/up 968-1568 us against 858: Triton stages their dequantised
+    weights through shared memory for wgmma; in the ``kperm`` order they stay its register operand and still lose,
+    T=320 gate/up 847-1028 us against 756, 2026-12-04; only the down kernel at T=512 gained, 465 against 563),
+    4-row blocks, 128-row tiles of 8 warps, 128-wide K tiles (on the shuffled layout too, 2026-12-04: T=320 gate/up
+    1024-1036 us against 779), 2 or 4 pipeline stages, a 128-register cap, the e4m3 scales through an fp32 convert."""
     base = MoeConfig()
     if n_pairs < base.sorted_min_pairs:
         few = MoeConfig(block_n13=32, block_n2=32, num_warps13=2, num_warps2=2, n_fast13=False, n_fast2=False,
