@@ -290,7 +290,9 @@ def sweep_configs() -> list:
     return configs
 
 
-B16KP = {"block_m": 16, "kperm": True, "block_k13": 128, "block_k2": 128, "pair_blocks": False, "wgmma_drain": True}
+# 16-row blocks in the kperm K order (wgmma with the weights as its register operand), 64-row tiles of 4 warps
+B16KP = {"block_m": 16, "kperm": True, "block_k13": 128, "block_k2": 128, "pair_blocks": False, "wgmma_drain": True,
+         "block_n13": 64, "block_n2": 64, "num_warps13": 4, "num_warps2": 4}  # fmt: skip
 SHUFFLED_VARIANTS = {  # overrides of default_config timed on the shuffled layout (``--shuffled``)
     "sh_w4": {"num_warps13": 4, "num_warps2": 4},
     "sh_w2": {"num_warps13": 2, "num_warps2": 2},
@@ -299,19 +301,10 @@ SHUFFLED_VARIANTS = {  # overrides of default_config timed on the shuffled layou
     "sh_n64_w2": {"block_n13": 64, "block_n2": 64, "num_warps13": 2, "num_warps2": 2},  # the paired tiles before
     "sh_pair": {"pair_blocks": True},  # two row blocks of one expert per program
     "sh_single": {"pair_blocks": False},  # one row block per program
-    # 16-row blocks in the kperm K order: wgmma with the weights as its register operand (mma.sync at 8 rows)
-    "sh_b16kp": {**B16KP, "block_n13": 64, "block_n2": 64, "num_warps13": 4, "num_warps2": 4},
-    "sh_b16kp_nd": {**B16KP, "block_n13": 64, "block_n2": 64, "num_warps13": 4, "num_warps2": 4, "wgmma_drain": False},
+    "sh_b16kp": B16KP,
+    "sh_b16kp_nd": {**B16KP, "wgmma_drain": False},
     "sh_b16kp_n128w8": {**B16KP, "block_n13": 128, "block_n2": 128, "num_warps13": 8, "num_warps2": 8},
-    "sh_b16kp_k256": {
-        **B16KP,
-        "block_n13": 64,
-        "block_n2": 64,
-        "num_warps13": 4,
-        "num_warps2": 4,
-        "block_k13": 256,
-        "block_k2": 256,
-    },
+    "sh_b16kp_k256": {**B16KP, "block_k13": 256, "block_k2": 256},
 }
 
 
