@@ -1,6 +1,6 @@
 """Registers, spills and ptxas performance warnings of the Triton kernels compiled for CUDA on this machine.
 
-Reads a Triton cache (``--cache``, else ``TRITON_CACHE_DIR``, else ``~/.triton/cache``): every compiled kernel's PTX
+Reads a Triton cache (``--cache``, else Triton's own, ``triton.knobs.cache.dir``): every compiled kernel's PTX
 and its metadata. Each PTX is assembled again (``-v``, for the ``.target`` it names) by the ptxas Triton itself uses
 for that target. One line is printed per distinct kernel build: name, warps, stages, shared memory, registers and
 spilled bytes, then any "Potential Performance Loss" note of ptxas (C7515: every wgmma of the kernel serialised; it
@@ -85,9 +85,10 @@ def report(found: list[Build], only_notes: bool = False) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import triton
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = os.environ.get("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
-    parser.add_argument("--cache", default=default, help="a Triton cache directory")
+    parser.add_argument("--cache", default=triton.knobs.cache.dir, help="a Triton cache directory")
     parser.add_argument("--only-notes", action="store_true", help="only the builds ptxas has a performance note for")
     args = parser.parse_args(argv)
     found = builds(Path(args.cache))
