@@ -484,12 +484,15 @@ def _pair_blocks(cfg: MoeConfig, fp4: bool, routing: MoeRouting) -> bool:
 
 def _drain(cfg: MoeConfig, t: torch.Tensor) -> bool:
     """The kernels' DRAIN: ``cfg.wgmma_drain`` on an sm_90 GPU (the only one with wgmma; the interpreter has none)."""
-    return cfg.wgmma_drain and t.is_cuda and _is_sm90(t.device.index if t.device.index is not None else -1)
+    if not (cfg.wgmma_drain and t.is_cuda):
+        return False
+    index = t.device.index
+    return _is_sm90(index if index is not None else torch.cuda.current_device())
 
 
 @functools.cache
 def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index if device_index >= 0 else None)[0] == 9
+    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def _launch_opts(cfg: MoeConfig, num_warps: int) -> dict:
