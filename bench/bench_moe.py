@@ -34,9 +34,6 @@ from inkling_kernels.moe import (
     MoeConfig,
     bf16_moe,
     default_config,
-    moe_align,
-    moe_align_grid,
-    moe_align_reference,
     moe_reference,
     moe_routing,
     moe_sum,
@@ -45,6 +42,7 @@ from inkling_kernels.moe import (
     nvfp4_moe,
     shuffle_nvfp4,
 )
+from inkling_kernels.moe_align import moe_align, moe_align_grid, moe_align_reference
 
 H, I, E, TOPK = 4096, 2048, 256, 6
 SETS = 8

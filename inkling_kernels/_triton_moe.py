@@ -17,8 +17,8 @@ the zero rows of the token operand, and there are half as many MMAs per weight.
 Row blocks come from one of two routings (constexpr ``IDENTITY``):
   * identity: block b is pair b alone (expert ``topk_ids.flat[b]``); no metadata, best when pairs are few;
   * sorted: ``sorted_pairs[b * BLOCK_M + i]`` lists the pairs of expert ``block_expert[b]`` (sentinel
-    ``n_pairs`` pads), built by ``inkling_kernels.moe.moe_align`` (its kernels: ``_triton_moe_align``); a block with
-    expert -1 exits at once.
+    ``n_pairs`` pads), built by ``inkling_kernels.moe_align.moe_align`` (its kernels: ``_triton_moe_align``); a
+    block with expert -1 exits at once.
 A masked route (id -1) is in no sorted block, its identity block exits at once, and the slot sum skips it.
 
 NVFP4 weights are unpacked in registers: the low nibble of byte m is column 2m and the high nibble column

@@ -1,5 +1,5 @@
 """Triton code that groups an MoE call's (token, slot) pairs by expert into row blocks
-(``inkling_kernels.moe.moe_align``): ``moe_align_count_kernel`` then ``moe_align_place_kernel`` over a grid. The
+(``inkling_kernels.moe_align.moe_align``): ``moe_align_count_kernel`` then ``moe_align_place_kernel`` over a grid. The
 blocks feed ``_triton_moe``'s sorted routing."""
 
 import triton
