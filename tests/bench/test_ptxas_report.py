@@ -1,5 +1,8 @@
+import os
+import subprocess
+import sys
+
 import pytest
-import triton.language as tl
 
 from bench.ptxas_report import Build, main, parse_ptxas, report
 
@@ -35,22 +38,33 @@ def test_report_counts_identical_builds_and_can_keep_only_noted_ones():
     assert [line.split()[0] for line in report([plain, noted], only_notes=True)[1:]] == ["moe_w13_kernel", "C7515:"]
 
 
-def _double(X, Y, N, BLOCK: tl.constexpr):  # compiled below as a JITFunction whatever TRITON_INTERPRET says
+# a kernel compiled for sm_90 without a GPU, in a process of its own: the interpreter that other tests run
+# (TRITON_INTERPRET=1) patches triton.language in this one
+_COMPILE = """
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+@triton.jit
+def _double(X, Y, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(Y + offs, tl.load(X + offs, mask=offs < N) * 2.0, mask=offs < N)
 
 
-def test_report_of_a_kernel_compiled_without_a_gpu(tmp_path, monkeypatch, capsys):
-    """A kernel compiled for sm_90 here (no GPU needed), then read back from the cache and assembled."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+src = ASTSource(_double, {"X": "*fp32", "Y": "*fp32", "N": "i32", "BLOCK": "constexpr"}, {(3,): 256})
+triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
+"""
 
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    src = ASTSource(JITFunction(_double), {"X": "*fp32", "Y": "*fp32", "N": "i32", "BLOCK": "constexpr"}, {(3,): 256})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
-    main(["--cache", str(tmp_path)])
+
+def test_report_of_a_kernel_compiled_without_a_gpu(tmp_path, capsys):
+    """A kernel compiled here for sm_90 into a fresh cache, then read back and assembled."""
+    script, cache = tmp_path / "double.py", tmp_path / "cache"
+    script.write_text(_COMPILE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(cache)}
+    subprocess.run([sys.executable, str(script)], env=env, check=True, capture_output=True, timeout=300)
+    main(["--cache", str(cache)])
     row = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("_double")]
     assert len(row) == 1 and row[0][1:3] == ["1", "2"] and int(row[0][5]) > 0, row
     with pytest.raises(SystemExit, match="no compiled CUDA kernels"):
