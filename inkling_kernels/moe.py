@@ -80,7 +80,8 @@ class MoeConfig:
     swap_ab: bool = True  # weights as the MMA's M operand, the block's rows as its N (decode: rows <= 8)
     presplit: bool = True  # NVFP4: w13 stores each block_k2 slice of the intermediate as [even | odd] columns
     split_acc: bool = False  # w13: separate accumulators for the even and the odd columns of a K block
-    # NVFP4, with presplit: both kernels take K in ``_fp4_tile``'s KPERM order (w13 reads a permuted copy of x)
+    # NVFP4, with presplit: both kernels take K in ``_triton_nvfp4.fp4_tile``'s KPERM order (w13 reads a permuted
+    # copy of x)
     kperm: bool = False
     # NVFP4, sorted routing: a program takes two consecutive row blocks of one expert, each weight tile dequantised
     # once for both (``_block_pair``); the gate/up kernel with one K slice and one accumulator per projection
@@ -162,7 +163,7 @@ def default_config(n_pairs: int, fp4: bool = True, shuffled: bool = False) -> Mo
 
 
 # The shuffled layout's bit sources: code bits 0..3 of the 8 codes of a canonical 4-byte word (lo(b0), lo(b1),
-# lo(b2), lo(b3), hi(b0), ..., hi(b3)) go to these bits of the stored word (``_triton_moe._shuffled_codes`` reads
+# lo(b2), lo(b3), hi(b0), ..., hi(b3)) go to these bits of the stored word (``_triton_nvfp4._shuffled_codes`` reads
 # them back; ``_E2M1_SHUFFLED_WORD_ASM`` rotates each pair of codes onto the bf16 bits 6..8 and 15 of its halves).
 SHUFFLE_BITS = (
     (6, 7, 8, 15), (22, 23, 24, 31), (2, 3, 4, 11), (18, 19, 20, 27),
