@@ -376,6 +376,10 @@ PREFILL_VARIANTS = {
     "stages4": {"num_stages": 4},
     "chosen_drain": {**KP, "block_n2": 128, "num_warps2": 8, "wgmma_drain": True},  # no wgmma across K steps
     "chosen_drain_s4": {**KP, "block_n2": 128, "num_warps2": 8, "wgmma_drain": True, "num_stages": 4},
+    # an expert's consecutive 64-row blocks through each dequantised weight tile (``pair_blocks``)
+    "drain_pair": {**KP, "block_n2": 128, "num_warps2": 8, "wgmma_drain": True, "pair_blocks": True},
+    "drain_pair_w8": {**KP, **W8, "block_n2": 128, "wgmma_drain": True, "pair_blocks": True},
+    "drain_m128_w8": {**KP, **W8, "block_m": 128, "block_n2": 128, "wgmma_drain": True},
 }
 
 
@@ -574,12 +578,15 @@ def bench_align(ceil: Ceilings, gen: torch.Generator) -> None:
         print("# " + "  ".join(cells), flush=True)
 
 
-def profile(t: int) -> None:
-    """Three eager calls at T tokens with the default config (compile, then two to profile)."""
+def profile(t: int, shuffled: bool = False) -> None:
+    """Three eager calls at T tokens with the default config (compile, then two to profile); ``shuffled``: on
+    ``shuffle_nvfp4``'s layout (the model's) with its default tiles."""
     weights = (*make_nvfp4(E, 2 * I, H, "cuda"), *make_nvfp4(E, H, I, "cuda"))
+    if shuffled:
+        weights = shuffle_weights(weights)
     x, ids, wts = routings(t, "cuda", torch.Generator().manual_seed(0))[0]
     for _ in range(3):
-        nvfp4_moe(x, ids, wts, *weights)
+        nvfp4_moe(x, ids, wts, *weights, shuffled=shuffled)
     torch.cuda.synchronize()
 
 
@@ -587,7 +594,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="T = 1 and 64 only")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16-weight variant")
-    ap.add_argument("--profile", type=int, default=0, help="T: just run the op 3 times (for ncu), no timing")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="T: just run the op 3 times (for ncu), no timing; with --shuffled on the model's layout",
+    )
     ap.add_argument("--sweep", action="store_true", help="time each kernel's tile variants alone")
     ap.add_argument("--shuffled", action="store_true", help="also time the default tiles on shuffle_nvfp4's layout")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="T values (default 1 8 64 256)")
@@ -597,7 +609,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(PREFILL_VARIANTS), help="--prefill: the tile variants to time")
     args = ap.parse_args()
     if args.profile:
-        profile(args.profile)
+        profile(args.profile, args.shuffled)
         return
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
