@@ -6,7 +6,7 @@ is below ``K-1``, else new row ``j + i - (K-1)``, so ``y_j = x_j + sum_i window[
 terms added in order i = 0..K-1 (as ``ShortConv.step``; launches pass ``enable_fp_fusion=False``). The state is
 only read; the program of row j writes window row ``K-1+j`` (its input), the program of row 0 also rows 0..K-2
 (the state), so the window ``state ++ W inputs`` is complete when the launch ends. ``conv_commit_kernel`` copies
-rows ``n .. n+K-2`` of a sequence's window into its slot.
+rows ``n .. n+K-2`` of a sequence's window into its slot, for every conv of a ``ConvCommit`` in one launch.
 """
 
 import triton
@@ -183,26 +183,32 @@ def kv_prologue_verify_kernel(
 
 @triton.jit
 def conv_commit_kernel(
-    Windows,
-    States,
+    Base,
+    Table,
     Slots,
     Accepted,
-    n_cols,
-    stride_nb,
-    stride_nk,
-    stride_ss,
-    stride_sk,
     KERNEL_SIZE: tl.constexpr,
     STATE_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    META_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Program (sequence b, conv g, channel block): conv g's state at ``Slots[b]`` from its window rows
+    ``Accepted[b] ..`` (``ConvCommit``: row g of Table holds its channels, and its window's and its state's element
+    offset from Base and their strides)."""
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    meta = Table + tl.program_id(1) * META_COLS
+    n_cols = tl.load(meta)
+    c0 = tl.program_id(2) * BLOCK_C
+    if c0 >= n_cols:  # a narrower conv than the widest
+        return
+    cols = c0 + tl.arange(0, BLOCK_C)
     rows = tl.arange(0, STATE_ROWS)
     mask = (rows < KERNEL_SIZE - 1)[:, None] & (cols < n_cols)[None, :]
     first = tl.load(Accepted + b).to(tl.int64)  # rows committed: the state is window rows first .. first+K-2
-    src = Windows + b * stride_nb + (first + rows)[:, None] * stride_nk + cols[None, :]
-    dst = States + tl.load(Slots + b).to(tl.int64) * stride_ss + rows[:, None] * stride_sk + cols[None, :]
+    window = Base + tl.load(meta + 1) + b * tl.load(meta + 2)
+    state = Base + tl.load(meta + 4) + tl.load(Slots + b).to(tl.int64) * tl.load(meta + 5)
+    src = window + (first + rows)[:, None] * tl.load(meta + 3) + cols[None, :]
+    dst = state + rows[:, None] * tl.load(meta + 6) + cols[None, :]
     tl.store(dst, tl.load(src, mask=mask, other=0.0), mask=mask)

@@ -8,7 +8,7 @@ Exactly as ``ShortConv.step`` of decode_service/model/layers.py over those W row
     y_j = (x_j.float() + sum_i window[j + i] * w[:, i]).to(x.dtype)       (fp32, terms added in order i = 0..K-1)
 
 The state is NOT updated: the launch writes ``windows[b] = cat(S, x_b)`` in the state dtype ``[K-1+W, C]``, and
-``conv_commit`` later installs ``states[slots[b]] = windows[b, n_b : n_b + K-1]`` for the ``n_b`` rows (0..W) the
+``ConvCommit`` later installs ``states[slots[b]] = windows[b, n_b : n_b + K-1]`` for the ``n_b`` rows (0..W) the
 verify accepted: the state after those rows, as n_b one-row ``conv_decode`` steps leave it (when the state dtype
 holds x's values: the engine's pools share the activations' dtype).
 
@@ -211,46 +211,69 @@ def kv_prologue_verify_reference(
     return rms_norm_reference(q.reshape(-1, hd), q_norm_weight, q_eps).view(q.shape)
 
 
-def _check_commit(windows: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor) -> int:
-    b, k1 = slots.shape[0], states.shape[1]
-    if windows.dim() != 3 or states.dim() != 3 or windows.shape[0] != b or windows.shape[2] != states.shape[2]:
-        raise ValueError(f"windows [B, K-1+W, C] and states [slots, K-1, C] expected, got {tuple(windows.shape)}, "
-                         f"{tuple(states.shape)} for B={b}")  # fmt: skip
-    if windows.shape[1] <= k1 or windows.dtype != states.dtype or windows.device != states.device:
-        raise ValueError(f"windows {tuple(windows.shape)} {windows.dtype} need K-1+W > K-1={k1} rows in the states' "
-                         f"dtype {states.dtype} on their device")  # fmt: skip
-    for name, t in (("slots", slots), ("accepted", accepted)):
-        if t.shape != (b,) or t.dtype != torch.int64 or t.device != states.device:
-            raise ValueError(f"{name} must be int64 [B]={b} on the states' device, got {t.dtype} {tuple(t.shape)}")
-    if windows.stride(-1) != 1 or states.stride(-1) != 1:
-        raise ValueError("windows and states need a unit last stride")
-    return k1
+class ConvCommit:
+    """``conv_commit`` of several convs in one launch: for every (windows, states) pair given at build,
+    ``states[slots[b]] = windows[b, accepted[b] : accepted[b] + K-1]`` for every b, the conv state after the
+    ``accepted[b]`` rows (0..W, device int64 ``[B]``, never read on the host; 0 keeps the state) a verify committed.
 
+    Built once over the full window buffers (``[N, K-1+W, C]``, one per conv, C may differ; the graphs slice rows
+    ``:B`` and ``:K-1+W`` of the same storage) and their state pools (``[slots, K-1, C]``), all of one dtype on one
+    device: their places are element offsets from the first window in a small device table, so a call launches
+    one program per (sequence, conv, block of channels) and uploads nothing (CUDA-graph safe).
+    """
 
-def conv_commit(windows: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor) -> None:
-    """``states[slots[b]] = windows[b, accepted[b] : accepted[b] + K-1]`` for every b: the conv state after the
-    ``accepted[b]`` rows (0..W, device int64 ``[B]``, never read on the host; 0 keeps the state) a verify
-    committed."""
-    import triton
+    _COLS = 7  # per conv: channels, window offset and strides (sequence, row), state offset and strides
 
-    from inkling_kernels import _triton_conv_verify as tk
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        if not pairs:
+            raise ValueError("ConvCommit needs at least one (windows, states) pair")
+        base, k1 = pairs[0][0], pairs[0][1].shape[1]
+        rows = []
+        for i, (windows, states) in enumerate(pairs):
+            if windows.dim() != 3 or states.dim() != 3 or windows.shape[2] != states.shape[2]:
+                raise ValueError(f"pair {i}: windows [N, K-1+W, C] and states [slots, K-1, C] expected, got "
+                                 f"{tuple(windows.shape)}, {tuple(states.shape)}")  # fmt: skip
+            if states.shape[1] != k1 or windows.shape[1] <= k1:
+                raise ValueError(f"pair {i}: states of K-1={k1} rows and windows of more expected, got "
+                                 f"{tuple(windows.shape)}, {tuple(states.shape)}")  # fmt: skip
+            for t in (windows, states):
+                if t.dtype != base.dtype or t.device != base.device or t.stride(-1) != 1:
+                    raise ValueError(f"pair {i}: every window and state in {base.dtype} on {base.device} with a unit "
+                                     f"last stride, got {t.dtype} on {t.device}, strides {t.stride()}")  # fmt: skip
+            size = base.element_size()
+            offsets = [(t.data_ptr() - base.data_ptr()) // size for t in (windows, states)]
+            rows.append([states.shape[2], offsets[0], *windows.stride()[:2], offsets[1], *states.stride()[:2]])
+        self.pairs = list(pairs)  # the buffers the table points into stay alive with it
+        self.k1 = k1
+        self.max_batch = min(w.shape[0] for w, _ in pairs)
+        self.max_channels = max(s.shape[2] for _, s in pairs)
+        self.table = torch.tensor(rows, dtype=torch.int64).to(base.device)
 
-    k1 = _check_commit(windows, states, slots, accepted)
-    b, c = slots.shape[0], states.shape[2]
-    if b == 0:
-        return
-    block_c = min(triton.next_power_of_2(c), _BLOCK_C)
-    tk.conv_commit_kernel[(b, triton.cdiv(c, block_c))](
-        windows, states, slots, accepted, c, windows.stride(0), windows.stride(1), states.stride(0), states.stride(1),
-        KERNEL_SIZE=k1 + 1, STATE_ROWS=triton.next_power_of_2(k1), BLOCK_C=block_c,
-        num_warps=min(16, max(1, block_c // 256)), **pdl(windows),
-    )  # fmt: skip
+    def __call__(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        import triton
+
+        from inkling_kernels import _triton_conv_verify as tk
+
+        b, base = slots.shape[0], self.pairs[0][0]
+        for name, t in (("slots", slots), ("accepted", accepted)):
+            if t.shape != (b,) or t.dtype != torch.int64 or t.device != base.device:
+                raise ValueError(f"{name} must be int64 [B]={b} on the states' device, got {t.dtype} {tuple(t.shape)}")
+        if b > self.max_batch:
+            raise ValueError(f"{b} sequences, but the windows hold {self.max_batch}")
+        if b == 0:
+            return
+        block_c = min(triton.next_power_of_2(self.max_channels), _BLOCK_C)
+        tk.conv_commit_kernel[(b, len(self.pairs), triton.cdiv(self.max_channels, block_c))](
+            base, self.table, slots, accepted, KERNEL_SIZE=self.k1 + 1, STATE_ROWS=triton.next_power_of_2(self.k1),
+            BLOCK_C=block_c, META_COLS=self._COLS, num_warps=min(16, max(1, block_c // 256)), **pdl(base),
+        )  # fmt: skip
 
 
 def conv_commit_reference(
     windows: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor
 ) -> None:
-    """Torch reference of ``conv_commit``."""
+    """``states[slots[b]] = windows[b, accepted[b] : accepted[b] + K-1]`` for every b: what ``ConvCommit`` does for each
+    of its pairs, in torch."""
     k1 = states.shape[1]
     index = accepted[:, None] + torch.arange(k1, device=accepted.device)  # [B, K-1]
     rows = windows.gather(1, index[:, :, None].expand(-1, -1, windows.shape[2]))  # [B, K-1, C]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from inkling_kernels.conv_verify import (
-    conv_commit,
+    ConvCommit,
     conv_commit_reference,
     conv_verify,
     conv_verify_reference,
@@ -75,7 +75,7 @@ def test_conv_verify_and_commit_equal_one_row_steps(cpu_interpreter, b, width, c
 
     ref_states = states.clone()
     conv_commit_reference(ref_windows, ref_states, slots, accepted)
-    conv_commit(windows, states, slots, accepted)
+    ConvCommit([(windows, states)])(slots, accepted)
     assert torch.equal(states, ref_states) and torch.equal(states, want_states)
 
 
@@ -85,7 +85,7 @@ def test_commit_with_padding_rows_on_a_scratch_slot(cpu_interpreter):
     slots = torch.tensor([0, 5, 5, 5])  # three padding rows on the scratch slot 5
     conv_verify(x, states, slots, weight, windows)
     before = states.clone()
-    conv_commit(windows, states, slots, torch.tensor([2, 1, 1, 1]))
+    ConvCommit([(windows, states)])(slots, torch.tensor([2, 1, 1, 1]))
     assert torch.equal(states[0], windows[0, 2:5])
     assert torch.equal(states[1:5], before[1:5])
 
@@ -97,8 +97,37 @@ def test_conv_verify_rejects_bad_operands():
         conv_verify(x[:5], states, slots, weight, windows)
     with pytest.raises(ValueError, match="dtype"):
         conv_verify(x, states, slots, weight, windows.half())
+    commit = ConvCommit([(windows, states)])
     with pytest.raises(ValueError, match="accepted"):
-        conv_commit(windows, states, slots, torch.ones(3, dtype=torch.int64))
+        commit(slots, torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="hold 2"):
+        commit(torch.arange(3), torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="K-1=3"):
+        ConvCommit([(windows, states), (windows, states[:, :2])])
+    with pytest.raises(ValueError, match="pair 1: every window"):
+        ConvCommit([(windows, states), (windows.half(), states.half())])
+    with pytest.raises(ValueError, match="at least one"):
+        ConvCommit([])
+
+
+def test_one_launch_commits_convs_of_different_widths(cpu_interpreter):
+    """Several (windows, states) pairs of different channel counts, windows buffers and pools, as the verify's layers
+    hold them: one launch leaves every pool as the reference leaves it, each pair on its own."""
+    gen = torch.Generator().manual_seed(3)
+    b, width, k = 3, 4, 4
+    pairs, refs = [], []
+    for c, extra in ((96, 0), (600, 2), (32, 1)):  # 600: two channel blocks; the others exit in the second
+        states = values((b + 2, k - 1, c), torch.float32, gen)
+        windows = values((b + extra, k - 1 + width + extra, c), torch.float32, gen)  # the full buffers
+        pairs.append((windows, states))
+        refs.append((windows.clone(), states.clone()))
+    slots = torch.tensor([4, 0, 2])
+    accepted = torch.tensor([0, 4, 2])
+    ConvCommit(pairs)(slots, accepted)
+    for (_, states), (ref_windows, ref_states) in zip(pairs, refs, strict=True):
+        conv_commit_reference(ref_windows, ref_states, slots, accepted)
+        assert torch.equal(states, ref_states)
+    assert torch.equal(pairs[0][1][4], refs[0][0][0, :3])  # accepted 0: the window's state rows, unchanged
 
 
 def prologue_case(b, width, n_kv, group, hd, k, dtype, gen, device="cpu"):
@@ -159,7 +188,7 @@ def test_conv_verify_and_commit_gpu_bf16(cuda_device, b, width):
     want, want_states = one_row_steps(x.cpu(), states.cpu(), slots.cpu(), weight.cpu(), width, accepted.tolist(),
                                       residual.cpu())  # fmt: skip
     out = conv_verify(x, states, slots, weight, windows, residual)
-    conv_commit(windows, states, slots, accepted.cuda())
+    ConvCommit([(windows, states)])(slots, accepted.cuda())
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=0)
     assert torch.equal(states.cpu(), want_states)
 

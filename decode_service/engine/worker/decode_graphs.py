@@ -10,8 +10,9 @@ width (their outputs are never read, their conv inputs never committed).
 
 A verify step (W > 1) leaves the conv states untouched and writes each sequence's conv windows (state ++ W inputs,
 one static buffer per conv pool); once the sampler knows how many rows each sequence accepted, `commit` installs
-the states after exactly those rows (`inkling_kernels.conv_verify.conv_commit`, a graph of its own per bucket and
-width). KV of the rejected rows stays in the pool past the sequence's length, where later steps overwrite it.
+the states after exactly those rows (`inkling_kernels.conv_verify.ConvCommit`: every conv in one launch, a graph of
+its own per bucket and width). KV of the rejected rows stays in the pool past the sequence's length, where later
+steps overwrite it.
 
 Greedy steps (`greedy_tokens`): when every row of a step takes the argmax of its logits (the runner decides), a
 second graph per bucket and width runs `model.argmax_logits` (the tokens of `model.logits(...).argmax(-1)`, no
@@ -88,6 +89,13 @@ class DecodeGraphs:
              for s in states]
             for states in cache.conv
         ] if self.widths[-1] > 1 else []  # fmt: skip
+        self._commit_all = None  # every window into its pool, one launch (`_commit`)
+        if self._windows:
+            from inkling_kernels.conv_verify import ConvCommit
+
+            pairs = [(w, s) for windows, states in zip(self._windows, cache.conv, strict=True)
+                     for w, s in zip(windows, states, strict=True)]  # fmt: skip
+            self._commit_all = ConvCommit(pairs)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._heads: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # -> token ids [B*W]
         self._commits: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -277,11 +285,7 @@ class DecodeGraphs:
 
     def _commit(self, size: int, width: int) -> None:
         """Every conv state of the first `size` slots from its window and the accepted rows (what a graph records)."""
-        from inkling_kernels.conv_verify import conv_commit
-
-        slots, accepted = self._meta[_SLOTS, :size], self._meta[_ACCEPTED, :size]
-        for (layer, index), windows in self._windows_of(size, width).items():
-            conv_commit(windows, self.cache.conv_pool(layer, index), slots, accepted)
+        self._commit_all(self._meta[_SLOTS, :size], self._meta[_ACCEPTED, :size])
 
     def warm_up(self, size: int, width: int = 1) -> None:
         """One step of `size` padding sequences: compiles the kernels, touches only the scratch slot and pages."""

@@ -29,7 +29,7 @@ every request (`PagedMTPSpeculator._packed_catch_up`), then the same graph with 
 A multi-row step (`_step`) is the trunk's verify step over the depth: attention with the rows of a sequence in
 one program (`rows_per_seq`, each row seeing the keys through its own position, all rows' KV written first) and
 the per-row conv windows of `inkling_kernels.conv_verify`, which read a sequence's conv states and write its window
-(state ++ its inputs, `windows`) without touching the states; `conv_commit` then installs `window[n : n+K-1]`
+(state ++ its inputs, `windows`) without touching the states; `ConvCommit` then installs `window[n : n+K-1]`
 for the n rows the sequence committed at that depth (0 for a provisional-only step). So a request's conv states
 never see a provisional row and nothing is restored afterwards. Provisional KV rows are written at their
 positions, which the next round's committed rows overwrite before any query reads them. One step reads the
@@ -226,6 +226,13 @@ class DraftGraphs:
             for i, pool in enumerate(convs)
         }
         assert all(len(convs) == NUM_CONVS for convs in self.cache.conv)
+        from inkling_kernels.conv_verify import ConvCommit
+
+        # per depth, its convs' states from their windows in one launch (`_commit`)
+        self._commits = [
+            ConvCommit([(self.windows[j, i], pool) for i, pool in enumerate(convs)])
+            for j, convs in enumerate(self.cache.conv)
+        ]
         self._graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
@@ -341,7 +348,7 @@ class DraftGraphs:
                     guess = torch.stack(drafts, 1).gather(1, t.clamp(0, j - 1))
                     token = torch.where(t >= 0, guess, token)
                 out = self._step(j, hidden, token, p, m < total[j][:, None], slots, tables)  # [size, rows, H]
-                self._commit(j, slots, count[j], rows)
+                self._commit(j, slots, count[j])
                 self.outputs[j, :rows, :size].copy_(out.transpose(0, 1))
             last = (total[j] - 1).clamp(0, max(rows, 1) - 1)[:, None]  # the row at K-2
             drafts.append(
@@ -391,14 +398,10 @@ class DraftGraphs:
         batch = ForwardBatch(token.reshape(-1), [], decode=decode)
         return self.drafter(depth, hidden.reshape(size * width, -1), batch).view(size, width, -1)
 
-    def _commit(self, depth: int, slots: torch.Tensor, rows: torch.Tensor, width: int) -> None:
-        """Depth `depth`'s conv states after the first `rows[b]` (0..W) rows of the last `_step` of width W."""
-        from inkling_kernels.conv_verify import conv_commit
-
-        k1 = self.cache.config.conv_kernel_size - 1
-        for i in range(NUM_CONVS):
-            window = self.windows[depth, i][: slots.shape[0], : k1 + width]
-            conv_commit(window, self.cache.conv_pool(depth, i), slots, rows)
+    def _commit(self, depth: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Depth `depth`'s conv states after the first `rows[b]` (0..W) rows of its last `_step` (every conv in one
+        launch)."""
+        self._commits[depth](slots, rows)
 
     def warm_up(self, size: int, depth: int, first: int, greedy: bool) -> None:
         """One round of `size` padding sequences (compiles the kernels; touches only scratch pages and slots)."""
