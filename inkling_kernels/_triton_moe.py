@@ -17,7 +17,8 @@ the zero rows of the token operand, and there are half as many MMAs per weight.
 Row blocks come from one of two routings (constexpr ``IDENTITY``):
   * identity: block b is pair b alone (expert ``topk_ids.flat[b]``); no metadata, best when pairs are few;
   * sorted: ``sorted_pairs[b * BLOCK_M + i]`` lists the pairs of expert ``block_expert[b]`` (sentinel
-    ``n_pairs`` pads), built by ``inkling_kernels.moe_align.moe_align`` (its kernels: ``_triton_moe_align``); a
+    ``n_pairs`` pads; ``block_rank[b]``: its place among the expert's blocks), built by
+    ``inkling_kernels.moe_align.moe_align`` (its kernels: ``_triton_moe_align``); a
     block with expert -1 exits at once.
 A masked route (id -1) is in no sorted block, its identity block exits at once, and the slot sum skips it.
 
@@ -68,22 +69,20 @@ def _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M: tl.c
 
 
 @triton.jit
-def _block_pair(BlockExpert, SortedPairs, pid_m, n_blocks, expert, n_pairs, BLOCK_M: tl.constexpr):
+def _block_pair(BlockRank, SortedPairs, pid_m, n_blocks, n_pairs, BLOCK_M: tl.constexpr):
     """Sorted routing, two row blocks per program: (lead, second, pair ids and valid rows of block pid_m + 1).
-    An expert's blocks are consecutive; counted from its first, the even ones lead and take the odd one after them
-    (``second``) when it holds the same expert's pairs, the odd ones have nothing left to do (``lead`` False)."""
-    before = 0  # the expert's blocks before this one
-    prev = pid_m - 1
-    more = prev >= 0
-    while more:
-        same = tl.load(BlockExpert + tl.maximum(prev, 0)) == expert
-        before += same.to(tl.int32)
-        prev -= 1
-        more = same & (prev >= 0)
+    An expert's blocks are consecutive, ranked from its first (``BlockRank``): the even ones lead and take the odd one
+    after them (``second``: the next block's rank is one more, so it holds the same expert's pairs), the odd ones have
+    nothing left to do (``lead`` False). No walk back over the blocks before this one."""
     nxt = tl.minimum(pid_m + 1, n_blocks - 1)
-    second = (pid_m + 1 < n_blocks) & (tl.load(BlockExpert + nxt) == expert)
+    rank = tl.load(BlockRank + pid_m)
+    rank_next = tl.load(BlockRank + nxt)
+    second = (pid_m + 1 < n_blocks) & (rank_next == rank + 1)
     pairs_b = tl.load(SortedPairs + nxt * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int32)
-    return before % 2 == 0, second, pairs_b, pairs_b < tl.where(second, n_pairs, 0)  # no rows without a second
+    # ranks are never negative: the second term only makes the exit test read the next rank too, so its load goes
+    # out with this block's, before the exit, instead of after it
+    lead = (rank % 2 == 0) | (rank_next < 0)
+    return lead, second, pairs_b, pairs_b < tl.where(second, n_pairs, 0)  # no rows without a second
 
 
 @triton.jit
@@ -191,6 +190,7 @@ def moe_w13_kernel(
     TopkIds,
     SortedPairs,
     BlockExpert,
+    BlockRank,
     W,
     S,
     S2,
@@ -234,16 +234,22 @@ def moe_w13_kernel(
         pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)  # slice [pid_s * K, (pid_s + 1) * K) of the reduction
     expert, pairs, valid = _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M, IDENTITY)
-    if expert < 0:
-        return
     second = False
     pairs_b, valid_b = pairs, pairs < 0  # no second block
+    lead = True
     if PAIR:  # the sorted routing, NVFP4, one K slice, one accumulator per projection (``moe_w13`` checks)
         lead, second, pairs_b, valid_b = _block_pair(
-            BlockExpert, SortedPairs, pid_m, tl.num_programs(1 if N_FAST else 0), expert, n_pairs, BLOCK_M
+            BlockRank, SortedPairs, pid_m, tl.num_programs(1 if N_FAST else 0), n_pairs, BLOCK_M
         )
-        if not lead:
-            return
+    # The block's metadata loads above are issued together, before either exit: one load latency before the
+    # weights' (they need the expert) instead of a chain of them.
+    if expert < 0 or not lead:
+        return
+    s2 = 1.0  # NVFP4's per-expert scale, loaded before the K loop (its latency then overlaps the loop)
+    if FP4:
+        s2 = tl.load(S2 + expert)
+        if ASM:
+            s2 = s2 * ASM_UNSCALE
     rows = pairs // TOPK
     rows_b = pairs_b // TOPK
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -285,11 +291,6 @@ def moe_w13_kernel(
         for s in tl.static_range(SPLIT_K):
             acc_g += tl.load(tile_part + s * (2 * SIZE) + offs_acc, cache_modifier=".cg")
             acc_u += tl.load(tile_part + s * (2 * SIZE) + SIZE + offs_acc, cache_modifier=".cg")
-    s2 = 1.0
-    if FP4:
-        s2 = tl.load(S2 + expert)
-        if ASM:
-            s2 = s2 * ASM_UNSCALE
     _w13_store(acc_g, acc_u, s2, Out, pairs, valid, offs_n, stride_om, SWAP, PRESPLIT_K, KPERM)
     if PAIR:
         if second:
@@ -350,6 +351,7 @@ def moe_w2_kernel(
     TopkWeights,
     SortedPairs,
     BlockExpert,
+    BlockRank,
     W,
     S,
     S2,
@@ -385,16 +387,22 @@ def moe_w2_kernel(
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
     expert, pairs, valid = _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M, IDENTITY)
-    if expert < 0:
-        return
     second = False
     pairs_b, valid_b = pairs, pairs < 0  # no second block
+    lead = True
     if PAIR:  # the sorted routing, NVFP4 (``moe_w2`` checks)
         lead, second, pairs_b, valid_b = _block_pair(
-            BlockExpert, SortedPairs, pid_m, tl.num_programs(1 if N_FAST else 0), expert, n_pairs, BLOCK_M
+            BlockRank, SortedPairs, pid_m, tl.num_programs(1 if N_FAST else 0), n_pairs, BLOCK_M
         )
-        if not lead:
-            return
+    # The block's metadata loads above are issued together, before either exit: one load latency before the
+    # weights' (they need the expert) instead of a chain of them.
+    if expert < 0 or not lead:
+        return
+    s2 = 1.0  # NVFP4's per-expert scale, loaded before the K loop (its latency then overlaps the loop)
+    if FP4:
+        s2 = tl.load(S2 + expert)
+        if ASM:
+            s2 = s2 * ASM_UNSCALE
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_off = expert.to(tl.int64) * stride_we
@@ -413,11 +421,6 @@ def moe_w2_kernel(
             stride_sn, offs_n, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, FP4, ASM, PRESPLIT, SWAP, KPERM, SHUFFLED, False,
             DRAIN,
         )  # fmt: skip
-    s2 = 1.0
-    if FP4:
-        s2 = tl.load(S2 + expert)
-        if ASM:
-            s2 = s2 * ASM_UNSCALE
     _w2_store(acc, TopkWeights, s2, Out, pairs, valid, offs_n, stride_om, SWAP, FP4)
     if PAIR:
         if second:

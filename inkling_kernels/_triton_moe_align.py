@@ -38,6 +38,7 @@ def moe_align_place_kernel(
     Counts,
     SortedPairs,
     BlockExpert,
+    BlockRank,
     n_pairs,
     n_blocks,
     EXPERT_ROWS: tl.constexpr,
@@ -52,7 +53,8 @@ def moe_align_place_kernel(
     padded row span (experts in order) and where this program's pairs of it start (after those of the programs
     before p); then its pairs at their expert's cursor, in pair order (a stable sort: the rank of a pair among
     its step's pairs of the same expert is a cumulative sum of one-hot rows). Then, over blocks
-    ``p * FILL_BLOCKS`` + a stride of the grid, each block's expert (-1 past the used blocks) and the pad id
+    ``p * FILL_BLOCKS`` + a stride of the grid, each block's expert (-1 past the used blocks), its place among its
+    expert's blocks (0 past the used ones) and the pad id
     ``n_pairs`` in its rows past its expert's pairs (disjoint from every pair's row: no ordering needed)."""
     pdl_wait(PDL)
     p = tl.program_id(0)
@@ -89,8 +91,12 @@ def moe_align_place_kernel(
         first = blocks * BLOCK_M
         expert = tl.sum((span_end[None, :] <= first[:, None]).to(tl.int32), axis=1)  # EXPERT_ROWS when unused
         in_blocks = blocks < n_blocks
-        tl.store(BlockExpert + blocks, tl.where(first < used_end, expert, -1), mask=in_blocks)
-        end = tl.sum(tl.where(experts[None, :] == expert[:, None], pairs_end[None, :], 0), axis=1)
+        used = first < used_end
+        tl.store(BlockExpert + blocks, tl.where(used, expert, -1), mask=in_blocks)
+        own = experts[None, :] == expert[:, None]  # [FILL_BLOCKS, EXPERT_ROWS]
+        start = tl.sum(tl.where(own, span_start[None, :], 0), axis=1)
+        tl.store(BlockRank + blocks, tl.where(used, (first - start) // BLOCK_M, 0), mask=in_blocks)
+        end = tl.sum(tl.where(own, pairs_end[None, :], 0), axis=1)
         slots = first[:, None] + rows_m[None, :]
         pad = tl.full([FILL_BLOCKS, BLOCK_M], 0, tl.int32) + n_pairs
         tl.store(SortedPairs + slots, pad, mask=(slots >= end[:, None]) & in_blocks[:, None])

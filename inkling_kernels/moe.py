@@ -299,12 +299,14 @@ def _check_words(w13: torch.Tensor, w2: torch.Tensor, scales) -> None:
 @dataclass(frozen=True)
 class MoeRouting:
     """Row blocks of one MoE call (``moe_routing``): ``identity`` blocks are one pair each (``ids``' order),
-    sorted ones ``block_m`` pairs of one expert listed in ``sorted_pairs`` / ``block_expert`` (``moe_align``)."""
+    sorted ones ``block_m`` pairs of one expert listed in ``sorted_pairs`` / ``block_expert`` / ``block_rank``
+    (``moe_align``)."""
 
     ids: torch.Tensor  # int32/int64 [n_pairs], expert of pair t * k + i
     weights: torch.Tensor  # [n_pairs] routing weights
     sorted_pairs: torch.Tensor
     block_expert: torch.Tensor
+    block_rank: torch.Tensor
     identity: bool
     block_m: int
     n_blocks: int
@@ -317,11 +319,12 @@ def moe_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts:
     ids = topk_ids.reshape(-1).contiguous()
     wts = topk_weights.reshape(-1).contiguous()
     if n_pairs >= cfg.sorted_min_pairs:
-        sorted_pairs, block_expert = moe_align(ids, num_experts, cfg.block_m)
+        sorted_pairs, block_expert, block_rank = moe_align(ids, num_experts, cfg.block_m)
+        n_blocks = block_expert.numel()
         return MoeRouting(
-            ids, wts, sorted_pairs, block_expert, False, cfg.block_m, block_expert.numel(), topk_ids.shape[1]
+            ids, wts, sorted_pairs, block_expert, block_rank, False, cfg.block_m, n_blocks, topk_ids.shape[1]
         )
-    return MoeRouting(ids, wts, ids, ids, True, cfg.identity_block_m, n_pairs, topk_ids.shape[1])
+    return MoeRouting(ids, wts, ids, ids, ids, True, cfg.identity_block_m, n_pairs, topk_ids.shape[1])
 
 
 def _fused_moe(
@@ -484,7 +487,7 @@ def moe_w13(
     else:
         partial, count = inter, r.ids  # unused
     tk.moe_w13_kernel[grid](
-        x, r.ids, r.sorted_pairs, r.block_expert, w13, s13, s13b, inter, partial, count,
+        x, r.ids, r.sorted_pairs, r.block_expert, r.block_rank, w13, s13, s13b, inter, partial, count,
         r.ids.numel(), i, x.shape[1] // splits, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), inter.stride(0),
         TOPK=r.topk, BLOCK_M=r.block_m, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k13, IDENTITY=r.identity, FP4=fp4,
@@ -510,7 +513,7 @@ def moe_w2(
     part = torch.empty((r.ids.numel(), h), dtype=torch.float32, device=inter.device)
     grid, n_fast = _grid(cfg.n_fast2, r.n_blocks, h // cfg.block_n2)
     tk.moe_w2_kernel[grid](
-        inter, r.ids, r.weights, r.sorted_pairs, r.block_expert, w2, s2, s2b, part,
+        inter, r.ids, r.weights, r.sorted_pairs, r.block_expert, r.block_rank, w2, s2, s2b, part,
         r.ids.numel(), inter.shape[1], inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         part.stride(0),
         BLOCK_M=r.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, IDENTITY=r.identity, FP4=fp4, ASM=asm,

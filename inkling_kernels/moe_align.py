@@ -24,14 +24,17 @@ def align_tiles(n_pairs: int) -> tuple[int, int]:
     return next(((chunk, sub) for most, chunk, sub in _GRID_TILES if n_pairs <= most), _GRID_LARGE)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group (token, slot) pairs by expert into row blocks, without reading anything back to the host.
 
-    Returns ``sorted_pairs`` int32 ``[n_blocks * block_m]`` (pair ids ``t * k + i``, pad = n_pairs) and
-    ``block_expert`` int32 ``[n_blocks]`` (-1 for blocks past the used ones). Pairs of id ``MASKED_ROUTE`` are in
-    no block. ``n_blocks`` is the static upper bound ``ceil(n_pairs / block_m) + min(n_pairs, E)``. Two launches
-    over a grid (``moe_align_grid``, tiles from ``align_tiles``); the results equal ``moe_align_reference``'s
-    stable sort.
+    Returns ``sorted_pairs`` int32 ``[n_blocks * block_m]`` (pair ids ``t * k + i``, pad = n_pairs),
+    ``block_expert`` int32 ``[n_blocks]`` (-1 for blocks past the used ones) and ``block_rank`` int32 ``[n_blocks]``
+    (a block's place among its expert's blocks, 0 for the first and for unused blocks: the paired MoE kernels take
+    it instead of walking back over the blocks before them). Pairs of id ``MASKED_ROUTE`` are in no block.
+    ``n_blocks`` is the static upper bound ``ceil(n_pairs / block_m) + min(n_pairs, E)``. Two launches over a grid
+    (``moe_align_grid``, tiles from ``align_tiles``); the results equal ``moe_align_reference``'s stable sort.
     """
     flat = _check_align(topk_ids, num_experts, block_m)
     return moe_align_grid(flat, num_experts, block_m, *align_tiles(flat.numel()))
@@ -39,7 +42,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 def moe_align_grid(
     topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int, sub: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``moe_align`` in two launches over ``ceil(n_pairs / chunk)`` programs: each counts its ``chunk`` pairs per
     expert (``moe_align_count_kernel``), then each reads the count table, lays out the experts' padded spans and
     places its pairs after those of the programs before it, and fills a share of the pads and block ids
@@ -61,14 +64,15 @@ def moe_align_grid(
     counts = torch.empty((programs, expert_rows), dtype=torch.int32, device=dev)
     sorted_pairs = torch.empty((n_blocks * block_m,), dtype=torch.int32, device=dev)
     block_expert = torch.empty((n_blocks,), dtype=torch.int32, device=dev)
+    block_rank = torch.empty((n_blocks,), dtype=torch.int32, device=dev)
     tk.moe_align_count_kernel[(programs,)](flat, counts, n_pairs, EXPERT_ROWS=expert_rows, CHUNK=chunk, SUB=sub,
                                            num_warps=4, **pdl(flat))  # fmt: skip
     tk.moe_align_place_kernel[(programs,)](
-        flat, counts, sorted_pairs, block_expert, n_pairs, n_blocks,
+        flat, counts, sorted_pairs, block_expert, block_rank, n_pairs, n_blocks,
         EXPERT_ROWS=expert_rows, BLOCK_M=block_m, CHUNK=chunk, SUB=sub, ROWS=_GRID_ROWS, FILL_BLOCKS=_GRID_FILL,
         num_warps=4, **pdl(flat),
     )  # fmt: skip
-    return sorted_pairs, block_expert
+    return sorted_pairs, block_expert, block_rank
 
 
 def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
@@ -81,7 +85,9 @@ def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> torc
     return flat.contiguous()
 
 
-def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align_reference(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of ``moe_align`` (same arguments and results): a stable sort of the pairs by expert."""
     flat = topk_ids.reshape(-1)
     n_pairs = flat.numel()
@@ -103,5 +109,8 @@ def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) 
     sorted_pairs = slots[:n_slots]
     block_start = torch.arange(n_blocks, device=dev) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_start < padded_end[-1], block_expert, -1).to(torch.int32)
-    return sorted_pairs, block_expert
+    used = block_start < padded_end[-1]
+    block_rank = (block_start - padded_start[block_expert.clamp(max=num_experts - 1)]) // block_m
+    block_rank = torch.where(used, block_rank, 0).to(torch.int32)
+    block_expert = torch.where(used, block_expert, -1).to(torch.int32)
+    return sorted_pairs, block_expert, block_rank

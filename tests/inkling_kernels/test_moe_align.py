@@ -10,9 +10,10 @@ from tests.inkling_kernels.moe_routes import masked, routing, skewed_ids
 @pytest.mark.parametrize("align", [moe_align, moe_align_reference])
 def test_moe_align_groups_pairs_by_expert(cpu_interpreter, align):
     ids = torch.tensor([[3, 1], [1, 0], [3, 2]])
-    sorted_pairs, block_expert = align(ids, num_experts=5, block_m=2)
+    sorted_pairs, block_expert, block_rank = align(ids, num_experts=5, block_m=2)
     n_pairs = ids.numel()
     seen = []
+    assert not block_rank.any()  # one block per expert
     for b, e in enumerate(block_expert.tolist()):
         rows = [p for p in sorted_pairs[b * 2 : b * 2 + 2].tolist() if p < n_pairs]
         if e < 0:
@@ -21,6 +22,14 @@ def test_moe_align_groups_pairs_by_expert(cpu_interpreter, align):
         assert rows and all(ids.view(-1)[p].item() == e for p in rows)
         seen += rows
     assert sorted(seen) == list(range(n_pairs))
+
+
+@pytest.mark.parametrize("align", [moe_align, moe_align_reference])
+def test_moe_align_ranks_the_blocks_of_each_expert(cpu_interpreter, align):
+    ids = torch.tensor([[3, 3], [3, 1], [3, 3]])  # expert 3: 5 pairs, three blocks of 2
+    _, block_expert, block_rank = align(ids, num_experts=5, block_m=2)
+    assert block_expert.tolist() == [1, 3, 3, 3, -1, -1, -1, -1]
+    assert block_rank.tolist() == [0, 0, 1, 2, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("t,e,k,block_m", [(1, 8, 2, 8), (37, 16, 3, 4), (70, 256, 6, 8), (9, 12, 4, 16)])
@@ -97,7 +106,7 @@ def expert_counts(sorted_pairs, block_expert, n_pairs, num_experts, block_m):
 @pytest.mark.parametrize("align", [moe_align, moe_align_reference])
 def test_moe_align_puts_masked_routes_in_no_block(cpu_interpreter, align):
     ids = torch.tensor([[3, MASKED_ROUTE], [MASKED_ROUTE, 0], [3, MASKED_ROUTE], [MASKED_ROUTE, MASKED_ROUTE]])
-    sorted_pairs, block_expert = align(ids, num_experts=5, block_m=2)
+    sorted_pairs, block_expert, _ = align(ids, num_experts=5, block_m=2)
     assert expert_counts(sorted_pairs, block_expert, ids.numel(), 5, 2) == [1, 0, 0, 2, 0]
     placed = {p for p in sorted_pairs.tolist() if p < ids.numel()}
     assert placed == {0, 3, 4}  # the unmasked pairs, each once
@@ -111,7 +120,7 @@ def test_moe_align_kernel_equals_the_torch_sort_with_masked_routes(cpu_interpret
         ref = moe_align_reference(ids, e, block_m)
         assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
         kept = torch.bincount(ids[ids >= 0].long(), minlength=e).tolist()
-        assert expert_counts(*got, ids.numel(), e, block_m) == kept
+        assert expert_counts(*got[:2], ids.numel(), e, block_m) == kept
 
 
 @pytest.mark.gpu
