@@ -4,8 +4,11 @@ from functools import partial
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import inkling_kernels.moe as moe_module
+from inkling_kernels import _triton_moe
 from inkling_kernels.moe import (
     MASKED_ROUTE,
     MoeConfig,
@@ -220,6 +223,34 @@ def test_paired_blocks_equal_one_block_per_program(cpu_interpreter, shuffle, var
     out = nvfp4_moe(x, ids, wts, *w13, *w2, config=paired, shuffled=shuffle)
     ref13, ref2 = (unshuffle_stack(w13), unshuffle_stack(w2)) if shuffle else (w13, w2)
     assert rel_err(out, moe_reference(x, ids, wts, *ref13, *ref2)) < 1e-5
+
+
+@triton.jit
+def _pairing_kernel(BlockRank, SortedPairs, Lead, Second, n_blocks, n_pairs, BLOCK_M: tl.constexpr):
+    pid = tl.program_id(0)
+    lead, second, _, _ = _triton_moe._block_pair(BlockRank, SortedPairs, pid, n_blocks, n_pairs, BLOCK_M)
+    tl.store(Lead + pid, lead.to(tl.int32))
+    tl.store(Second + pid, second.to(tl.int32))
+
+
+def test_block_pairing_leads_every_other_block_of_a_run(cpu_interpreter):
+    """Each block's pairing decision against its run of blocks: the even blocks of an expert's run lead and take the
+    next one when it is the same expert's (the kernels' outputs cannot show a wrong ``second`` when the interpreter
+    runs the program that owns that block after it)."""
+    gen = torch.Generator().manual_seed(23)
+    ids = experts_of_block_runs(33, 2, gen)
+    sorted_pairs, block_expert, block_rank = moe_align(ids, 8, 4)
+    n = block_expert.numel()
+    lead, second = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+    _pairing_kernel[(n,)](block_rank, sorted_pairs, lead, second, n, ids.numel(), BLOCK_M=4)
+    experts = block_expert.tolist()
+    for b, ex in enumerate(experts):
+        if ex < 0:
+            continue
+        place = sum(1 for _ in itertools.takewhile(lambda e, ex=ex: e == ex, reversed(experts[:b])))
+        assert lead[b] == (place % 2 == 0), b
+        if lead[b]:
+            assert second[b] == (b + 1 < n and experts[b + 1] == ex), b
 
 
 def unshuffle_stack(stack):
