@@ -86,6 +86,33 @@ def _block_pair(BlockRank, SortedPairs, pid_m, n_blocks, n_pairs, BLOCK_M: tl.co
 
 
 @triton.jit
+def _program_blocks(TopkIds, SortedPairs, BlockExpert, BlockRank, pid_m, n_blocks, n_pairs, BLOCK_M: tl.constexpr,
+                    IDENTITY: tl.constexpr, PAIR: tl.constexpr):  # fmt: skip
+    """A program's row blocks: (run, expert, pair ids, valid rows, second, the second block's pair ids and valid
+    rows); ``run`` False: nothing to do (an unused block, or the odd block of a pair). Every metadata load here is
+    independent of the others and the caller's exit test reads them all, so they go out together: one load latency
+    before the weights' (which need the expert), not a chain of them."""
+    expert, pairs, valid = _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M, IDENTITY)
+    second = False
+    pairs_b, valid_b = pairs, pairs < 0  # no second block
+    lead = True
+    if PAIR:
+        lead, second, pairs_b, valid_b = _block_pair(BlockRank, SortedPairs, pid_m, n_blocks, n_pairs, BLOCK_M)
+    return (expert >= 0) & lead, expert, pairs, valid, second, pairs_b, valid_b
+
+
+@triton.jit
+def _expert_scale2(S2, expert, FP4: tl.constexpr, ASM: tl.constexpr):
+    """NVFP4's per-expert fp32 scale for the epilogue (times ``ASM_UNSCALE`` on the asm path); 1 for bf16 weights."""
+    s2 = 1.0
+    if FP4:
+        s2 = tl.load(S2 + expert)
+        if ASM:
+            s2 = s2 * ASM_UNSCALE
+    return s2
+
+
+@triton.jit
 def _x_ptrs(X, rows, stride_xm, BLOCK_K: tl.constexpr):
     """Pointers to a K block of these rows of X at column 0: all ``BLOCK_K`` columns, and its first half."""
     base = X + rows.to(tl.int64)[:, None] * stride_xm
@@ -233,23 +260,14 @@ def moe_w13_kernel(
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)  # slice [pid_s * K, (pid_s + 1) * K) of the reduction
-    expert, pairs, valid = _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M, IDENTITY)
-    second = False
-    pairs_b, valid_b = pairs, pairs < 0  # no second block
-    lead = True
-    if PAIR:  # the sorted routing, NVFP4, one K slice, one accumulator per projection (``moe_w13`` checks)
-        lead, second, pairs_b, valid_b = _block_pair(
-            BlockRank, SortedPairs, pid_m, tl.num_programs(1 if N_FAST else 0), n_pairs, BLOCK_M
-        )
-    # The block's metadata loads above are issued together, before either exit: one load latency before the
-    # weights' (they need the expert) instead of a chain of them.
-    if expert < 0 or not lead:
+    # PAIR: the sorted routing, NVFP4, one K slice, one accumulator per projection (``moe_w13`` checks)
+    run, expert, pairs, valid, second, pairs_b, valid_b = _program_blocks(
+        TopkIds, SortedPairs, BlockExpert, BlockRank, pid_m, tl.num_programs(1 if N_FAST else 0), n_pairs, BLOCK_M,
+        IDENTITY, PAIR,
+    )  # fmt: skip
+    if not run:
         return
-    s2 = 1.0  # NVFP4's per-expert scale, loaded before the K loop (its latency then overlaps the loop)
-    if FP4:
-        s2 = tl.load(S2 + expert)
-        if ASM:
-            s2 = s2 * ASM_UNSCALE
+    s2 = _expert_scale2(S2, expert, FP4, ASM)  # before the K loop: its load's latency overlaps the loop
     rows = pairs // TOPK
     rows_b = pairs_b // TOPK
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -386,23 +404,14 @@ def moe_w2_kernel(
     else:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-    expert, pairs, valid = _block_rows(TopkIds, SortedPairs, BlockExpert, pid_m, n_pairs, BLOCK_M, IDENTITY)
-    second = False
-    pairs_b, valid_b = pairs, pairs < 0  # no second block
-    lead = True
-    if PAIR:  # the sorted routing, NVFP4 (``moe_w2`` checks)
-        lead, second, pairs_b, valid_b = _block_pair(
-            BlockRank, SortedPairs, pid_m, tl.num_programs(1 if N_FAST else 0), n_pairs, BLOCK_M
-        )
-    # The block's metadata loads above are issued together, before either exit: one load latency before the
-    # weights' (they need the expert) instead of a chain of them.
-    if expert < 0 or not lead:
+    # PAIR: the sorted routing, NVFP4 (``moe_w2`` checks)
+    run, expert, pairs, valid, second, pairs_b, valid_b = _program_blocks(
+        TopkIds, SortedPairs, BlockExpert, BlockRank, pid_m, tl.num_programs(1 if N_FAST else 0), n_pairs, BLOCK_M,
+        IDENTITY, PAIR,
+    )  # fmt: skip
+    if not run:
         return
-    s2 = 1.0  # NVFP4's per-expert scale, loaded before the K loop (its latency then overlaps the loop)
-    if FP4:
-        s2 = tl.load(S2 + expert)
-        if ASM:
-            s2 = s2 * ASM_UNSCALE
+    s2 = _expert_scale2(S2, expert, FP4, ASM)  # before the K loop: its load's latency overlaps the loop
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_off = expert.to(tl.int64) * stride_we
