@@ -212,7 +212,7 @@ def kv_prologue_verify_reference(
 
 
 class ConvCommit:
-    """``conv_commit`` of several convs in one launch: for every (windows, states) pair given at build,
+    """A verify's conv commits, every conv in one launch: for every (windows, states) pair given at build,
     ``states[slots[b]] = windows[b, accepted[b] : accepted[b] + K-1]`` for every b, the conv state after the
     ``accepted[b]`` rows (0..W, device int64 ``[B]``, never read on the host; 0 keeps the state) a verify committed.
 
@@ -240,7 +240,7 @@ class ConvCommit:
                 if t.dtype != base.dtype or t.device != base.device or t.stride(-1) != 1:
                     raise ValueError(f"pair {i}: every window and state in {base.dtype} on {base.device} with a unit "
                                      f"last stride, got {t.dtype} on {t.device}, strides {t.stride()}")  # fmt: skip
-            size = base.element_size()
+            size = base.element_size()  # every allocation is aligned to its element size: whole elements apart
             offsets = [(t.data_ptr() - base.data_ptr()) // size for t in (windows, states)]
             rows.append([states.shape[2], offsets[0], *windows.stride()[:2], offsets[1], *states.stride()[:2]])
         self.pairs = list(pairs)  # the buffers the table points into stay alive with it
